@@ -1,0 +1,3 @@
+from gpuscope.cli import main
+
+raise SystemExit(main())

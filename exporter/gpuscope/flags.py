@@ -1,0 +1,64 @@
+"""Go-exporter-style command-line flags shared by every gpuscope command.
+
+Every flag is also an environment variable: ``--web.listen-address`` reads
+``GPUSCOPE_WEB_LISTEN_ADDRESS`` when the flag is not given. A bad flag or value
+prints one readable line and exits with status 2 (argparse's usage dump is not
+what an operator reading a crash-looping container wants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+
+def env_name(flag: str) -> str:
+    """``--collector.pcie`` → ``GPUSCOPE_COLLECTOR_PCIE``."""
+    return "GPUSCOPE_" + flag.lstrip("-").replace(".", "_").replace("-", "_").upper()
+
+
+def parse_listen_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) → (host, port); raises ValueError with the reason."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address {value!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """ArgumentParser whose flags fall back to environment variables and whose errors are one line."""
+
+    def add_flag(self, flag: str, **kwargs) -> argparse.Action:
+        """Add ``--flag`` with its environment variable named in the help and used as default."""
+        env = env_name(flag)
+        kwargs["help"] = f"{kwargs.get('help', '')} [env {env}]".strip()
+        action = self.add_argument(flag, **kwargs)
+        raw = os.environ.get(env)
+        if raw is not None:
+            action.default = self._env_value(action, env, raw)
+        return action
+
+    def add_toggle(self, name: str, default: bool, help: str) -> argparse.Action:
+        """``--collector.X`` / ``--no-collector.X`` pair (and ``GPUSCOPE_COLLECTOR_X=true|false``)."""
+        return self.add_flag(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+    def _env_value(self, action: argparse.Action, env: str, raw: str):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            self.error(f"{env}={raw!r} is not a boolean (true/false)")
+        if action.type is not None:
+            try:
+                return action.type(raw)
+            except (TypeError, ValueError) as exc:
+                self.error(f"{env}={raw!r}: {exc}")
+        return raw
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The one test command (README's quickstart; .ci/run calls it with GPUSCOPE_STRICT=1).
+# On a fresh Debian machine it installs everything the tests need, then runs every test:
+#   - Debian packages (when run as root): Prometheus + promtool, Alertmanager + amtool,
+#     node_exporter, docker-compose (for `config` validation), Node.js + npm (LogQL grammar);
+#   - a virtual environment in .venv with torch's CPU build (installed first, by exact pin, so pip
+#     does not fetch a multi-GB CUDA build) and gpuscope with its extras;
+#   - npm packages for the LogQL syntax check;
+# then ruff, and pytest (GPU tests skip without a GPU; distro-binary tests fail instead of skipping
+# when GPUSCOPE_STRICT=1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  for pair in prometheus:prometheus promtool:prometheus alertmanager:prometheus-alertmanager \
+              amtool:prometheus-alertmanager prometheus-node-exporter:prometheus-node-exporter \
+              docker-compose:docker-compose node:nodejs npm:npm; do
+    command -v "${pair%%:*}" >/dev/null || need+=("${pair##*:}")
+  done
+  if [ ${#need[@]} -gt 0 ]; then
+    step "apt-get install ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  step "virtual environment .venv"
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c 'import torch' 2>/dev/null; then
+  step "torch 2.13.0 (CPU build) before anything that depends on it"
+  "$VPY" -m pip install -q torch==2.13.0
+fi
+step "gpuscope and its extras"
+"$VPY" -m pip install -q -e ".[server,loadtest,dashboards,dev]"
+
+if [ -f tools/logql/package.json ] && command -v npm >/dev/null; then
+  step "npm packages for the LogQL grammar check"
+  (cd tools/logql && npm ci --silent --no-audit --no-fund)
+fi
+
+step "ruff"
+.venv/bin/ruff check .
+
+step "pytest"
+exec .venv/bin/python -m pytest "$@"

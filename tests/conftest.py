@@ -1,0 +1,64 @@
+"""Shared test plumbing: GPU and distro-binary markers, and a deadline poller."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+STRICT = os.environ.get("GPUSCOPE_STRICT") == "1"
+T = TypeVar("T")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def require_binary(name: str) -> str:
+    """Path of a distro binary; skips without it, or fails when GPUSCOPE_STRICT=1 (CI)."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} not found (Debian: see scripts/test.sh for the package)"
+        if STRICT:
+            pytest.fail(message + " and GPUSCOPE_STRICT=1")
+        pytest.skip(message)
+    return path
+
+
+def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> T:
+    """Poll ``check`` until it returns something truthy, or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T = check()
+    while not last:
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or check}")
+        time.sleep(interval)
+        last = check()
+    return last
+
+
+def promtool_check_metrics(exposition: str | bytes) -> None:
+    """Fail the test unless ``promtool check metrics`` accepts this exposition (lint warnings included)."""
+    import subprocess
+
+    promtool = require_binary("promtool")
+    data = exposition.encode() if isinstance(exposition, str) else exposition
+    result = subprocess.run([promtool, "check", "metrics"], input=data, capture_output=True, timeout=60)
+    assert result.returncode == 0, (result.stdout + result.stderr).decode()
