@@ -125,7 +125,7 @@ REGION_GPU_SECONDS = _m(
 REGIONS_ENTERED = _m(
     "gpuscope_regions_entered_total", "counter",
     "Regions entered, sampled or not; divide the histogram's count by this for the sampling ratio.",
-    "regions", ("op", "device"), area=TIMING)
+    "regions", ("op",), area=TIMING)
 TIMER_DROPPED = _m(
     "gpuscope_timer_dropped_samples_total", "counter",
     "Sampled regions whose timing was lost, by reason (ring_full, pool_empty, graph_capture, error).",
