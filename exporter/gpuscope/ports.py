@@ -1,0 +1,30 @@
+"""Where each part of the stack listens: the one source of these port numbers.
+
+``gpuscope stack`` starts parts on these ports, ``docker-compose.yml`` and
+``deploy/prometheus/prometheus.yml`` use them (a test keeps both in step), and
+each command's default ``--web.listen-address`` takes its port from here.
+Keys are the compose service names, which are also the host names that
+Prometheus, Alertmanager and Loki use inside compose.
+"""
+
+from __future__ import annotations
+
+PORTS: dict[str, int] = {
+    "server": 8000,
+    "exporter": 9400,
+    "receiver": 9095,
+    "node-exporter": 9100,
+    "prometheus": 9090,
+    "alertmanager": 9093,
+    "loki": 3100,
+    "grafana": 3000,
+    "locust": 8089,
+}
+
+#: Default host: local only. Containers listen on 0.0.0.0 inside their own network namespace instead.
+LOCAL_HOST = "127.0.0.1"
+
+
+def default_listen_address(service: str) -> str:
+    """``127.0.0.1:PORT`` for a service's default ``--web.listen-address``."""
+    return f"{LOCAL_HOST}:{PORTS[service]}"

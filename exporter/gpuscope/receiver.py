@@ -1,0 +1,235 @@
+"""``gpuscope receiver``: an Alertmanager webhook receiver that logs and lists notifications.
+
+Alertmanager POSTs each notification (its webhook payload, version 4) to
+``/alerts``. The receiver writes it to stdout as one JSON line, keeps the most
+recent ones in a bounded list that ``GET /alerts`` returns, and counts them on
+``/metrics`` by status. Bad input gets a 4xx with a JSON body naming the
+problem; nothing a client sends can crash it.
+
+It uses only the standard library so that it runs wherever the package is
+installed, without the server's extras.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TextIO
+from urllib.parse import parse_qs, urlsplit
+
+from gpuscope import catalogue
+from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.ports import default_listen_address
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+STATUSES = ("firing", "resolved")
+
+
+class BadRequest(Exception):
+    """Input the receiver refuses; carries the HTTP status to answer with."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def validate_notification(payload: Any) -> dict[str, Any]:
+    """Check the parts of Alertmanager's webhook payload this receiver relies on; raise BadRequest."""
+    if not isinstance(payload, dict):
+        raise BadRequest(HTTPStatus.BAD_REQUEST, "body must be a JSON object (Alertmanager webhook payload)")
+    status = payload.get("status")
+    if status not in STATUSES:
+        raise BadRequest(HTTPStatus.UNPROCESSABLE_ENTITY,
+                         f"status must be one of {list(STATUSES)}, got {status!r}")
+    alerts = payload.get("alerts")
+    if not isinstance(alerts, list):
+        raise BadRequest(HTTPStatus.UNPROCESSABLE_ENTITY, "alerts must be a list")
+    for i, alert in enumerate(alerts):
+        if not isinstance(alert, dict) or not isinstance(alert.get("labels"), dict):
+            raise BadRequest(HTTPStatus.UNPROCESSABLE_ENTITY,
+                             f"alerts[{i}] must be an object with a labels object")
+    return payload
+
+
+class NotificationLog:
+    """The bounded list of recent notifications, and their counter. Thread-safe."""
+
+    def __init__(self, capacity: int = 500, registry: CollectorRegistry | None = None,
+                 out: TextIO | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._counter = catalogue.RECEIVER_NOTIFICATIONS.create(self.registry)
+        for status in STATUSES:
+            self._counter.labels(status=status)  # expose zeros, so rate() works from the first alert
+        self._recent: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._out = out if out is not None else sys.stdout
+        self._clock = clock
+
+    def add(self, payload: Any) -> dict[str, Any]:
+        """Validate, log as one JSON line, remember and count one notification; return the stored record."""
+        notification = validate_notification(payload)
+        record = {"received_at": self._clock(), "notification": notification}
+        line = json.dumps({"event": "alertmanager_notification", **record}, separators=(",", ":"))
+        with self._lock:
+            self._recent.append(record)
+            self._counter.labels(status=notification["status"]).inc()
+            self._out.write(line + "\n")
+            self._out.flush()
+        return record
+
+    def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Newest last; at most ``limit`` of them."""
+        with self._lock:
+            items = list(self._recent)
+        return items[-limit:] if limit else items
+
+
+def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "gpuscope-receiver"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # stdout carries notifications only, one JSON line each
+
+        def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _json(self, status: HTTPStatus, obj: Any) -> None:
+            self._send(status, json.dumps(obj).encode(), "application/json")
+
+        def _error(self, status: HTTPStatus, message: str) -> None:
+            self._json(status, {"error": message, "status": int(status)})
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            try:
+                if url.path == "/alerts":
+                    self._json(HTTPStatus.OK, {"notifications": log.recent(_limit(url.query))})
+                elif url.path == "/metrics":
+                    self._send(HTTPStatus.OK, generate_latest(log.registry), CONTENT_TYPE_LATEST)
+                elif url.path in ("/healthz", "/readyz"):
+                    self._json(HTTPStatus.OK, {"status": "ok"})
+                else:
+                    self._error(HTTPStatus.NOT_FOUND, f"no such path {url.path!r} (try /alerts, /metrics)")
+            except BadRequest as exc:
+                self._error(exc.status, str(exc))
+
+        do_HEAD = do_GET
+
+        def do_POST(self) -> None:
+            path = urlsplit(self.path).path
+            if path != "/alerts":
+                self._error(HTTPStatus.NOT_FOUND if path not in ("/metrics", "/healthz") else
+                            HTTPStatus.METHOD_NOT_ALLOWED, f"POST {path!r} is not supported (POST /alerts)")
+                return
+            try:
+                body = self._read_body()
+                try:
+                    payload = json.loads(body)
+                except (UnicodeDecodeError, ValueError) as exc:
+                    raise BadRequest(HTTPStatus.BAD_REQUEST, f"body is not JSON: {exc}") from None
+                log.add(payload)
+            except BadRequest as exc:
+                self._error(exc.status, str(exc))
+                return
+            self._json(HTTPStatus.OK, {"status": "ok"})
+
+        def _read_body(self) -> bytes:
+            raw = self.headers.get("Content-Length")
+            if raw is None:
+                self.close_connection = True
+                raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+            try:
+                length = int(raw)
+            except ValueError:
+                self.close_connection = True
+                raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {raw!r} is not a number") from None
+            if length < 0 or length > max_body_bytes:
+                self.close_connection = True  # the unread body must not be parsed as the next request
+                raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                 f"body of {length} bytes is over the limit of {max_body_bytes}")
+            return self.rfile.read(length)
+
+        def _method_not_allowed(self) -> None:
+            self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not supported")
+
+        do_PUT = do_DELETE = do_PATCH = _method_not_allowed
+
+    return Handler
+
+
+def _limit(query: str) -> int | None:
+    values = parse_qs(query).get("limit")
+    if not values:
+        return None
+    try:
+        limit = int(values[0])
+    except ValueError:
+        limit = -1
+    if limit < 1:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"limit must be a positive integer, got {values[0]!r}")
+    return limit
+
+
+def make_server(host: str, port: int, log: NotificationLog,
+                max_body_bytes: int = 1 << 20) -> ThreadingHTTPServer:
+    """A bound (not yet serving) HTTP server; port 0 picks a free one (``server.server_address``)."""
+    server = ThreadingHTTPServer((host, port), _make_handler(log, max_body_bytes))
+    server.daemon_threads = True
+    return server
+
+
+def _parser() -> FlagParser:
+    parser = FlagParser(prog="gpuscope receiver", description=__doc__.splitlines()[0])
+    parser.add_flag("--web.listen-address", dest="listen", default=default_listen_address("receiver"),
+                    help="HOST:PORT to listen on")
+    parser.add_flag("--receiver.history", dest="history", type=int, default=500,
+                    help="notifications kept for GET /alerts (oldest dropped first)")
+    parser.add_flag("--receiver.max-body-bytes", dest="max_body", type=int, default=1 << 20,
+                    help="largest notification accepted (413 above)")
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_listen_address(args.listen)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.history < 1:
+        parser.error(f"--receiver.history must be at least 1, got {args.history}")
+    if args.max_body < 1:
+        parser.error(f"--receiver.max-body-bytes must be at least 1, got {args.max_body}")
+    try:
+        server = make_server(host, port, NotificationLog(args.history), args.max_body)
+    except OSError as exc:
+        parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    sys.stderr.write(f"gpuscope receiver: listening on http://{args.listen}/alerts\n")
+    # As PID 1 in a container, SIGTERM is ignored unless handled: turn it into a clean stop.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
