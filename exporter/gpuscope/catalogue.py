@@ -294,6 +294,9 @@ DEVICE_MEMORY_ALLOCATED = _m("gpuscope_device_memory_allocated_bytes", "gauge",
 DEVICE_MEMORY_RESERVED = _m("gpuscope_device_memory_reserved_bytes", "gauge",
                             "Memory the server's allocator has reserved (torch reserved bytes on CUDA).",
                             "bytes", ("device",), area=SERVER)
+PREEMPTIONS = _m("gpuscope_request_preemptions_total", "counter",
+                 "Running requests paused for a higher-priority tenant's request (recomputed later).",
+                 "preemptions", _T, area=SERVER)
 FAULT_ACTIVE = _m("gpuscope_fault_active", "gauge",
                   "1 while an injected fault is active (latency_spike, memory_leak, starvation, error_burst).",
                   "boolean", ("fault",), area=SERVER)
