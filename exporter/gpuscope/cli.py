@@ -19,7 +19,8 @@ COMMANDS = {
 
 def usage() -> str:
     rows = "\n".join(f"  {name:10s} {text}" for name, (_, text) in COMMANDS.items())
-    return f"usage: gpuscope COMMAND [flags]\n\ncommands:\n{rows}\n\n`gpuscope COMMAND --help` lists a command's flags.\n"
+    return (f"usage: gpuscope COMMAND [flags]\n\ncommands:\n{rows}\n\n"
+            "`gpuscope COMMAND --help` lists a command's flags.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
