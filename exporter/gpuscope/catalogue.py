@@ -30,9 +30,7 @@ MetricType = Literal["counter", "gauge", "histogram", "info"]
 # --- bucket layouts -----------------------------------------------------------
 
 #: GPU time of a timed region: 1 µs to 10 s, 1-2.5-5 per decade (heatmap rows).
-REGION_SECONDS_BUCKETS = tuple(
-    round(m * 10.0**e, 12) for e in range(-6, 1) for m in (1.0, 2.5, 5.0)
-) + (10.0,)
+REGION_SECONDS_BUCKETS = (*(round(m * 10.0**e, 12) for e in range(-6, 1) for m in (1.0, 2.5, 5.0)), 10.0)
 
 #: vLLM's time-to-first-token buckets.
 VLLM_TTFT_BUCKETS = (
@@ -205,7 +203,7 @@ GPU_ECC_ERRORS = _m("gpuscope_gpu_ecc_errors_total", "counter",
                     "ECC errors since the driver loaded, by type (corrected, uncorrected).",
                     "errors", ("gpu", "type"), area=GPU)
 GPU_REMAPPED_ROWS = _m("gpuscope_gpu_remapped_rows", "gauge",
-                       "Remapped memory rows by cause (correctable, uncorrectable), and pending/failed remaps.",
+                       "Remapped rows by cause (correctable, uncorrectable) and pending/failed remaps.",
                        "rows", ("gpu", "cause"), area=GPU)
 GPU_NVLINK_BYTES = _m("gpuscope_gpu_nvlink_bytes_total", "counter",
                       "NVLink traffic by direction (tx, rx), where NVLink is present.",
@@ -244,6 +242,12 @@ EXPORTER_STALENESS = _m("gpuscope_exporter_staleness_seconds", "gauge",
                         area=GPU)
 EXPORTER_ERRORS = _m("gpuscope_exporter_errors_total", "counter", "Failed NVML calls, by call.",
                      "errors", ("call",), area=GPU)
+EXPORTER_UNSUPPORTED = _m("gpuscope_exporter_unsupported_calls", "gauge",
+                          "1 per NVML call (or field) a GPU answered NOT_SUPPORTED; it is no longer asked.",
+                          "boolean", ("gpu", "call"), area=GPU)
+EXPORTER_PROCESSES_OMITTED = _m("gpuscope_exporter_processes_omitted", "gauge",
+                                "GPU processes left out of per-process metrics by --processes.max, last round.",
+                                "processes", _G, area=GPU)
 
 # --- reference inference server (gpuscope serve) -------------------------------
 SERVER = "Reference inference server (`gpuscope serve`)"
@@ -298,7 +302,7 @@ PREEMPTIONS = _m("gpuscope_request_preemptions_total", "counter",
                  "Running requests paused for a higher-priority tenant's request (recomputed later).",
                  "preemptions", _T, area=SERVER)
 FAULT_ACTIVE = _m("gpuscope_fault_active", "gauge",
-                  "1 while an injected fault is active (latency_spike, memory_leak, starvation, error_burst).",
+                  "1 while an injected fault is active (latency_spike, memory_leak, starvation, error_burst)",
                   "boolean", ("fault",), area=SERVER)
 
 # --- Loki log shipping (gpuscope.loki) -----------------------------------------
