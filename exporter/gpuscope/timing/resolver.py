@@ -1,0 +1,288 @@
+"""The resolver thread: turns finished event pairs into histogram samples, calibrates the
+baseline, and adapts the sampling rate to the overhead budget.
+
+It wakes every ``resolve_interval`` (tens of ms): LIMITS.md measured that a thread
+waking every 0.5 ms costs the inference thread up to 18% through the GIL, and one
+waking every 50 ms ≤ 1%. It never blocks on the GPU: completion is tested with
+non-blocking queries, one per stream per wake-up, since events on one stream
+complete in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpuscope.timing.timer import Timer
+
+log = logging.getLogger("gpuscope.timing")
+
+ADAPT_EVERY_S = 1.0
+MIN_SAMPLING_RATIO = 1 / 4096
+CALIBRATION_PAIRS = 15
+
+
+class Resolver:
+    """Background work of one timer (see module docstring)."""
+
+    def __init__(self, timer: Timer) -> None:
+        self.timer = timer
+        self.baseline_s: dict[int, float] = {}
+        self.lag_s = 0.0
+        self.overhead_ratio = 0.0
+        self.callback_errors = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._head: Any = None
+        self._head_since = 0.0
+        self._calibration_streams: dict[int, Any] = {}
+        self._pending_devices: list[int] = []
+        self._skip_cost_idle_s = 0.0
+        self._record_cost_idle_s = 0.0
+        self._last_adapt = (time.monotonic(), 0, 0, 0.0)
+        self._next_calibration = 0.0
+        self._warned: set[str] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._measure_idle_costs()
+        self._thread = threading.Thread(target=self._run, name="gpuscope-timing-resolver", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.flush(timeout)
+
+    def add_device(self, device: int) -> None:
+        """Called under the timer's lock when a device's pool is created; calibrated by the thread."""
+        self.baseline_s.setdefault(device, 0.0)
+        self._pending_devices.append(device)
+        if self._thread is None:  # the first device: calibrate now so early samples are corrected
+            self._calibrate(device)
+            self._pending_devices.remove(device)
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.drain()
+            if not self.timer._ring:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+
+    def _run(self) -> None:
+        try:
+            self.timer.route.relax_capture_mode()
+        except Exception as exc:
+            self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
+        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time())
+        self._next_calibration = time.monotonic() + self.timer.calibrate_every
+        interval = self.timer.resolve_interval
+        while not self._stop.wait(interval):
+            try:
+                self.drain()
+                now = time.monotonic()
+                while self._pending_devices:
+                    self._calibrate(self._pending_devices.pop())
+                if now - self._last_adapt[0] >= ADAPT_EVERY_S:
+                    self._adapt(now)
+                if self.timer.calibrate_every and now >= self._next_calibration:
+                    self._next_calibration = now + self.timer.calibrate_every
+                    for device in list(self.baseline_s):
+                        self._calibrate(device)
+            except Exception as exc:  # the resolver must outlive any one failure
+                self.timer.dropped["error"] += 1
+                self._warn_once(type(exc).__name__, f"gpuscope: resolver error (counted): {exc!r}")
+
+    # --- resolution ---------------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Resolve every finished pair at the head of the ring; return how many were taken."""
+        timer = self.timer
+        ring = timer._ring
+        if not ring:
+            self.lag_s = 0.0
+            return 0
+        snapshot = list(ring)  # one C-level copy: atomic under the GIL, appends go to the right
+        route, free, baseline = timer.route, timer._free, self.baseline_s
+        query, elapsed = route.query, route.elapsed_s
+        last_of_stream: dict[int, Any] = {}
+        for item in snapshot:
+            if item[0] is not None:
+                last_of_stream[item[2]] = item[4]
+        stream_done = {stream: query(end) for stream, end in last_of_stream.items()}
+        taken = 0
+        for item in snapshot:
+            op, device, stream, start, end, trace_id, callback, keep_end = item
+            pool = free.get(device)
+            if op is None:  # dropped pair kept only to release its events in order
+                if pool is not None:
+                    pool.append(start)
+                    if end is not None and not keep_end:
+                        pool.append(end)
+                taken += 1
+                continue
+            if not stream_done[stream] and not query(end):
+                break
+            try:
+                seconds = elapsed(start, end) - baseline.get(device, 0.0)
+            except Exception:  # e.g. an event recorded under graph capture
+                timer.dropped["error"] += 1
+                seconds = None
+            if pool is not None:
+                pool.append(start)
+                if not keep_end:
+                    pool.append(end)
+            taken += 1
+            if seconds is None:
+                continue
+            if seconds < 0.0:
+                seconds = 0.0
+            op.histogram(device).observe(seconds, trace_id)
+            if callback is not None:
+                try:
+                    callback(seconds)
+                except Exception as exc:  # a user's callback must not stop timing
+                    self.callback_errors += 1
+                    self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
+        for _ in range(taken):
+            ring.popleft()
+        self._update_lag(ring)
+        return taken
+
+    def _update_lag(self, ring: Any) -> None:
+        now = time.monotonic()
+        head = ring[0] if ring else None
+        if head is None:
+            self.lag_s = 0.0
+        elif head is not self._head:
+            self._head_since = now
+            self.lag_s = 0.0
+        else:
+            self.lag_s = now - self._head_since
+        self._head = head
+
+    # --- baseline -------------------------------------------------------------------------------
+
+    def _calibrate(self, device: int) -> None:
+        """Median elapsed time of an empty pair recorded behind queued work (a busy stream).
+
+        With an idle GPU an empty pair measures the CPU's submit gap (~11 µs on the H200,
+        LIMITS.md) rather than the GPU's own cost (~1.3 µs), so each pair waits behind a
+        short sleep kernel on a private stream.
+        """
+        timer, route = self.timer, self.timer.route
+        start, end = route.create(), route.create()
+        samples = []
+        try:
+            if timer.is_host:
+                for _ in range(CALIBRATION_PAIRS):
+                    route.record(start, 0)
+                    route.record(end, 0)
+                    samples.append(route.elapsed_s(start, end))
+            else:
+                import torch
+
+                stream = self._calibration_streams.get(device)
+                if stream is None:
+                    stream = self._calibration_streams[device] = torch.cuda.Stream(device=device)
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    for _ in range(CALIBRATION_PAIRS):
+                        torch.cuda._sleep(20_000)  # ~10 µs of GPU work ahead of the pair
+                        route.record(start, stream.cuda_stream)
+                        route.record(end, stream.cuda_stream)
+                        deadline = time.monotonic() + 1.0
+                        while not route.query(end):
+                            if time.monotonic() > deadline:
+                                raise TimeoutError("calibration pair did not complete within 1 s")
+                            time.sleep(0.0002)
+                        samples.append(route.elapsed_s(start, end))
+            self.baseline_s[device] = statistics.median(samples)
+        except Exception as exc:  # keep the last baseline; count and go on
+            timer.dropped["error"] += 1
+            self._warn_once("calibration", f"gpuscope: baseline calibration failed (counted): {exc!r}")
+        finally:
+            route.destroy(start)
+            route.destroy(end)
+
+    # --- sampling budget ------------------------------------------------------------------------
+
+    def _measure_idle_costs(self) -> None:
+        """CPU cost of an unsampled and of a sampled region on an idle thread (once, at start).
+
+        The in-context cost of a sampled region is measured continuously on the hot path; the
+        ratio of the two scales the unsampled cost to its in-context value (LIMITS.md: records
+        cost about 3× more inside a forward pass than in a microbenchmark).
+        """
+        from gpuscope.timing.timer import OpState
+
+        timer = self.timer
+        probe = OpState("probe", 1 << 30, True)
+        probe.countdown = 1 << 30
+        n = 2000
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            timer._begin(probe)
+        self._skip_cost_idle_s = (time.perf_counter_ns() - t0) * 1e-9 / n
+        route = timer.route
+        event = route.create()
+        stream = timer._stream(timer._device())
+        n = 200
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            route.record(event, stream)
+        self._record_cost_idle_s = 2 * (time.perf_counter_ns() - t0) * 1e-9 / n
+        if not timer.is_host:
+            import torch
+
+            torch.cuda.synchronize()
+        route.destroy(event)
+
+    def skip_cost_s(self) -> float:
+        """Estimated in-context cost of an unsampled region."""
+        hot = self.timer.hot_path_s
+        if hot and self._record_cost_idle_s:
+            return self._skip_cost_idle_s * max(1.0, hot / self._record_cost_idle_s)
+        return self._skip_cost_idle_s
+
+    def _entered(self) -> int:
+        return sum(op.entered for op in self.timer.ops())
+
+    def _adapt(self, now: float) -> None:
+        timer = self.timer
+        then, entered0, sampled0, cpu0 = self._last_adapt
+        entered, sampled, cpu = self._entered(), timer.sampled, time.thread_time()
+        self._last_adapt = (now, entered, sampled, cpu)
+        wall = now - then
+        d_entered, d_sampled, resolver_cpu = entered - entered0, sampled - sampled0, cpu - cpu0
+        if wall <= 0:
+            return
+        hot = timer.hot_path_s or self._record_cost_idle_s
+        skip = self.skip_cost_s()
+        spent = d_sampled * hot + max(0, d_entered - d_sampled) * skip + resolver_cpu
+        self.overhead_ratio = spent / wall
+        if timer._fixed_rate or d_entered <= 0:
+            return
+        per_sample = hot + (resolver_cpu / d_sampled if d_sampled else 0.0)
+        allowance = timer.budget * wall - d_entered * skip
+        ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / per_sample / d_entered))
+        target = max(1, round(1 / ratio))
+        # Move at most 4× per second so one noisy window cannot swing the rate.
+        period = min(max(target, timer._period // 4), max(1, timer._period * 4))
+        timer._period = period
+        for op in timer.ops():
+            if not op.fixed:
+                op.period = period
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)

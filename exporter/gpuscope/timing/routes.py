@@ -1,0 +1,242 @@
+"""Ways to create, record, query and time events: the only code that talks to CUDA.
+
+Each route offers the same five operations on opaque event handles. The timer
+picks the cheapest route that works (``pick_route``):
+
+=================  ==========================================================
+``cudart-ctypes``  ``cudaEventRecord`` through ctypes on the libcudart torch
+                   already loaded: 1.7 µs a record on the H200 (LIMITS.md), the
+                   cheapest measured. Records go through ``PyDLL`` so the call
+                   keeps the GIL: releasing and re-taking it costs more than
+                   the record and invites the resolver thread in mid-forward.
+``cuda-bindings``  NVIDIA's ``cuda.bindings.runtime``: 1.9 µs a record.
+``torch``          ``torch.cuda.Event``: 7–11 µs a record; the fallback.
+``host``           ``perf_counter_ns`` stamps for CPU-only machines, where torch
+                   runs ops synchronously so wall time is the op's time.
+=================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import time
+from typing import Any, Protocol
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+CUDA_EVENT_RECORD_EXTERNAL = 1
+CUDA_STREAM_CAPTURE_MODE_RELAXED = 2
+
+
+class Route(Protocol):
+    """The event operations the timer needs; ``record`` is the only one on the hot path."""
+
+    name: str
+
+    def create(self) -> Any: ...
+    def record(self, event: Any, stream: int) -> int: ...
+    def query(self, event: Any) -> bool: ...
+    def elapsed_s(self, start: Any, end: Any) -> float: ...
+    def destroy(self, event: Any) -> None: ...
+    def relax_capture_mode(self) -> None: ...
+
+
+class HostRoute:
+    """Wall-clock stamps: an "event" is a one-element list holding ``perf_counter_ns``."""
+
+    name = "host"
+
+    def create(self) -> list[int]:
+        return [0]
+
+    def record(self, event: list[int], stream: int, _now=time.perf_counter_ns) -> int:
+        event[0] = _now()
+        return 0
+
+    def query(self, event: list[int]) -> bool:
+        return True
+
+    def elapsed_s(self, start: list[int], end: list[int]) -> float:
+        return (end[0] - start[0]) * 1e-9
+
+    def destroy(self, event: list[int]) -> None:
+        pass
+
+    def relax_capture_mode(self) -> None:
+        pass
+
+
+def _loaded_libcudart() -> str | None:
+    """Path of the libcudart this process already mapped (torch's own), else one shipped beside torch."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "libcudart.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    import torch
+
+    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
+    patterns = ("nvidia/*/lib/libcudart.so*", "nvidia/cuda_runtime/lib/libcudart.so*",
+                "torch/lib/libcudart*.so*")
+    for root in roots:
+        for pattern in patterns:
+            found = sorted(glob.glob(os.path.join(root, pattern)))
+            if found:
+                return found[-1]
+    return None
+
+
+class CudartCtypesRoute:
+    """CUDA runtime through ctypes on torch's own libcudart (same runtime instance as torch)."""
+
+    name = "cudart-ctypes"
+
+    def __init__(self, path: str | None = None) -> None:
+        path = path or _loaded_libcudart()
+        if path is None:
+            raise OSError("libcudart not found beside torch")
+        keep_gil = ctypes.PyDLL(path)
+        lib = ctypes.CDLL(path)
+        self._lib = lib
+        self.record = keep_gil.cudaEventRecord
+        self.record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.record.restype = ctypes.c_int
+        self._query = keep_gil.cudaEventQuery
+        self._query.argtypes = [ctypes.c_void_p]
+        self._query.restype = ctypes.c_int
+        self._elapsed = keep_gil.cudaEventElapsedTime
+        self._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        self._elapsed.restype = ctypes.c_int
+        self._ms = ctypes.c_float()
+        self._ms_ref = ctypes.byref(self._ms)
+        self._create = lib.cudaEventCreate
+        self._create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._destroy = lib.cudaEventDestroy
+        self._destroy.argtypes = [ctypes.c_void_p]
+        self._exchange_mode = lib.cudaThreadExchangeStreamCaptureMode
+        self._exchange_mode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+
+    def create(self) -> int:
+        handle = ctypes.c_void_p()
+        err = self._create(ctypes.byref(handle))
+        if err != CUDA_SUCCESS:
+            raise RuntimeError(f"cudaEventCreate failed with CUDA error {err}")
+        return handle.value
+
+    def query(self, event: int) -> bool:
+        return self._query(event) == CUDA_SUCCESS
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        err = self._elapsed(self._ms_ref, start, end)
+        if err != CUDA_SUCCESS:
+            raise RuntimeError(f"cudaEventElapsedTime failed with CUDA error {err}")
+        return self._ms.value * 1e-3
+
+    def destroy(self, event: int) -> None:
+        self._destroy(event)
+
+    def relax_capture_mode(self) -> None:
+        # The resolver queries events while an inference thread may be capturing a CUDA graph in
+        # "global" mode, which forbids such calls from *any* thread and would invalidate the capture.
+        # Relaxed mode exempts this thread (what PyTorch's NCCL watchdog does for the same reason).
+        mode = ctypes.c_int(CUDA_STREAM_CAPTURE_MODE_RELAXED)
+        self._exchange_mode(ctypes.byref(mode))
+
+
+class CudaBindingsRoute:
+    """CUDA runtime through NVIDIA's ``cuda-bindings`` package."""
+
+    name = "cuda-bindings"
+
+    def __init__(self) -> None:
+        from cuda.bindings import runtime
+
+        self._rt = runtime
+        record = runtime.cudaEventRecord
+        self.record = lambda event, stream: record(event, stream)[0]
+
+    def create(self) -> Any:
+        err, event = self._rt.cudaEventCreate()
+        if err != 0:
+            raise RuntimeError(f"cudaEventCreate failed: {err}")
+        return event
+
+    def query(self, event: Any) -> bool:
+        return self._rt.cudaEventQuery(event)[0] == 0
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        err, ms = self._rt.cudaEventElapsedTime(start, end)
+        if err != 0:
+            raise RuntimeError(f"cudaEventElapsedTime failed: {err}")
+        return ms * 1e-3
+
+    def destroy(self, event: Any) -> None:
+        self._rt.cudaEventDestroy(event)
+
+    def relax_capture_mode(self) -> None:
+        self._rt.cudaThreadExchangeStreamCaptureMode(self._rt.cudaStreamCaptureMode(CUDA_STREAM_CAPTURE_MODE_RELAXED))
+
+
+class TorchRoute:
+    """``torch.cuda.Event``: always available with CUDA torch, about 4× dearer per record."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+
+    def create(self) -> Any:
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def record(self, event: Any, stream: int) -> int:
+        # torch records on the current stream, which is the stream the caller passed.
+        event.record()
+        return 0
+
+    def query(self, event: Any) -> bool:
+        return event.query()
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) * 1e-3
+
+    def destroy(self, event: Any) -> None:
+        pass
+
+    def relax_capture_mode(self) -> None:
+        pass
+
+
+ROUTES = {"cudart-ctypes": CudartCtypesRoute, "cuda-bindings": CudaBindingsRoute, "torch": TorchRoute,
+          "host": HostRoute}
+
+
+def pick_route(backend: str) -> Route:
+    """The route for ``backend``: "auto", "cuda" (fastest CUDA route), "host", or a route name."""
+    if backend in ("host", "torch", "cuda-bindings", "cudart-ctypes"):
+        return ROUTES[backend]()
+    if backend not in ("auto", "cuda"):
+        raise ValueError(f"unknown timing backend {backend!r} (auto, cuda, host, {', '.join(ROUTES)})")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        if backend == "cuda":
+            raise RuntimeError("timing backend 'cuda' asked for, but torch sees no CUDA device")
+        return HostRoute()
+    torch.cuda.init()
+    for factory in (CudartCtypesRoute, CudaBindingsRoute):
+        try:
+            return factory()
+        except (ImportError, OSError, AttributeError):
+            continue
+    return TorchRoute()
