@@ -1,0 +1,61 @@
+"""Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
+
+from common import PromTarget, dashboard, instance_var, sel, stat, table, timeseries
+
+from gpuscope import catalogue as m
+
+#: Recording rule from the alert rules (exporter/gpuscope/alerting/): one series per instance and class
+#: (cpu_bound, gpu_bound, memory_pressure, idle), 1 for the class that holds now.
+BOTTLENECK_CLASS = "gpuscope:bottleneck:class"
+CPU_BUSY = ('1 - avg by (instance) (rate(node_cpu_seconds_total{mode="idle",instance=~"$instance"}'
+            '[$__rate_interval]))')
+HOST_MEMORY = ('1 - node_memory_MemAvailable_bytes{instance=~"$instance"}'
+               ' / node_memory_MemTotal_bytes{instance=~"$instance"}')
+GPU_BUSY = f"avg by (instance) ({sel(m.GPU_UTILIZATION)})"
+GPU_MEMORY = (f"sum by (instance) ({sel(m.GPU_MEMORY_USED)})"
+              f" / sum by (instance) ({sel(m.GPU_MEMORY_TOTAL)})")
+
+dashboard = dashboard(
+    uid="gpuscope-bottlenecks",
+    title="gpuscope / Bottlenecks",
+    description="Is each machine CPU-bound, GPU-bound, under memory pressure or idle? Host CPU and memory "
+                "from node_exporter next to GPU utilization and memory from gpuscope exporter.",
+    tags=["gpu", "node"],
+    variables=[instance_var()],
+    panels=[
+        table("Current class per instance",
+              PromTarget(f'{BOTTLENECK_CLASS}{{instance=~"$instance"}} == 1', instant=True, format="table"),
+              w=8, h=8, exclude=("Time", "__name__", "Value", "job"),
+              description="From the recording rule gpuscope:bottleneck:class."),
+        timeseries("Class over time",
+                   PromTarget(f'max by (instance, class) ({BOTTLENECK_CLASS}{{instance=~"$instance"}})',
+                              "{{instance}} {{class}}"), w=16, h=8, stack=True,
+                   description="1 while the class holds; one colour per class."),
+        stat("Host CPU busy", PromTarget(f"max({CPU_BUSY})"), unit="percentunit", w=6),
+        stat("Host memory used", PromTarget(f"max({HOST_MEMORY})"), unit="percentunit", w=6),
+        stat("GPU busy", PromTarget(f"avg({GPU_BUSY})"), unit="percentunit", w=6),
+        stat("GPU memory used", PromTarget(f"max({GPU_MEMORY})"), unit="percentunit", w=6),
+        timeseries("CPU against GPU utilization", PromTarget(CPU_BUSY, "{{instance}} host CPU"),
+                   PromTarget(GPU_BUSY, "{{instance}} GPU"), unit="percentunit",
+                   description="CPU high while GPUs idle: CPU-bound (tokenization, scheduling, Python)."),
+        timeseries("Memory: host, GPU framebuffer, server", PromTarget(HOST_MEMORY, "{{instance}} host"),
+                   PromTarget(GPU_MEMORY, "{{instance}} GPU framebuffer"), unit="percentunit"),
+        timeseries("CPU by mode",
+                   PromTarget('sum by (instance, mode) (rate(node_cpu_seconds_total{instance=~"$instance",'
+                              'mode!="idle"}[$__rate_interval]))', "{{instance}} {{mode}}"),
+                   unit="short", stack=True, description="CPU seconds per second (cores) by mode."),
+        timeseries("Server memory held", PromTarget(sel(m.DEVICE_MEMORY_ALLOCATED, labels=["instance"]),
+                                                    "{{instance}} {{device}} allocated"),
+                   PromTarget(sel(m.DEVICE_MEMORY_RESERVED, labels=["instance"]),
+                              "{{instance}} {{device}} reserved"), unit="bytes",
+                   description="torch allocated/reserved bytes on CUDA; process resident memory on CPU."),
+        timeseries("Load average and run queue",
+                   PromTarget('node_load1{instance=~"$instance"}', "{{instance}} load1"),
+                   PromTarget('node_procs_running{instance=~"$instance"}', "{{instance}} running")),
+        timeseries("Queue depth against GPU utilization",
+                   PromTarget(f"sum by (instance) ({sel(m.QUEUE_DEPTH, labels=['instance'])})",
+                              "{{instance}} waiting requests"),
+                   PromTarget(GPU_BUSY, "{{instance}} GPU busy"),
+                   description="Requests waiting while the GPU is not busy point at the CPU side."),
+    ],
+)

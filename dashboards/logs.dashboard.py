@@ -1,0 +1,55 @@
+"""Logs and alerts: the server's logs in Loki filtered by the dashboard's variables, and firing alerts."""
+
+from common import (
+                    SERVER_LOG_STREAM,
+                    LokiTarget,
+                    PromTarget,
+                    dashboard,
+                    instance_var,
+                    logs,
+                    rate_expr,
+                    sel,
+                    stat,
+                    table,
+                    tenant_var,
+                    timeseries,
+)
+
+from gpuscope import catalogue as m
+
+# Tenant, level and trace id are structured metadata (not stream labels), filtered after the selector.
+FILTERED = SERVER_LOG_STREAM + ' | tenant=~"$tenant"'
+
+dashboard = dashboard(
+    uid="gpuscope-logs",
+    title="gpuscope / Logs and alerts",
+    description="Structured request logs from Loki (one line per request and per error) next to the alerts "
+                "Prometheus is firing and the notifications the receiver got.",
+    tags=["logs", "alerts"],
+    variables=[instance_var(), tenant_var()],
+    panels=[
+        stat("Alerts firing", PromTarget('count(ALERTS{alertstate="firing"}) or vector(0)'), w=6),
+        stat("Notifications received / s", PromTarget(rate_expr(m.RECEIVER_NOTIFICATIONS)), unit="ops", w=6),
+        stat("Log records dropped",
+             PromTarget(f"sum(increase({sel(m.LOG_RECORDS_DROPPED, labels=['instance'])}[$__range]))"
+                        " or vector(0)"), w=6,
+             description="Records the server's Loki handler dropped over the range (queue full, rejected, "
+                         "shutdown)."),
+        stat("Log queue", PromTarget(f"sum({sel(m.LOG_QUEUE_RECORDS)})"), w=6,
+             description="Records waiting to be pushed to Loki."),
+        table("Firing alerts",
+              PromTarget('ALERTS{alertstate="firing"}', instant=True, format="table"), w=24, h=7,
+              exclude=("Time", "__name__", "Value", "alertstate"),
+              description="What, where and how bad: one row per firing alert, with all its labels."),
+        timeseries("Log lines by level",
+                   LokiTarget(f"sum by (level) (count_over_time({FILTERED} [$__interval]))", "{{level}}"),
+                   stack=True, w=12),
+        timeseries("Notifications by status",
+                   PromTarget(rate_expr(m.RECEIVER_NOTIFICATIONS, by=["status"]), "{{status}}"), unit="ops",
+                   w=12),
+        logs("Errors", f'{FILTERED} | level=~"error|critical"', h=8,
+             description="Error lines only; each carries trace_id in its structured metadata."),
+        logs("Server logs", FILTERED, description="Newest first; open a line for its trace_id, tenant and "
+                                                  "latencies."),
+    ],
+)
