@@ -1,0 +1,173 @@
+"""Server configuration, validated in one place.
+
+``ServerConfig`` holds every setting of ``gpuscope serve``; ``parse_tenants``
+turns ``--tenants "alpha:0.7:high,beta:0.3:low"`` into ``TenantSpec`` objects.
+Every check raises ``ConfigError`` with one readable line, which ``main``
+prints before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+OTHER = "other"
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line naming the setting."""
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One tenant: its GPU-time share (normalized so all shares sum to 1) and priority class."""
+
+    name: str
+    share: float
+    priority: str = "normal"
+
+    @property
+    def rank(self) -> int:
+        """0 for high, 1 for normal, 2 for low: a lower rank may preempt a higher one."""
+        return PRIORITIES[self.priority]
+
+
+def parse_tenants(text: str, unknown: str = "reject") -> tuple[TenantSpec, ...]:
+    """``NAME:SHARE[:PRIORITY],...`` → tenants with shares normalized to sum to 1.
+
+    Shares are fractions that must sum to at most 1. With ``unknown="other"`` and
+    no ``other`` listed, ``other`` gets what is left (priority low); with less
+    than 1 in total and no ``other``, shares keep their proportions.
+    """
+    if unknown not in ("reject", OTHER):
+        raise ConfigError(f"--tenants.unknown={unknown!r} must be 'reject' or 'other'")
+    specs: list[TenantSpec] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        fields = item.split(":")
+        if len(fields) not in (2, 3):
+            raise ConfigError(f"--tenants entry {item!r} is not NAME:SHARE[:PRIORITY]")
+        name, share_text = fields[0].strip(), fields[1].strip()
+        priority = fields[2].strip() if len(fields) == 3 else "normal"
+        if not _TENANT_NAME.match(name):
+            raise ConfigError(f"--tenants name {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+        try:
+            share = float(share_text)
+        except ValueError:
+            raise ConfigError(f"--tenants share {share_text!r} of {name!r} is not a number") from None
+        if not 0 < share <= 1:
+            raise ConfigError(f"--tenants share of {name!r} is {share_text}; it must be in (0, 1]")
+        if priority not in PRIORITIES:
+            raise ConfigError(f"--tenants priority {priority!r} of {name!r} must be high, normal or low")
+        if any(s.name == name for s in specs):
+            raise ConfigError(f"--tenants lists {name!r} twice")
+        specs.append(TenantSpec(name, share, priority))
+    if not specs:
+        raise ConfigError("--tenants lists no tenant")
+    total = sum(s.share for s in specs)
+    if total > 1 + 1e-9:
+        raise ConfigError(f"--tenants shares sum to {total:g}; they must sum to at most 1")
+    if unknown == OTHER and all(s.name != OTHER for s in specs):
+        rest = 1 - total
+        if rest < 1e-6:
+            raise ConfigError("--tenants.unknown=other but no share is left for 'other': "
+                              "list it in --tenants")
+        specs.append(TenantSpec(OTHER, rest, "low"))
+        total = 1.0
+    return tuple(TenantSpec(s.name, s.share / total, s.priority) for s in specs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model size and placement (``--model.*``)."""
+
+    layers: int = 2
+    dim: int = 128
+    heads: int = 4
+    context: int = 512
+    seed: int = 0
+    checkpoint: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def validate(self) -> None:
+        for name in ("layers", "dim", "heads", "context"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--model.{name} must be at least 1")
+        if self.dim % self.heads:
+            raise ConfigError(f"--model.dim {self.dim} is not a multiple of --model.heads {self.heads}")
+        if self.context < 2:
+            raise ConfigError("--model.context must be at least 2 tokens")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--model.dtype {self.dtype!r} must be auto, float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``gpuscope serve`` needs; build it with ``validate()`` before use."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: ModelSpec = field(default_factory=ModelSpec)
+    model_name: str = "gpuscope-tiny"
+    tenants: tuple[TenantSpec, ...] = (TenantSpec("default", 1.0, "normal"),)
+    default_tenant: str = "default"
+    unknown_tenant: str = "reject"
+    scheduler: str = "share"
+    batching: bool = True
+    max_batch_size: int = 8
+    max_wait_s: float = 0.005
+    max_queue_per_tenant: int = 64
+    max_tokens_limit: int = 256
+    max_body_bytes: int = 65536
+    timing: str = "budget"
+    timing_budget: float = 0.01
+    faults_enabled: bool = False
+    faults_token: str | None = None
+    loki_url: str | None = None
+    instance: str = ""
+
+    @property
+    def batch_size(self) -> int:
+        """Requests per step: 1 with batching off."""
+        return self.max_batch_size if self.batching else 1
+
+    def tenant(self, name: str) -> TenantSpec | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+    def validate(self) -> ServerConfig:
+        self.model.validate()
+        if self.scheduler not in ("share", "fcfs"):
+            raise ConfigError(f"--scheduler {self.scheduler!r} must be 'share' or 'fcfs'")
+        if self.timing not in ("off", "budget", "all"):
+            raise ConfigError(f"--timing {self.timing!r} must be off, budget or all")
+        if not 0 < self.timing_budget < 1:
+            raise ConfigError("--timing.budget must be in (0, 1)")
+        if not 1 <= self.max_batch_size <= 1024:
+            raise ConfigError("--batch.max-size must be between 1 and 1024")
+        if not 0 <= self.max_wait_s <= 10:
+            raise ConfigError("--batch.max-wait must be between 0 and 10 seconds")
+        if self.max_queue_per_tenant < 1:
+            raise ConfigError("--queue.max-per-tenant must be at least 1")
+        if not 1 <= self.max_tokens_limit < self.model.context:
+            raise ConfigError(
+                f"--request.max-tokens {self.max_tokens_limit} must be between 1 and "
+                f"--model.context - 1 ({self.model.context - 1})")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("--request.max-body-bytes must be at least 1024")
+        if self.tenant(self.default_tenant) is None:
+            names = ", ".join(t.name for t in self.tenants)
+            raise ConfigError(f"--tenants.default {self.default_tenant!r} is not a configured tenant "
+                              f"({names})")
+        if self.unknown_tenant not in ("reject", OTHER):
+            raise ConfigError(f"--tenants.unknown={self.unknown_tenant!r} must be 'reject' or 'other'")
+        if self.faults_enabled and not self.faults_token:
+            raise ConfigError("--faults.enable needs a token: --faults.token-file or GPUSCOPE_FAULTS_TOKEN")
+        if self.faults_token is not None and len(self.faults_token) < 16:
+            raise ConfigError("the fault-injection token must be at least 16 characters")
+        if self.loki_url is not None and not re.match(r"^https?://[^\s/]+", self.loki_url):
+            raise ConfigError(f"--loki.url {self.loki_url!r} is not an http(s) URL")
+        return self

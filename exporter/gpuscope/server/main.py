@@ -1,0 +1,163 @@
+"""``gpuscope serve``: flags → validated config → service → aiohttp app.
+
+Every flag is also an environment variable (``--batch.max-size`` ↔
+``GPUSCOPE_BATCH_MAX_SIZE``); the fault-injection token comes only from a file
+or ``GPUSCOPE_FAULTS_TOKEN``, never the command line (it would show in ``ps``).
+A bad flag or config prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import queue
+import socket
+import sys
+
+from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.ports import default_listen_address
+
+from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants
+
+PROG = "gpuscope serve"
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(prog=PROG, description="Reference inference server, instrumented with gpuscope.")
+    p.add_flag("--web.listen-address", default=default_listen_address("server"),
+               help="HOST:PORT to listen on")
+    p.add_flag("--model.name", default="gpuscope-tiny", help="model id reported by /v1/models and responses")
+    p.add_flag("--model.layers", type=int, default=2, help="transformer blocks")
+    p.add_flag("--model.dim", type=int, default=128, help="hidden size")
+    p.add_flag("--model.heads", type=int, default=4, help="attention heads (must divide --model.dim)")
+    p.add_flag("--model.context", type=int, default=512, help="context length in tokens (bytes + BOS)")
+    p.add_flag("--model.seed", type=int, default=0, help="seed of the random weights")
+    p.add_flag("--model.checkpoint", default=None, help="local state_dict file to load (never downloaded)")
+    p.add_flag("--model.device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    p.add_flag("--model.dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, ...")
+    p.add_flag("--tenants", default="default:1:normal", help="NAME:SHARE[:PRIORITY],... GPU-time shares")
+    p.add_flag("--tenants.default", default=None, help="tenant of requests without X-Tenant (first listed)")
+    p.add_flag("--tenants.unknown", default="reject", help="unknown X-Tenant: reject (400) or other")
+    p.add_flag("--scheduler", default="share", help="share (GPU-time shares + priorities) or fcfs")
+    p.add_toggle("batching", True, "dynamic batching (off: one request at a time)")
+    p.add_flag("--batch.max-size", type=int, default=8, help="requests per model step")
+    p.add_flag("--batch.max-wait", type=float, default=0.005, help="seconds a first batch waits to fill")
+    p.add_flag("--queue.max-per-tenant", type=int, default=64, help="waiting requests per tenant before 429")
+    p.add_flag("--request.max-tokens", type=int, default=256, help="largest max_tokens accepted")
+    p.add_flag("--request.max-body-bytes", type=int, default=65536, help="largest request body accepted")
+    p.add_flag("--timing", default="budget", help="kernel timing: off, budget (default) or all regions")
+    p.add_flag("--timing.budget", type=float, default=0.01, help="timer overhead budget (share of wall time)")
+    p.add_toggle("faults.enable", False, "fault-injection admin API (needs a token)")
+    p.add_flag("--faults.token-file", default=None, help="file holding the fault-injection bearer token")
+    p.add_flag("--loki.url", default=None, help="Loki base URL, e.g. http://loki:3100 (off when unset)")
+    p.add_flag("--log.level", default="info", help="debug, info, warning or error")
+    return p
+
+
+def config_from_args(ns) -> ServerConfig:
+    """Namespace → validated ServerConfig, or ConfigError with one line."""
+    args = vars(ns)
+    try:
+        host, port = parse_listen_address(args["web.listen_address"])
+    except ValueError as exc:
+        raise ConfigError(f"--web.listen-address: {exc}") from None
+    unknown = args["tenants.unknown"]
+    tenants = parse_tenants(args["tenants"], unknown)
+    token = os.environ.get("GPUSCOPE_FAULTS_TOKEN")
+    if args["faults.token_file"]:
+        try:
+            with open(args["faults.token_file"]) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--faults.token-file: cannot read {args['faults.token_file']}: "
+                              f"{exc.strerror}") from None
+    model = ModelSpec(layers=args["model.layers"], dim=args["model.dim"], heads=args["model.heads"],
+                      context=args["model.context"], seed=args["model.seed"],
+                      checkpoint=args["model.checkpoint"], device=args["model.device"],
+                      dtype=args["model.dtype"])
+    if model.checkpoint and not os.path.isfile(model.checkpoint):
+        raise ConfigError(f"--model.checkpoint {model.checkpoint!r} is not a local file")
+    return ServerConfig(
+        host=host, port=port, model=model, model_name=args["model.name"], tenants=tenants,
+        default_tenant=args["tenants.default"] or tenants[0].name, unknown_tenant=unknown,
+        scheduler=args["scheduler"], batching=args["batching"], max_batch_size=args["batch.max_size"],
+        max_wait_s=args["batch.max_wait"], max_queue_per_tenant=args["queue.max_per_tenant"],
+        max_tokens_limit=args["request.max_tokens"], max_body_bytes=args["request.max_body_bytes"],
+        timing=args["timing"], timing_budget=args["timing.budget"], faults_enabled=args["faults.enable"],
+        faults_token=token if args["faults.enable"] else None, loki_url=args["loki.url"],
+        instance=f"{socket.gethostname()}:{port}",
+    ).validate()
+
+
+def setup_logging(config: ServerConfig, level: str) -> list[logging.Handler]:
+    """stderr through a queue (a slow terminal or pipe never stalls the engine), plus Loki when set."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ConfigError(f"--log.level {level!r} must be debug, info, warning or error")
+    root = logging.getLogger("gpuscope")
+    root.setLevel(numeric)
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    records: queue.SimpleQueue = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, stderr)
+    listener.start()
+    root.addHandler(logging.handlers.QueueHandler(records))
+    handlers: list[logging.Handler] = []
+    if config.loki_url:
+        from gpuscope.loki import LokiHandler
+
+        loki = LokiHandler(config.loki_url, service="gpuscope-server", instance=config.instance)
+        root.addHandler(loki)
+        handlers.append(loki)
+    handlers.append(_ListenerStopper(listener))
+    return handlers
+
+
+class _ListenerStopper(logging.Handler):
+    """Lets shutdown stop the stderr queue listener like any other handler (``close``)."""
+
+    def __init__(self, listener: logging.handlers.QueueListener) -> None:
+        super().__init__()
+        self._listener = listener
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        self._listener.stop()
+        super().close()
+
+
+def main(argv: list[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(ns)
+        handlers = setup_logging(config, ns.__dict__["log.level"])
+    except ConfigError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 2
+    from aiohttp import web
+
+    from .api import build_app
+    from .service import Service
+
+    log = logging.getLogger("gpuscope.server")
+    try:
+        service = Service(config)
+    except (OSError, RuntimeError, ValueError) as exc:
+        sys.stderr.write(f"{PROG}: error: cannot build the model: {exc}\n".replace("\n", " ").rstrip() + "\n")
+        return 1
+    log.info("listening on http://%s:%d (model %s on %s, scheduler %s, timing %s)", config.host, config.port,
+             config.model_name, service.device, config.scheduler, config.timing)
+    try:
+        web.run_app(build_app(service), host=config.host, port=config.port, print=None, access_log=None,
+                    shutdown_timeout=5.0)
+    except OSError as exc:
+        sys.stderr.write(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror}\n")
+        service.close()
+        return 1
+    finally:
+        for handler in handlers:
+            handler.close()
+    return 0

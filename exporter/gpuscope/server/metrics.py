@@ -1,0 +1,115 @@
+"""The server's metrics: request histograms (with trace-id exemplars) and collectors of cached state.
+
+Histograms and counters are observed by the engine thread as requests
+progress; queue depth, running requests, tenant GPU seconds, quotas, KV-cache
+usage, device memory and active faults are read at scrape time from state the
+engine already keeps, so a scrape never waits on the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from gpuscope import catalogue as c
+
+from .scheduler import Scheduler
+
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class RequestMetrics:
+    """Per-tenant request histograms and counters; every tenant's series exist from the start."""
+
+    def __init__(self, registry: CollectorRegistry, tenants: Iterable[str]) -> None:
+        self.ttft = c.REQUEST_TTFT.create(registry)
+        self.itl = c.REQUEST_ITL.create(registry)
+        self.tpot = c.REQUEST_TPOT.create(registry)
+        self.e2e = c.REQUEST_E2E.create(registry)
+        self.queue = c.REQUEST_QUEUE.create(registry)
+        self.prefill = c.REQUEST_PREFILL.create(registry)
+        self.decode = c.REQUEST_DECODE.create(registry)
+        self.prompt_tokens = c.PROMPT_TOKENS.create(registry)
+        self.generation_tokens = c.GENERATION_TOKENS.create(registry)
+        self.requests = c.REQUESTS.create(registry)
+        self.batch_size = c.BATCH_SIZE.create(registry)
+        for tenant in tenants:
+            for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+                           self.decode, self.prompt_tokens, self.generation_tokens):
+                metric.labels(tenant)
+            for outcome in OUTCOMES:
+                self.requests.labels(tenant, outcome)
+        for phase in ("prefill", "decode"):
+            self.batch_size.labels(phase)
+
+    @staticmethod
+    def observe(histogram, tenant: str, value: float, trace_id: str) -> None:
+        histogram.labels(tenant).observe(max(0.0, value), {"trace_id": trace_id})
+
+
+def _process_resident_bytes() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * _PAGE)
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def device_memory(device: torch.device) -> tuple[float, float]:
+    """(allocated, reserved) bytes: torch's allocator on CUDA, the process's resident memory on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device)), float(torch.cuda.memory_reserved(device))
+    resident = _process_resident_bytes()
+    return resident, resident
+
+
+class StateCollector:
+    """Scrape-time view of scheduler, KV cache, device memory and faults.
+
+    Exposes (one series per tenant / fault)::
+
+        gpuscope_queue_depth{tenant="alpha"} 3.0
+        gpuscope_requests_running{tenant="alpha"} 8.0
+        gpuscope_tenant_gpu_seconds_total{tenant="alpha"} 12.5
+        gpuscope_tenant_share_quota_ratio{tenant="alpha"} 0.7
+        gpuscope_request_preemptions_total{tenant="beta"} 4.0
+        gpuscope_kv_cache_usage_ratio 0.25
+        gpuscope_device_memory_allocated_bytes{device="cpu"} 3.1e+08
+        gpuscope_fault_active{fault="latency_spike"} 0.0
+    """
+
+    def __init__(self, scheduler: Scheduler, device: torch.device, kv_usage: Callable[[], float],
+                 faults: Callable[[], dict[str, bool]]) -> None:
+        self._scheduler = scheduler
+        self._device = device
+        self._kv_usage = kv_usage
+        self._faults = faults
+
+    def collect(self):
+        state = self._scheduler.state()
+        families = {m: m.family() for m in (c.QUEUE_DEPTH, c.REQUESTS_RUNNING, c.TENANT_GPU_SECONDS,
+                                             c.TENANT_SHARE_QUOTA, c.PREEMPTIONS)}
+        for name, s in state.items():
+            families[c.QUEUE_DEPTH].add_metric([name], s.queued)
+            families[c.REQUESTS_RUNNING].add_metric([name], s.running)
+            families[c.TENANT_GPU_SECONDS].add_metric([name], s.gpu_seconds)
+            families[c.TENANT_SHARE_QUOTA].add_metric([name], s.quota)
+            families[c.PREEMPTIONS].add_metric([name], s.preemptions)
+        yield from families.values()
+        kv = c.KV_CACHE_USAGE.family()
+        kv.add_metric([], self._kv_usage())
+        yield kv
+        allocated, reserved = device_memory(self._device)
+        label = str(self._device)
+        for metric, value in ((c.DEVICE_MEMORY_ALLOCATED, allocated), (c.DEVICE_MEMORY_RESERVED, reserved)):
+            family = metric.family()
+            family.add_metric([label], value)
+            yield family
+        faults = c.FAULT_ACTIVE.family()
+        for name, active in self._faults().items():
+            faults.add_metric([name], 1.0 if active else 0.0)
+        yield faults
