@@ -1,0 +1,129 @@
+"""Locust command-line options that gpuscope's locustfile adds, and the workload they describe.
+
+Every option has an environment variable ``GPUSCOPE_LOAD_<NAME>`` (the ``LOAD_``
+keeps them apart from ``gpuscope serve``'s flags, which read ``GPUSCOPE_<FLAG>``
+and may share an environment with Locust in compose). Values travel from the
+master to workers as plain strings (Locust sends custom options with msgpack),
+so each is validated here as a string and parsed again where it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from gpuscope.loadtest.distributions import LengthDistribution, parse_distribution
+from gpuscope.loadtest.shapes import shape_names
+
+DEFAULT_PROMPT_TOKENS = "lognormal:median=64,sigma=0.5,min=8,max=256"
+DEFAULT_OUTPUT_TOKENS = "uniform:min=16,max=64"
+DEFAULT_SEED = 1234
+#: Tenants and their weights (users of each tenant ∝ weight); ``name:weight,...``. The default
+#: is gpuscope serve's default tenant; name the tenants the server was started with.
+DEFAULT_TENANTS = "default:1"
+TENANTS_ENV = "GPUSCOPE_LOAD_TENANTS"
+
+
+def _checked_distribution(spec: str) -> str:
+    try:
+        parse_distribution(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
+
+
+def _checked_shape(name: str) -> str:
+    if name not in shape_names():
+        raise argparse.ArgumentTypeError(f"unknown shape {name!r} (one of: {', '.join(shape_names())})")
+    return name
+
+
+def _checked_temperature(raw: str) -> str:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"temperature {raw!r} is not a number") from None
+    if not 0 <= value <= 2:
+        raise argparse.ArgumentTypeError(f"temperature {raw!r} is outside 0..2")
+    return raw
+
+
+def add_locust_arguments(parser: Any) -> None:
+    """Register gpuscope's options on Locust's parser (``init_command_line_parser``)."""
+    parser.add_argument("--shape", type=_checked_shape, default="steady", env_var="GPUSCOPE_LOAD_SHAPE",
+                        help=f"load shape: {', '.join(shape_names())} (scaled by -u and -t)")
+    parser.add_argument("--prompt-tokens", type=_checked_distribution, default=DEFAULT_PROMPT_TOKENS,
+                        env_var="GPUSCOPE_LOAD_PROMPT_TOKENS",
+                        help="prompt length distribution (ASCII characters: tokens for gpuscope serve)")
+    parser.add_argument("--output-tokens", type=_checked_distribution, default=DEFAULT_OUTPUT_TOKENS,
+                        env_var="GPUSCOPE_LOAD_OUTPUT_TOKENS", help="max_tokens distribution")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, env_var="GPUSCOPE_LOAD_SEED",
+                        help="seed of every user's prompt and length draws")
+    parser.add_argument("--temperature", type=_checked_temperature, default="0",
+                        env_var="GPUSCOPE_LOAD_TEMPERATURE", help="sampling temperature sent to the server")
+    parser.add_argument("--samples-file", default="", env_var="GPUSCOPE_LOAD_SAMPLES_FILE",
+                        include_in_web_ui=False,
+                        help="write exact per-request figures (JSON) here when Locust quits")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request looks like, parsed from the options."""
+
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    seed: int
+    temperature: float
+
+    @classmethod
+    def from_options(cls, options: Any) -> Workload:
+        """From Locust's parsed options; defaults where an option is absent (library use, tests)."""
+        def get(name: str, default: Any) -> Any:
+            value = getattr(options, name, None) if options is not None else None
+            return default if value is None else value
+
+        return cls(
+            prompt_tokens=parse_distribution(get("prompt_tokens", DEFAULT_PROMPT_TOKENS)),
+            output_tokens=parse_distribution(get("output_tokens", DEFAULT_OUTPUT_TOKENS)),
+            seed=int(get("seed", DEFAULT_SEED)),
+            temperature=float(get("temperature", 0)),
+        )
+
+
+_TENANT = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
+
+
+def parse_tenants(spec: str) -> dict[str, float]:
+    """``alpha:3,beta:1`` → {"alpha": 3.0, "beta": 1.0}; raises ValueError with a one-line reason."""
+    tenants: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, weight = item.partition(":")
+        if not _TENANT.match(name):
+            raise ValueError(f"tenant name {name!r} must be a letter then letters, digits, '_' or '-'")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"tenant {name!r}: weight {weight!r} is not a number") from None
+        if value <= 0 or name in tenants:
+            raise ValueError(f"tenant {name!r}: weights must be positive and names unique")
+        tenants[name] = value
+    if not tenants:
+        raise ValueError("no tenants given")
+    return tenants
+
+
+def tenants_from_env() -> dict[str, float]:
+    """Tenants for the locustfile's user classes, which must exist before Locust parses options.
+
+    A bad value ends the process with one line, as a bad flag does.
+    """
+    raw = os.environ.get(TENANTS_ENV, DEFAULT_TENANTS)
+    try:
+        return parse_tenants(raw)
+    except ValueError as exc:
+        sys.stderr.write(f"locust: error: {TENANTS_ENV}={raw!r}: {exc}\n")
+        raise SystemExit(2) from None

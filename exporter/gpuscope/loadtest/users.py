@@ -1,0 +1,184 @@
+"""The streaming completions user, and one weighted user class per tenant.
+
+Why ``FastHttpUser``: on the 2-core machines this runs on, Locust shares the CPU
+with the server it loads, and FastHttpUser costs about a quarter of HttpUser per
+request. Its ``iter_content(n)`` waits until ``n`` bytes arrived, which would
+hold back the first token and merge gaps, so lines are read with the underlying
+geventhttpclient response's ``readline``, which returns as soon as one SSE line
+is complete (``tests/loadtest`` checks this against a server that pauses
+between tokens).
+
+Each request shows up in Locust as these entries:
+
+=====================  =====  =====================================================
+``end_to_end``         POST   send → last byte; failures here; size = output tokens
+``time_to_first_token`` SSE   send → first content chunk
+``inter_token_latency`` SSE   every gap between content chunks
+``output_tokens``      SSE    one per token, time 0: its RPS column is tokens/s
+=====================  =====  =====================================================
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, ClassVar
+
+from locust import FastHttpUser, constant, task
+
+from gpuscope.loadtest.options import Workload
+from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_sse_line
+
+COMPLETIONS_PATH = "/v1/completions"
+TENANT_HEADER = "X-Tenant"
+
+#: Words prompts are made of: plain ASCII, so a byte-level tokenizer (gpuscope serve's) sees one
+#: token per character and a prompt of n characters is n tokens.
+_VOCABULARY = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "on", "with", "as", "by", "at", "from",
+    "this", "be", "are", "it", "an", "or", "was", "which", "all", "graph", "kernel", "memory",
+    "tensor", "stream", "event", "device", "queue", "batch", "token", "layer", "model", "cache",
+    "latency", "budget", "tenant", "share", "region", "sample", "window", "scrape", "alert",
+    "metric", "node", "driver",
+)
+
+
+def make_prompt(rng: random.Random, chars: int) -> str:
+    """Text of exactly ``chars`` ASCII characters, from random words."""
+    words = rng.choices(_VOCABULARY, k=chars // 2 + 1)  # words are >= 2 chars with their space
+    return " ".join(words)[:chars]
+
+
+def user_seed(base: int, process: int, number: int) -> str:
+    """Seed of one simulated user: the nth user started by a Locust process.
+
+    A string seed hashes the same way in every process and Python run, so the
+    same run seed gives the same requests whatever the process layout's timing.
+    """
+    return f"gpuscope-{base}-{process}-{number}"
+
+
+class CompletionsUser(FastHttpUser):
+    """Sends streaming completions back to back (a closed loop: concurrency = users)."""
+
+    abstract = True
+    #: Tenant name sent in ``X-Tenant``.
+    tenant: ClassVar[str] = "default"
+    wait_time = constant(0)
+    # A long generation on a slow CPU server can take minutes; a connect should not.
+    network_timeout = 300.0
+    connection_timeout = 10.0
+    _started_per_process: ClassVar[int] = 0
+
+    def on_start(self) -> None:
+        CompletionsUser._started_per_process += 1
+        process = getattr(self.environment.runner, "worker_index", 0) or 0
+        self.workload = Workload.from_options(self.environment.parsed_options)
+        self.rng = random.Random(user_seed(self.workload.seed, process, CompletionsUser._started_per_process))
+
+    @task
+    def complete(self) -> None:
+        body = {
+            "prompt": make_prompt(self.rng, self.workload.prompt_tokens.draw(self.rng)),
+            "max_tokens": self.workload.output_tokens.draw(self.rng),
+            "temperature": self.workload.temperature,
+            "stream": True,
+        }
+        self.stream_completion(body)
+
+    def stream_completion(self, body: dict[str, Any]) -> StreamTiming:
+        """POST one streaming completion; fire Locust entries and record exact figures."""
+        headers = {TENANT_HEADER: self.tenant, "Accept": "text/event-stream",
+                   "Accept-Encoding": "identity"}
+        sent_wall = time.time()
+        timing = StreamTiming(sent=time.perf_counter())
+        error: str | None = None
+        with self.client.post(COMPLETIONS_PATH, json=body, headers=headers, stream=True,
+                              catch_response=True, name="end_to_end") as response:
+            if response.status_code != 200:
+                error = _http_error(response)
+            else:
+                error = self._read_stream(response, timing)
+            timing.end(time.perf_counter())
+            response.request_meta["response_time"] = (timing.e2e or 0.0) * 1000.0
+            response.request_meta["response_length"] = timing.tokens
+            if error is None:
+                response.success()
+            else:
+                response.failure(error)
+        self._fire_token_entries(timing, ok=error is None)
+        recorder = getattr(self.environment, "gpuscope_recorder", None)
+        if recorder is not None:
+            recorder.add(sent_wall, self.tenant, error is None, timing.ttft, timing.e2e, timing.tokens,
+                         timing.inter_token, error)
+        return timing
+
+    def _read_stream(self, response: Any, timing: StreamTiming) -> str | None:
+        raw = response._response  # see the module docstring for why not iter_content
+        done = False
+        try:
+            while True:
+                line = raw.readline(b"\n")
+                now = time.perf_counter()
+                if not line:
+                    break
+                chunk = parse_sse_line(line)
+                if chunk is DONE:
+                    done = True
+                elif isinstance(chunk, Chunk):
+                    if chunk.is_token:
+                        timing.token(now)
+                    elif chunk.completion_tokens is not None:
+                        timing.reported_tokens = chunk.completion_tokens
+        except StreamError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"stream broken: {exc}"
+        return None if done else "stream ended without [DONE]"
+
+    def _fire_token_entries(self, timing: StreamTiming, ok: bool) -> None:
+        if not ok or timing.ttft is None:
+            return
+        fire = self.environment.events.request.fire
+        common = {"request_type": "SSE", "exception": None, "context": {}, "response": None, "url": None}
+        fire(name="time_to_first_token", response_time=timing.ttft * 1000.0, response_length=0, **common)
+        for gap in timing.inter_token:
+            fire(name="inter_token_latency", response_time=gap * 1000.0, response_length=0, **common)
+        for _ in range(timing.tokens):
+            fire(name="output_tokens", response_time=0, response_length=1, **common)
+
+
+def _http_error(response: Any) -> str:
+    code = response.status_code
+    if not code:
+        return f"no response: {getattr(response, 'error', None)!r}"
+    try:
+        text = (response.text or "").strip().replace("\n", " ")
+    except Exception:  # the body of a failed response is only decoration for the message
+        text = ""
+    return f"HTTP {code}: {text[:200]}"
+
+
+def tenant_class_name(tenant: str) -> str:
+    """``alpha`` → ``TenantAlpha``; ``low-prio`` → ``TenantLowPrio`` (what Locust's UI lists)."""
+    return "Tenant" + "".join(part.capitalize() for part in tenant.replace("_", "-").split("-"))
+
+
+def tenant_users(tenants: dict[str, float], module: str) -> dict[str, type[CompletionsUser]]:
+    """One concrete user class per tenant, weighted; Locust needs integer weights.
+
+    Weights are scaled so the smallest is 1 and rounded; ``module`` makes the
+    classes look defined in the locustfile (Locust lists them by module).
+    """
+    smallest = min(tenants.values())
+    classes: dict[str, type[CompletionsUser]] = {}
+    for tenant, weight in tenants.items():
+        name = tenant_class_name(tenant)
+        classes[name] = type(name, (CompletionsUser,), {
+            "tenant": tenant,
+            "weight": max(1, round(weight / smallest)),
+            "abstract": False,
+            "__module__": module,
+            "__doc__": f"Streaming completions as tenant {tenant!r}.",
+        })
+    return classes
