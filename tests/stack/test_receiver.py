@@ -10,9 +10,9 @@ import threading
 
 import pytest
 import requests
-from gpuscope import catalogue, receiver
 from prometheus_client import CollectorRegistry
 
+from gpuscope import catalogue, receiver
 from tests.conftest import promtool_check_metrics, wait_for
 
 COUNTER = catalogue.RECEIVER_NOTIFICATIONS.name

@@ -1,0 +1,426 @@
+"""``gpuscope stack``: the compose stack without Docker, from local binaries.
+
+Starts the reference server, the NVML exporter, the alert receiver, Prometheus,
+Alertmanager and node_exporter (Debian packages ``prometheus``,
+``prometheus-alertmanager``, ``prometheus-node-exporter``) with the SAME
+configuration files as ``docker-compose.yml``: ``deploy/prometheus/prometheus.yml``
+and ``alerts/alertmanager.yml``, with only the compose ``SERVICE:PORT`` addresses
+rewritten to local ones, into a run directory. It waits for every part to be
+healthy, prints where each listens, and stops them all on Ctrl-C or SIGTERM.
+
+Tests and scripts use it as a context manager (docs/stack.md)::
+
+    with Stack(StackOptions(profile="test", ports="free")) as stack:
+        requests.get(stack.url("prometheus") + "/api/v1/query", params={"query": "up"})
+
+Loki and Grafana are not part of it: neither is packaged for Debian.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from gpuscope.flags import FlagParser
+from gpuscope.ports import LOCAL_HOST, PORTS
+
+Profile = Literal["production", "test"]
+PROFILES: tuple[str, ...] = ("production", "test")
+
+#: Parts the stack runs, in start order (stopped in reverse).
+COMPONENTS: tuple[str, ...] = (
+    "receiver", "alertmanager", "node-exporter", "exporter", "server", "prometheus")
+
+#: Debian binary names first, upstream names second; the package to install when none is found.
+BINARIES: dict[str, tuple[tuple[str, ...], str]] = {
+    "prometheus": (("prometheus",), "prometheus"),
+    "alertmanager": (("prometheus-alertmanager", "alertmanager"), "prometheus-alertmanager"),
+    "node-exporter": (("prometheus-node-exporter", "node_exporter"), "prometheus-node-exporter"),
+}
+
+#: What "healthy" means for each part: a 200 from this path.
+HEALTH_PATHS: dict[str, str] = {
+    "server": "/readyz",
+    "exporter": "/metrics",
+    "receiver": "/healthz",
+    "node-exporter": "/metrics",
+    "prometheus": "/-/ready",
+    "alertmanager": "/-/ready",
+}
+
+#: Rule evaluation interval of the test profile: its compressed `for:` windows need a quick clock.
+TEST_EVALUATION_INTERVAL = "1s"
+
+
+class StackError(RuntimeError):
+    """The stack cannot start; the message is one line naming the part and the reason."""
+
+
+def repo_root() -> Path:
+    """The checkout this module runs from (``exporter/gpuscope/stack.py`` → repository root)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def free_port(host: str = LOCAL_HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --- configuration templating ---------------------------------------------------------------------------
+
+
+def localize(text: str, addresses: dict[str, str]) -> str:
+    """Rewrite compose ``SERVICE:PORT`` addresses (ports.PORTS) in ``text`` to ``addresses[SERVICE]``.
+
+    Only a service name standing alone before its own default port is rewritten, so
+    ``gpuscope-server:8000`` or ``server:1234`` stay as they are.
+    """
+    for service, address in addresses.items():
+        pattern = rf"(?<![\w.-]){re.escape(service)}:{PORTS[service]}(?!\d)"
+        text = re.sub(pattern, address, text)
+    return text
+
+
+def render_prometheus_config(text: str, addresses: dict[str, str], rule_files: Sequence[str],
+                             evaluation_interval: str | None = None) -> str:
+    """deploy/prometheus/prometheus.yml for local binaries: addresses, rule files, evaluation interval."""
+    config = yaml.safe_load(localize(text, addresses))
+    config["rule_files"] = list(rule_files)
+    if evaluation_interval:
+        config.setdefault("global", {})["evaluation_interval"] = evaluation_interval
+    return "# Rendered by gpuscope stack from deploy/prometheus/prometheus.yml; edit that file.\n" + \
+        yaml.safe_dump(config, sort_keys=False)
+
+
+def rule_dir(root: Path, profile: str) -> Path:
+    """Directory of the Prometheus rule files of an alert profile."""
+    return root / "alerts" / profile
+
+
+def alertmanager_source(root: Path, profile: str) -> Path:
+    """The Alertmanager configuration of a profile (a profile-specific file wins over the shared one)."""
+    specific = root / "alerts" / profile / "alertmanager.yml"
+    return specific if specific.exists() else root / "alerts" / "alertmanager.yml"
+
+
+# --- processes --------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    # Children must not outlive a test run that is killed hard: ask Linux to SIGTERM them when we die.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    url: str
+    log_path: Path
+    popen: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        log = self.log_path.open("ab")
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,  # Ctrl-C reaches the stack only; it stops the parts in order
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        finally:
+            log.close()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + HEALTH_PATHS[self.name], timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class StackOptions:
+    """How to run the stack.
+
+    ``ports``: ``"default"`` (ports.PORTS), ``"free"`` (a free port for every part, for tests),
+    or a dict overriding some parts' ports. ``server_args`` are appended to ``gpuscope serve``
+    (e.g. ``["--faults.enable", "--faults.token", "t"]``). ``run_dir`` None means a temporary
+    directory removed on stop.
+    """
+
+    profile: str = "production"
+    ports: str | dict[str, int] = "default"
+    host: str = LOCAL_HOST
+    run_dir: Path | None = None
+    server_args: Sequence[str] = ()
+    exporter_args: Sequence[str] = ()
+    components: Sequence[str] = COMPONENTS
+    root: Path = field(default_factory=repo_root)
+    evaluation_interval: str | None = None  # None: the profile's (test: 1s; production: the file's)
+    health_timeout_s: float = 180.0
+
+
+class Stack:
+    """The running stack; a context manager. ``url(part)`` is where a part listens."""
+
+    def __init__(self, options: StackOptions | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.options = options or StackOptions()
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        if self.options.profile not in PROFILES:
+            raise StackError(f"profile {self.options.profile!r} is not one of {', '.join(PROFILES)}")
+        unknown = set(self.options.components) - set(COMPONENTS)
+        if unknown:
+            raise StackError(f"unknown parts {sorted(unknown)}; parts are {', '.join(COMPONENTS)}")
+        self.ports = self._choose_ports()
+        self._owns_run_dir = self.options.run_dir is None
+        self.run_dir = Path(self.options.run_dir or tempfile.mkdtemp(prefix="gpuscope-stack-")).resolve()
+        self.processes: dict[str, Process] = {}
+        self._lock = threading.Lock()
+
+    # -- public API --
+
+    def url(self, part: str) -> str:
+        """``http://HOST:PORT`` of a part (any of COMPONENTS)."""
+        return f"http://{self._address(part)}"
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Render configs, start every part, wait until all are healthy (StackError if one is not)."""
+        try:
+            self._prepare()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            for name in self.options.components:
+                self.processes[name] = process = self._process(name)
+                self._log(f"starting {name:14s} {' '.join(process.argv)}")
+                process.start(env)
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every part in reverse start order, SIGKILL what is left after ``timeout``."""
+        with self._lock:
+            running = [p for p in reversed(list(self.processes.values())) if p.exited() is None]
+            for process in running:
+                with contextlib.suppress(ProcessLookupError):
+                    process.popen.terminate()
+            deadline = time.monotonic() + timeout
+            for process in running:
+                try:
+                    process.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._log(f"{process.name} did not stop within {timeout:g}s; killing it")
+                    process.popen.kill()
+                    process.popen.wait()
+            self.processes.clear()
+            if self._owns_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def dead(self) -> list[str]:
+        """Parts that have exited since the stack came up."""
+        return [name for name, p in self.processes.items() if p.exited() is not None]
+
+    def summary(self) -> str:
+        """Where each part listens, one line each."""
+        lines = [f"  {name:14s} {self.url(name)}" for name in self.processes]
+        return "\n".join(["gpuscope stack is up (Ctrl-C stops it):", *lines,
+                          f"  run dir        {self.run_dir} (configs and logs/)"])
+
+    # -- internals --
+
+    def _choose_ports(self) -> dict[str, int]:
+        ports = {name: PORTS[name] for name in COMPONENTS}
+        chosen = self.options.ports
+        if chosen == "free":
+            ports = {name: free_port(self.options.host) for name in COMPONENTS}
+        elif isinstance(chosen, dict):
+            unknown = set(chosen) - set(COMPONENTS)
+            if unknown:
+                raise StackError(f"ports given for unknown parts {sorted(unknown)}")
+            ports.update(chosen)
+        elif chosen != "default":
+            raise StackError(f"ports must be 'default', 'free' or a dict, not {chosen!r}")
+        return ports
+
+    def _address(self, part: str) -> str:
+        host = self.options.host
+        return f"[{host}]:{self.ports[part]}" if ":" in host else f"{host}:{self.ports[part]}"
+
+    def _prepare(self) -> None:
+        root = self.options.root
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        addresses = {name: self._address(name) for name in COMPONENTS}
+        prometheus_src = root / "deploy" / "prometheus" / "prometheus.yml"
+        am_src = alertmanager_source(root, self.options.profile)
+        for path in (prometheus_src, am_src):
+            if not path.exists():
+                raise StackError(f"{path} is missing (run from a gpuscope checkout, or pass its root)")
+        rules = rule_dir(root, self.options.profile)
+        interval = self.options.evaluation_interval or (
+            TEST_EVALUATION_INTERVAL if self.options.profile == "test" else None)
+        (self.run_dir / "prometheus.yml").write_text(render_prometheus_config(
+            prometheus_src.read_text(), addresses, [str(rules / "*.yml")], interval))
+        (self.run_dir / "alertmanager.yml").write_text(
+            f"# Rendered by gpuscope stack from {am_src.relative_to(root)}; edit that file.\n"
+            + localize(am_src.read_text(), addresses))
+
+    def _binary(self, part: str) -> str:
+        names, package = BINARIES[part]
+        for name in names:
+            path = shutil.which(name)
+            if path:
+                return path
+        raise StackError(f"{part}: none of {', '.join(names)} is on PATH (Debian: apt-get install {package})")
+
+    def _process(self, name: str) -> Process:
+        listen = self._address(name)
+        run = self.run_dir
+        gpuscope = [sys.executable, "-m", "gpuscope"]
+        argv = {
+            "server": [*gpuscope, "serve", "--web.listen-address", listen, *self.options.server_args],
+            "exporter": [*gpuscope, "exporter", "--web.listen-address", listen, *self.options.exporter_args],
+            "receiver": [*gpuscope, "receiver", "--web.listen-address", listen],
+            "prometheus": [self._binary("prometheus"), f"--config.file={run / 'prometheus.yml'}",
+                           f"--storage.tsdb.path={run / 'prometheus-data'}", f"--web.listen-address={listen}",
+                           "--enable-feature=exemplar-storage", "--storage.tsdb.retention.time=2d"],
+            "alertmanager": [self._binary("alertmanager"), f"--config.file={run / 'alertmanager.yml'}",
+                             f"--storage.path={run / 'alertmanager-data'}", f"--web.listen-address={listen}",
+                             "--cluster.listen-address="],  # no gossip port: several stacks can coexist
+            "node-exporter": [self._binary("node-exporter"), f"--web.listen-address={listen}"],
+        }[name]
+        return Process(name, argv, self.url(name), run / "logs" / f"{name}.log")
+
+    def _wait_healthy(self) -> None:
+        pending = dict(self.processes)
+        start = time.monotonic()
+        deadline = start + self.options.health_timeout_s
+        last_report = start
+        while pending:
+            for name, process in list(pending.items()):
+                code = process.exited()
+                if code is not None:
+                    raise StackError(f"{name} exited with status {code} while starting; last lines of "
+                                     f"{process.log_path}:\n{process.log_tail()}")
+                if process.healthy():
+                    self._log(f"ready    {name:14s} {process.url} ({time.monotonic() - start:.1f}s)")
+                    del pending[name]
+            now = time.monotonic()
+            if pending and now > deadline:
+                name = next(iter(pending))
+                raise StackError(f"{', '.join(pending)} not healthy after "
+                                 f"{self.options.health_timeout_s:g}s; last lines of "
+                                 f"{pending[name].log_path}:\n{pending[name].log_tail()}")
+            if pending and now - last_report > 10:
+                self._log(f"waiting for {', '.join(pending)} ({now - start:.0f}s)")
+                last_report = now
+            if pending:
+                time.sleep(0.2)  # poll interval of the readiness loop, bounded by the deadline above
+
+
+# --- command ----------------------------------------------------------------------------------------------
+
+
+def _parse_ports(items: Iterable[str]) -> dict[str, int]:
+    ports = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in COMPONENTS or not value.isdigit() or not 0 < int(value) < 65536:
+            raise ValueError(f"--stack.port {item!r} is not PART=PORT "
+                             f"with PART one of {', '.join(COMPONENTS)}")
+        ports[name] = int(value)
+    return ports
+
+
+def _parser() -> FlagParser:
+    parser = FlagParser(
+        prog="gpuscope stack",
+        description="Start server, exporter, receiver, Prometheus, Alertmanager and node_exporter from "
+                    "local binaries with the compose stack's configuration. Flags after `--` go to "
+                    "`gpuscope serve`.")
+    parser.add_flag("--stack.profile", dest="profile", choices=PROFILES, default="production",
+                    help="alert rule profile: production, or test (compressed windows, 1s evaluation)")
+    parser.add_flag("--stack.run-dir", dest="run_dir", default=".stack",
+                    help="directory for rendered configs, data and logs")
+    parser.add_flag("--stack.host", dest="host", default=LOCAL_HOST, help="address every part listens on")
+    parser.add_flag("--stack.free-ports", dest="free_ports", action="store_true", default=False,
+                    help="pick a free port for every part instead of the defaults")
+    parser.add_argument("--stack.port", dest="port", action="append", default=[], metavar="PART=PORT",
+                        help="listen port of one part (repeatable), e.g. server=18000")
+    parser.add_flag("--stack.no-server", dest="no_server", action="store_true", default=False,
+                    help="do not start the server (run your own on the server port)")
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    server_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, server_args = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        ports: str | dict[str, int] = "free" if args.free_ports else _parse_ports(args.port) or "default"
+    except ValueError as exc:
+        parser.error(str(exc))
+    components = [c for c in COMPONENTS if not (args.no_server and c == "server")]
+    options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
+                           server_args=server_args, components=components)
+    # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        stack = Stack(options)
+        with stack:
+            print(stack.summary(), flush=True)
+            while not (dead := stack.dead()):
+                threading.Event().wait(1.0)
+            for name in dead:
+                process = stack.processes[name]
+                sys.stderr.write(f"gpuscope stack: {name} exited with status {process.exited()}; "
+                                 f"see {process.log_path}\n")
+            return 1
+    except StackError as exc:
+        sys.stderr.write(f"gpuscope stack: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("gpuscope stack: stopped\n")
+        return 0
