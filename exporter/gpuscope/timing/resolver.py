@@ -43,7 +43,8 @@ class Resolver:
         self._pending_devices: list[int] = []
         self._skip_cost_idle_s = 0.0
         self._record_cost_idle_s = 0.0
-        self._last_adapt = (time.monotonic(), 0, 0, 0.0)
+        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0)
+        self._busy_s = 0.0  # time spent resolving samples (the rest of the resolver's CPU is fixed)
         self._next_calibration = 0.0
         self._warned: set[str] = set()
 
@@ -83,7 +84,7 @@ class Resolver:
             self.timer.route.relax_capture_mode()
         except Exception as exc:
             self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
-        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time())
+        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time(), 0.0)
         self._next_calibration = time.monotonic() + self.timer.calibrate_every
         interval = self.timer.resolve_interval
         while not self._stop.wait(interval):
@@ -120,6 +121,7 @@ class Resolver:
                 last_of_stream[item[2]] = item[4]
         stream_done = {stream: query(end) for stream, end in last_of_stream.items()}
         taken = 0
+        t0 = time.perf_counter_ns()
         for item in snapshot:
             op, device, stream, start, end, trace_id, callback, keep_end = item
             pool = free.get(device)
@@ -155,6 +157,7 @@ class Resolver:
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
         for _ in range(taken):
             ring.popleft()
+        self._busy_s += (time.perf_counter_ns() - t0) * 1e-9
         self._update_lag(ring)
         return taken
 
@@ -257,12 +260,18 @@ class Resolver:
         return sum(op.entered for op in self.timer.ops())
 
     def _adapt(self, now: float) -> None:
+        """Set the sampling period so estimated cost stays within budget × wall time.
+
+        cost = sampled × (hot path + resolution per sample) + unsampled × skip cost
+               + the resolver's fixed wake-up cost
+        """
         timer = self.timer
-        then, entered0, sampled0, cpu0 = self._last_adapt
-        entered, sampled, cpu = self._entered(), timer.sampled, time.thread_time()
-        self._last_adapt = (now, entered, sampled, cpu)
+        then, entered0, sampled0, cpu0, busy0 = self._last_adapt
+        entered, sampled, cpu, busy = self._entered(), timer.sampled, time.thread_time(), self._busy_s
+        self._last_adapt = (now, entered, sampled, cpu, busy)
         wall = now - then
-        d_entered, d_sampled, resolver_cpu = entered - entered0, sampled - sampled0, cpu - cpu0
+        d_entered, d_sampled = entered - entered0, sampled - sampled0
+        resolver_cpu, resolving = cpu - cpu0, busy - busy0
         if wall <= 0:
             return
         hot = timer.hot_path_s or self._record_cost_idle_s
@@ -271,8 +280,9 @@ class Resolver:
         self.overhead_ratio = spent / wall
         if timer._fixed_rate or d_entered <= 0:
             return
-        per_sample = hot + (resolver_cpu / d_sampled if d_sampled else 0.0)
-        allowance = timer.budget * wall - d_entered * skip
+        per_sample = hot + (resolving / d_sampled if d_sampled else 0.0)
+        fixed = max(0.0, resolver_cpu - resolving)
+        allowance = timer.budget * wall - d_entered * skip - fixed
         ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / per_sample / d_entered))
         target = max(1, round(1 / ratio))
         # Move at most 4× per second so one noisy window cannot swing the rate.

@@ -34,6 +34,7 @@ class Route(Protocol):
     """The event operations the timer needs; ``record`` is the only one on the hot path."""
 
     name: str
+    on_host: bool  # True when events are host timestamps (no CUDA device or stream involved)
 
     def create(self) -> Any: ...
     def record(self, event: Any, stream: int) -> int: ...
@@ -47,6 +48,7 @@ class HostRoute:
     """Wall-clock stamps: an "event" is a one-element list holding ``perf_counter_ns``."""
 
     name = "host"
+    on_host = True
 
     def create(self) -> list[int]:
         return [0]
@@ -95,6 +97,7 @@ class CudartCtypesRoute:
     """CUDA runtime through ctypes on torch's own libcudart (same runtime instance as torch)."""
 
     name = "cudart-ctypes"
+    on_host = False
 
     def __init__(self, path: str | None = None) -> None:
         path = path or _loaded_libcudart()
@@ -152,6 +155,7 @@ class CudaBindingsRoute:
     """CUDA runtime through NVIDIA's ``cuda-bindings`` package."""
 
     name = "cuda-bindings"
+    on_host = False
 
     def __init__(self) -> None:
         from cuda.bindings import runtime
@@ -186,6 +190,7 @@ class TorchRoute:
     """``torch.cuda.Event``: always available with CUDA torch, about 4× dearer per record."""
 
     name = "torch"
+    on_host = False
 
     def __init__(self) -> None:
         import torch

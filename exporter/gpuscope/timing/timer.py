@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from gpuscope.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing.histogram import BucketHistogram
-from gpuscope.timing.routes import HostRoute, Route, pick_route
+from gpuscope.timing.routes import Route, pick_route
 
 log = logging.getLogger("gpuscope.timing")
 
@@ -159,7 +159,7 @@ class Timer:
         if resolve_interval <= 0 or pool_size < 4 or ring_size < 1:
             raise ValueError("resolve_interval must be > 0, pool_size >= 4 and ring_size >= 1")
         self.route: Route = route or pick_route(backend)
-        self.is_host = isinstance(self.route, HostRoute)
+        self.is_host = bool(getattr(self.route, "on_host", False))
         self.budget = 0.0 if sample_rate is not None else budget
         self.pool_size = pool_size
         self.ring_size = ring_size

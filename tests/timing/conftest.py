@@ -1,0 +1,70 @@
+"""Fakes for the timer's tests: a route whose clock the test controls."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gpuscope.timing import Timer
+
+
+class ScriptedRoute:
+    """Host-like route whose "GPU clock" advances by ``step`` seconds at every record.
+
+    Lets a test state exactly what each event pair measures, so baseline subtraction and
+    histogram placement are checked against known values. ``ready`` gates completion.
+    """
+
+    name = "scripted"
+    on_host = True
+
+    def __init__(self, step: float = 1e-6) -> None:
+        self.step = step
+        self.clock = 0.0
+        self.ready = True
+        self.records = 0
+        self.created: list[list[float]] = []
+        self.destroyed = 0
+
+    def create(self) -> list[float]:
+        event = [0.0]
+        self.created.append(event)
+        return event
+
+    def record(self, event: list[float], stream: int) -> int:
+        self.clock += self.step
+        event[0] = self.clock
+        self.records += 1
+        return 0
+
+    def query(self, event: list[float]) -> bool:
+        return self.ready
+
+    def elapsed_s(self, start: list[float], end: list[float]) -> float:
+        return end[0] - start[0]
+
+    def destroy(self, event: list[float]) -> None:
+        self.destroyed += 1
+
+    def relax_capture_mode(self) -> None:
+        pass
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def make_timer(registry):
+    timers: list[Timer] = []
+
+    def make(**kwargs) -> Timer:
+        kwargs.setdefault("backend", "host")
+        timer = Timer(registry if "registry" not in kwargs else kwargs.pop("registry"), **kwargs)
+        timers.append(timer)
+        return timer
+
+    yield make
+    for timer in timers:
+        timer.close(timeout=1.0)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from gpuscope.timing import instrument
+from tests.timing.conftest import ScriptedRoute
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.attn = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU())
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(self.norm(x))
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(32, 16), Block(), Block())
+
+
+def counts(registry, ops):
+    return {op: registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": "cpu"})
+            for op in ops}
+
+
+def test_exact_mode_times_default_modules_by_path_and_keeps_outputs(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+    m = model()
+    x = torch.randint(0, 32, (2, 5))
+    expected = m(x)
+    inst = timer.instrument(m)
+    assert inst.ops == ["0", "1.attn", "1.mlp", "2.attn", "2.mlp"]
+    for _ in range(3):
+        assert torch.equal(m(x), expected)
+    assert timer.flush(5)
+    assert set(counts(registry, inst.ops).values()) == {3}
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), \
+        "instrument() must not use forward hooks (they cost even when empty, LIMITS.md)"
+    inst.remove()
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
+    m(x)
+    assert timer.flush(5)
+    assert set(counts(registry, inst.ops).values()) == {3}
+
+
+def test_partition_mode_uses_n_plus_one_records_per_forward(make_timer, registry):
+    route = ScriptedRoute()
+    timer = make_timer(route=route, sample_rate=1.0)
+    m = model()
+    inst = timer.instrument(m, include=("attn", "mlp"), mode="partition")
+    assert inst.ops == ["1.attn", "1.mlp", "2.attn", "2.mlp"]
+    before = route.records
+    m(torch.randint(0, 32, (2, 5)))
+    assert route.records - before == 5
+    assert timer.flush(5)
+    assert set(counts(registry, inst.ops).values()) == {1}
+    inst.remove()
+
+
+def test_include_patterns_predicates_and_op_names(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+    m = model()
+    inst = timer.instrument(m, include="*.mlp", op_name=lambda path: "mlp")
+    assert inst.ops == ["mlp", "mlp"]
+    inst.remove()
+    inst = timer.instrument(m, include=lambda path, mod: isinstance(mod, torch.nn.LayerNorm))
+    assert inst.ops == ["1.norm", "2.norm"]
+    inst.remove()
+    with pytest.raises(ValueError, match="no submodule matched"):
+        timer.instrument(m, include=("nothing_here",))
+    with pytest.raises(ValueError, match="mode"):
+        instrument(timer, m, mode="fast")
+
+
+def test_sampled_out_forwards_only_count(make_timer, registry):
+    timer = make_timer(sample_rate=0.5)
+    m = model()
+    inst = timer.instrument(m, include=("attn",))
+    for _ in range(10):
+        m(torch.randint(0, 32, (1, 3)))
+    assert timer.flush(5)
+    assert registry.get_sample_value("gpuscope_regions_entered_total", {"op": "1.attn"}) == 10
+    assert counts(registry, ["1.attn"])["1.attn"] == 5
+    inst.remove()

@@ -1,0 +1,251 @@
+import logging
+import threading
+import time
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+from gpuscope.timing import Timer, trace
+from tests.conftest import promtool_check_metrics, wait_for
+from tests.timing.conftest import ScriptedRoute
+
+
+def sample_count(registry, op, device="cpu"):
+    return registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": device}) or 0
+
+
+def test_region_times_host_work_into_the_right_bucket(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+    for _ in range(3):
+        with timer.region("sleepy"):
+            time.sleep(0.012)  # the workload being timed, not a wait for the timer
+    assert timer.flush(5)
+    assert sample_count(registry, "sleepy") == 3
+    le_10ms = registry.get_sample_value("gpuscope_region_gpu_seconds_bucket",
+                                        {"op": "sleepy", "device": "cpu", "le": "0.01"})
+    le_25ms = registry.get_sample_value("gpuscope_region_gpu_seconds_bucket",
+                                        {"op": "sleepy", "device": "cpu", "le": "0.025"})
+    assert (le_10ms, le_25ms) == (0, 3)
+    total = registry.get_sample_value("gpuscope_region_gpu_seconds_sum", {"op": "sleepy", "device": "cpu"})
+    assert 0.036 <= total < 0.2
+
+
+def test_decorator_and_handles_time_and_callback_gets_seconds(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+
+    @timer.region("decorated")
+    def work(x):
+        return x * 2
+
+    assert work(21) == 42
+    got = []
+    handle = timer.start("explicit", on_elapsed=got.append)
+    time.sleep(0.005)
+    timer.stop(handle)
+    timer.stop(handle)  # a second stop is a no-op
+    assert timer.flush(5)
+    assert sample_count(registry, "decorated") == 1
+    assert len(got) == 1 and 0.004 < got[0] < 0.5
+
+
+def test_baseline_is_subtracted_and_exported(registry):
+    route = ScriptedRoute(step=2e-6)  # calibration pairs measure exactly 2 µs
+    timer = Timer(registry, route=route, sample_rate=1.0, calibrate_every=0)
+    try:
+        assert registry.get_sample_value("gpuscope_timer_baseline_seconds", {"device": "cpu"}) == \
+            pytest.approx(2e-6)
+        got = []
+        handle = timer.start("op", on_elapsed=got.append)
+        route.clock += 0.5  # the region's "GPU work"
+        timer.stop(handle)
+        assert timer.flush(5)
+        assert got == [pytest.approx(0.5, abs=1e-9)]  # 0.5 s + 2 µs record gap − 2 µs baseline
+    finally:
+        timer.close()
+
+
+def test_fixed_sampling_rate_times_one_in_four_and_counts_all(make_timer, registry):
+    timer = make_timer(sample_rate=0.25)
+    for _ in range(400):
+        with timer.region("op"):
+            pass
+    assert timer.flush(5)
+    assert registry.get_sample_value("gpuscope_regions_entered_total", {"op": "op"}) == 400
+    assert sample_count(registry, "op") == 100
+    assert registry.get_sample_value("gpuscope_timer_sampling_ratio", {"op": "op"}) == 0.25
+
+
+def test_full_ring_drops_and_counts_without_blocking(make_timer, registry):
+    timer = make_timer(sample_rate=1.0, ring_size=4, resolve_interval=30.0)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        with timer.region("op"):
+            pass
+    assert time.perf_counter() - t0 < 0.5
+    assert registry.get_sample_value("gpuscope_timer_dropped_samples_total", {"reason": "ring_full"}) == 6
+    assert registry.get_sample_value("gpuscope_timer_pending_samples") == 4
+    assert timer.flush(5)
+    assert sample_count(registry, "op") == 4
+
+
+def test_empty_pool_drops_and_counts(make_timer, registry):
+    route = ScriptedRoute()
+    route.ready = False  # nothing completes, so no event comes back to the pool
+    timer = make_timer(route=route, sample_rate=1.0, pool_size=6, resolve_interval=30.0)
+    for _ in range(5):
+        with timer.region("op"):
+            pass
+    assert registry.get_sample_value("gpuscope_timer_dropped_samples_total", {"reason": "pool_empty"}) == 2
+    route.ready = True
+    assert timer.flush(5)
+    assert sample_count(registry, "op") == 3
+
+
+def test_budget_mode_lowers_sampling_when_records_are_expensive(make_timer, registry):
+    class SlowRoute(ScriptedRoute):
+        def record(self, event, stream):
+            end = time.perf_counter() + 50e-6  # a 50 µs record: far over a 1% budget at this rate
+            while time.perf_counter() < end:
+                pass
+            return super().record(event, stream)
+
+    timer = make_timer(route=SlowRoute(), budget=0.01, resolve_interval=0.02)
+    deadline = time.monotonic() + 20
+    while timer._period < 32 and time.monotonic() < deadline:
+        for _ in range(200):
+            with timer.region("op"):
+                pass
+    assert timer._period >= 32, f"sampling period stayed at {timer._period}"
+    assert registry.get_sample_value("gpuscope_timer_sampling_ratio", {"op": "op"}) <= 1 / 32
+    assert registry.get_sample_value("gpuscope_timer_hot_path_seconds") > 50e-6
+
+
+def test_budget_mode_times_everything_when_cheap_and_rare(make_timer, registry):
+    timer = make_timer(budget=0.01, resolve_interval=0.02)
+    deadline = time.monotonic() + 20
+    while timer._period > 1 and time.monotonic() < deadline:
+        with timer.region("rare"):
+            time.sleep(0.002)  # a sparse workload: one region every 2 ms
+    assert timer._period == 1
+
+
+def test_exemplars_carry_the_active_trace_id(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+    with trace("4bf92f3577b34da6a3ce929d0e0e4736"), timer.region("op"):
+        pass
+    assert timer.flush(5)
+    text = generate_openmetrics(registry).decode()
+    assert '# {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"}' in text
+
+
+def test_graph_capture_skips_with_one_warning(make_timer, registry, caplog):
+    timer = make_timer(sample_rate=1.0)
+    timer._capturing = lambda: True
+    with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
+        for _ in range(3):
+            with timer.region("captured"):
+                pass
+    assert registry.get_sample_value("gpuscope_timer_dropped_samples_total", {"reason": "graph_capture"}) == 3
+    assert len([r for r in caplog.records if "graph capture" in r.message]) == 1
+
+
+def test_threads_share_one_timer_without_losing_regions(make_timer, registry):
+    timer = make_timer(sample_rate=1.0, ring_size=100_000, pool_size=100_000)
+
+    def work():
+        for _ in range(2000):
+            with timer.region("op"), timer.region("inner"):
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert timer.flush(10)
+    assert registry.get_sample_value("gpuscope_regions_entered_total", {"op": "op"}) == 8000
+    assert sample_count(registry, "op") == 8000
+    assert sample_count(registry, "inner") == 8000
+
+
+def test_close_frees_every_event_and_later_regions_are_harmless(registry):
+    route = ScriptedRoute()
+    timer = Timer(registry, route=route, sample_rate=1.0, pool_size=8)
+    with timer.region("op"):
+        pass
+    timer.close()
+    assert route.destroyed >= 8
+    with timer.region("op"):  # after close: nothing recorded, nothing raised
+        pass
+    assert not timer._resolver._thread.is_alive()
+
+
+def test_close_returns_within_timeout_when_gpu_never_finishes(registry):
+    route = ScriptedRoute()
+    route.ready = False
+    timer = Timer(registry, route=route, sample_rate=1.0)
+    with timer.region("op"):
+        pass
+    t0 = time.monotonic()
+    timer.close(timeout=0.3)
+    assert time.monotonic() - t0 < 2
+
+
+def test_resolver_survives_a_failing_callback(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+
+    def boom(seconds):
+        raise RuntimeError("user bug")
+
+    timer.stop(timer.start("op", on_elapsed=boom))
+    assert timer.flush(5)
+    assert timer._resolver.callback_errors == 1
+    with timer.region("op"):
+        pass
+    assert timer.flush(5)
+    assert sample_count(registry, "op") == 2
+
+
+def test_sequence_shares_boundaries(make_timer, registry):
+    route = ScriptedRoute()
+    timer = make_timer(route=route, sample_rate=1.0)
+    before = route.records
+    seq = timer.sequence()
+    with seq:
+        for op in ("a", "b", "c"):
+            seq.split(op)
+    assert route.records - before == 4  # N + 1 records for N regions
+    assert timer.flush(5)
+    assert [sample_count(registry, op) for op in "abc"] == [1, 1, 1]
+    assert len(timer._free[0]) == timer.pool_size  # every event back in the pool
+
+
+def test_exposition_passes_promtool(make_timer, registry):
+    timer = make_timer(sample_rate=1.0)
+    with trace("abc"), timer.region("op"):
+        pass
+    timer.flush(5)
+    promtool_check_metrics(generate_latest(registry))
+
+
+def test_bad_arguments_are_clear_errors(registry):
+    with pytest.raises(ValueError, match="sample_rate"):
+        Timer(registry, backend="host", sample_rate=2)
+    with pytest.raises(ValueError, match="budget"):
+        Timer(registry, backend="host", budget=0)
+    with pytest.raises(ValueError, match="unknown timing backend"):
+        Timer(registry, backend="quantum")
+
+
+def test_resolver_lag_reported_while_gpu_is_behind(make_timer, registry):
+    route = ScriptedRoute()
+    timer = make_timer(route=route, sample_rate=1.0, resolve_interval=0.01)
+    route.ready = False
+    with timer.region("op"):
+        pass
+    wait_for(lambda: registry.get_sample_value("gpuscope_timer_resolver_lag_seconds") > 0.05, 5,
+             what="resolver lag to grow")
+    route.ready = True
+    wait_for(lambda: registry.get_sample_value("gpuscope_timer_resolver_lag_seconds") == 0, 5,
+             what="resolver lag to clear")
