@@ -1,0 +1,136 @@
+"""The exporter assembled: NVML start-up, discovery, one sampler per collector, XID watcher, registry.
+
+``Exporter(config, nv=fake)`` runs the same code on a fake NVML as on the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+
+from gpuscope.nvml.api import NVMLError, error_text, real_nvml, text
+from gpuscope.nvml.calls import Calls
+from gpuscope.nvml.collectors import (
+    ClockEventCollector,
+    Collector,
+    DeviceCollector,
+    EnergyCollector,
+    GpuProcessCollector,
+    NvlinkCollector,
+    PcieThroughputCollector,
+    RemappedRowsCollector,
+)
+from gpuscope.nvml.config import Config
+from gpuscope.nvml.devices import Device, discover
+from gpuscope.nvml.exposition import ExporterCollector
+from gpuscope.nvml.health import Health
+from gpuscope.nvml.sampler import Sampler
+from gpuscope.nvml.store import Store
+from gpuscope.nvml.xid import XidWatcher
+
+log = logging.getLogger("gpuscope.exporter")
+
+
+class Exporter:
+    """Owns every thread of the exporter; ``start()`` never raises on NVML trouble."""
+
+    def __init__(self, config: Config, nv: Any = None, proc_root: str = "/proc",
+                 xid_wait_ms: int = 500) -> None:
+        self.config = config
+        self.nv = nv if nv is not None else real_nvml()
+        self.proc_root = proc_root
+        self.xid_wait_ms = xid_wait_ms
+        self.health = Health()
+        self.store = Store()
+        self.calls = Calls(self.nv, self.health)
+        self.devices: list[Device] = []
+        self.samplers: list[Sampler] = []
+        self.xid: XidWatcher | None = None
+        self.nvml_ok = False
+        self.driver_version = ""
+        self.registry = CollectorRegistry()
+        self._collector: ExporterCollector | None = None
+
+    def start(self) -> Exporter:
+        self._init_nvml()
+        self._collector = ExporterCollector(self.store, self.health, self.devices, self.driver_version)
+        self.registry.register(self._collector)
+        ProcessCollector(registry=self.registry)  # the exporter's own CPU and memory
+        cfg = self.config
+        for collector in self._collectors():
+            interval = cfg.slow_interval if collector.slow else cfg.interval
+            sampler = Sampler(collector, self.devices, interval, cfg.call_timeout, self.store, self.health,
+                              self.calls)
+            self.samplers.append(sampler)
+            sampler.start()
+        if "xid" in cfg.collectors and self.devices:
+            self.xid = XidWatcher(self.nv, self.devices, self.store, self.health, self.xid_wait_ms)
+            self.xid.start()
+        return self
+
+    def _init_nvml(self) -> None:
+        try:
+            self.nv.nvmlInit()
+        except NVMLError as exc:
+            self.health.count_error("nvmlInit")
+            log.warning("NVML unavailable (%s): serving exporter health with 0 GPUs", error_text(exc))
+            return
+        self.nvml_ok = True
+        try:
+            self.driver_version = text(self.nv.nvmlSystemGetDriverVersion())
+        except NVMLError:
+            self.health.count_error("nvmlSystemGetDriverVersion")
+        self.devices = discover(self.nv, self.health)
+        names = ", ".join(f"{d.label}={d.name}" for d in self.devices) or "none"
+        log.info("NVML ready (driver %s): %d GPU(s) and MIG instance(s): %s",
+                 self.driver_version or "?", len(self.devices), names)
+
+    def _collectors(self) -> list[Collector]:
+        if not self.nvml_ok:
+            return []
+        cfg, calls = self.config, self.calls
+        # Throttle seconds are credited only across gaps up to 2.5 intervals (see ClockEventCollector).
+        all_collectors: list[Collector] = [
+            DeviceCollector(calls),
+            ClockEventCollector(calls, max_gap=2.5 * cfg.interval),
+            EnergyCollector(calls),
+            RemappedRowsCollector(calls),
+            NvlinkCollector(calls),
+            PcieThroughputCollector(calls),
+            GpuProcessCollector(calls, cfg.processes_max, self.proc_root),
+        ]
+        return [c for c in all_collectors if c.name in cfg.collectors]
+
+    def healthz(self) -> dict:
+        """Body of ``/healthz``: always 200 while serving; says what is degraded."""
+        now = time.time()
+        snapshot = self.store.snapshot()
+        return {
+            "status": "ok",
+            "nvml": self.nvml_ok,
+            "gpus": len(self.devices),
+            "gpus_lost": self.health.lost_count(),
+            "staleness_seconds": {name: round(self.store.staleness(s, now), 3)
+                                  for name, s in snapshot.items()},
+        }
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every thread; NVML is shut down only if no call is still wedged inside it."""
+        for sampler in self.samplers:
+            sampler.stop()
+        if self.xid is not None:
+            self.xid.stop()
+        deadline = time.monotonic() + timeout
+        for sampler in self.samplers:
+            sampler.join(max(0.0, deadline - time.monotonic()))
+        if self.xid is not None:
+            self.xid.join(max(0.0, deadline - time.monotonic()))
+        if self.nvml_ok and not any(s.wedged for s in self.samplers):
+            try:
+                self.nv.nvmlShutdown()
+            except NVMLError:
+                self.health.count_error("nvmlShutdown")
+            self.nvml_ok = False
