@@ -18,7 +18,8 @@ TOKEN = "test-token-0123456789abcdef"
 def small_config(**overrides) -> ServerConfig:
     """CI-sized server: a 1-layer model, short context, small batches and queues."""
     base = ServerConfig(
-        model=ModelSpec(layers=1, dim=64, heads=4, context=256), tenants=parse_tenants("alpha:0.7:high,beta:0.3:low"),
+        model=ModelSpec(layers=1, dim=64, heads=4, context=256),
+        tenants=parse_tenants("alpha:0.7:high,beta:0.3:low"),
         default_tenant="alpha", max_batch_size=4, max_queue_per_tenant=16, max_tokens_limit=64,
         max_body_bytes=4096, timing="all")
     return replace(base, **overrides).validate()

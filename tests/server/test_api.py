@@ -168,7 +168,8 @@ def test_full_queue_answers_429_with_retry_after():
         assert all(r.status_code in (200, 429) for r in statuses)
         assert int(rejected[0].headers["Retry-After"]) >= 1
         assert "queue of tenant 'alpha' is full" in rejected[0].json()["error"]["message"]
-        assert srv.metric("gpuscope_requests_total", {"tenant": "alpha", "outcome": "rejected"}) == len(rejected)
+        counted = srv.metric("gpuscope_requests_total", {"tenant": "alpha", "outcome": "rejected"})
+        assert counted == len(rejected)
     finally:
         srv.stop()
 
