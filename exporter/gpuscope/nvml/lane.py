@@ -39,7 +39,7 @@ class Lane:
 
     def run(self, job: Callable[[], Any], timeout: float) -> tuple[bool, Any, BaseException | None]:
         """(finished, result, exception); (False, None, None) if ``job`` outlived ``timeout``."""
-        if self.busy:
+        if self.busy or self._stopping:
             return False, None, None
         self._result, self._error = None, None
         self._done.clear()

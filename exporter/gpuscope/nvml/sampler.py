@@ -65,12 +65,16 @@ class Sampler:
         """Sample every device once; True when every live device answered in time."""
         name, started, ok = self.collector.name, time.monotonic(), True
         for device in self.devices:
+            if self._stop.is_set():
+                return ok
             if self.health.is_lost(device.label):
                 self.store.drop(name, device.label)
                 continue
             lane = self.lanes[device.label]
             finished, samples, error = lane.run(partial(self.collector.sample, device), self.timeout)
             if not finished:
+                if self._stop.is_set():
+                    return ok  # shutting down, not a hang
                 ok = False
                 self._report_hang(device, lane)
                 self.store.mark_down(name, device.label)
