@@ -37,6 +37,7 @@ class Resolver:
         self.callback_errors = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._drain_lock = threading.Lock()
         self._head: Any = None
         self._head_since = 0.0
         self._calibration_streams: dict[int, Any] = {}
@@ -107,6 +108,12 @@ class Resolver:
 
     def drain(self) -> int:
         """Resolve every finished pair at the head of the ring; return how many were taken."""
+        # flush() may drain from a caller's thread while the resolver drains too; the lock (never
+        # taken on the hot path) keeps one pair from being observed twice.
+        with self._drain_lock:
+            return self._drain()
+
+    def _drain(self) -> int:
         timer = self.timer
         ring = timer._ring
         if not ring:
