@@ -298,6 +298,10 @@ DEVICE_MEMORY_ALLOCATED = _m("gpuscope_device_memory_allocated_bytes", "gauge",
 DEVICE_MEMORY_RESERVED = _m("gpuscope_device_memory_reserved_bytes", "gauge",
                             "Memory the server's allocator has reserved (torch reserved bytes on CUDA).",
                             "bytes", ("device",), area=SERVER)
+DEVICE_MEMORY_TOTAL = _m("gpuscope_device_memory_total_bytes", "gauge",
+                         "Memory the server's device has in all (torch total device memory on CUDA; the "
+                         "cgroup limit or physical memory on CPU): what leak alerts predict exhaustion of.",
+                         "bytes", ("device",), area=SERVER)
 PREEMPTIONS = _m("gpuscope_request_preemptions_total", "counter",
                  "Running requests paused for a higher-priority tenant's request (recomputed later).",
                  "preemptions", _T, area=SERVER)
