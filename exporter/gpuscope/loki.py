@@ -196,7 +196,7 @@ class LokiHandler(logging.Handler):
             if closing and time.monotonic() >= self._deadline:
                 break
             if not pending:
-                if not closing:
+                if not closing and len(self._buffer) < self.batch_size:
                     self._wake.wait(self.batch_interval)
                     self._wake.clear()
                 pending = self._take()
