@@ -1,0 +1,175 @@
+"""The one commented configuration of gpuscope's alerts: selectors, thresholds, windows, links.
+
+Everything a rule or Alertmanager route needs to know about the world lives here; the rule
+modules only turn it into PromQL/LogQL. Two profiles come from the same source:
+
+- ``PRODUCTION``: what users run (``alerts/prometheus/production/``, ``alerts/alertmanager.yml``);
+- ``TEST``: the same rules and thresholds with every window compressed by ``TEST_COMPRESSION``
+  (floored at ``TEST_MIN_WINDOW_S``), so that an end-to-end run with injected faults sees each alert
+  within a minute or two (``alerts/prometheus/test/``, ``alerts/alertmanager-test-profile.yml``).
+
+Durations are in seconds. After changing anything, regenerate:
+``python -m gpuscope.alerting.generate`` (tests fail on a stale file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from gpuscope.ports import PORTS
+
+
+@dataclass(frozen=True)
+class Selectors:
+    """PromQL/LogQL label matchers that pick each part of the stack (the job names of its scrape config)."""
+
+    server: str = 'job="gpuscope-server"'
+    exporter: str = 'job="gpuscope-exporter"'
+    node: str = 'job="node"'
+    #: Loki stream selector of the server's logs (its only stream labels are service and instance).
+    server_logs: str = 'service="gpuscope-server"'
+    #: Value of the ``service`` label every alert carries, which the Alertmanager routes match on.
+    server_service: str = "gpuscope-server"
+    exporter_service: str = "gpuscope-exporter"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Thresholds: identical in both profiles, so the test profile proves the production numbers."""
+
+    # Latency spikes: short-window p99 at least this many times the baseline p99 of the same op/endpoint.
+    latency_spike_ratio: float = 3.0
+    # Minimum traffic before a p99 may page: with ≥ 1 sample/s over a 5 m window, p99 ignores the
+    # slowest 3 of ≥ 300 samples, so one slow kernel or request cannot raise it.
+    kernel_min_samples_per_s: float = 1.0
+    request_min_requests_per_s: float = 0.5
+    # Queue wait near zero makes ratios meaningless (1 ms → 4 ms is "4×"): also require this p99.
+    queue_wait_min_p99_s: float = 0.5
+
+    # SLOs (multi-window multi-burn-rate, SRE workbook ch. 5). The latency objective must be a bucket
+    # boundary of the TTFT histogram (checked below), so "good" is read straight from one bucket.
+    slo_ttft_objective_s: float = 1.0
+    slo_ttft_target: float = 0.99
+    slo_availability_target: float = 0.999
+    #: Request outcomes that spend the availability budget (abort is the client's choice, not ours).
+    slo_bad_outcomes: tuple[str, ...] = ("error", "rejected")
+    #: Burn-rate factors: page at 14.4× (2% of a 30-day budget in 1 h) or 6× (5% in 6 h); ticket at 1×.
+    slo_page_fast_burn: float = 14.4
+    slo_page_slow_burn: float = 6.0
+    slo_ticket_burn: float = 1.0
+
+    # Memory leak: linear prediction over leak_window reaches the device's capacity within this horizon.
+    # Not compressed in the test profile: it is a sensitivity, not a detection delay.
+    leak_horizon_s: int = 4 * 3600
+
+    # Starvation: a tenant with backlog served less than this fraction of its configured GPU share.
+    underserved_share_fraction: float = 0.5
+
+    # Health.
+    exporter_stale_s: float = 30.0          # cached NVML values older than this are stale
+    #: XID codes that mean broken hardware or a lost GPU (NVIDIA's XID catalogue): ECC double-bit (48),
+    #: GSP/PMU/firmware errors (61, 62, 119, 120), row remapping events (63, 64), NVLink (74), fallen off
+    #: the bus (79), high single-bit ECC rate (92), contained/uncontained ECC (94, 95), GSP fatal (140).
+    #: Application faults such as 13, 31 and 43 are left out: they are the workload's bugs, not the GPU.
+    xid_critical: tuple[int, ...] = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140)
+    #: Clock-event reasons by cause, as regexes, so naming variants (sw_/hw_) of the exporter all match.
+    throttle_thermal_reasons: str = ".*thermal.*"
+    throttle_power_reasons: str = ".*power.*"
+    throttle_ratio: float = 0.5             # throttled more than half of the window
+    timer_drop_ratio: float = 0.01          # more than 1% of sampled regions lost their timing
+
+    # Logs (Loki ruler).
+    error_log_lines_per_s: float = 0.1      # error lines per second from one server instance
+    oom_log_line: str = "CUDA out of memory"
+
+    # Bottleneck classification (recording rules only, for the bottlenecks dashboard).
+    bottleneck_memory_ratio: float = 0.9    # host RAM or GPU framebuffer this full: memory_pressure
+    bottleneck_idle_ratio: float = 0.1      # both CPU and GPU below this: idle
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Windows and ``for`` durations (seconds): the only thing the test profile changes."""
+
+    latency: int = 5 * 60                   # short window of the p99 that is compared
+    latency_baseline: int = 24 * 3600       # history whose median p99 is the baseline
+    latency_for: int = 10 * 60              # > latency window: one slow request leaves it before this
+    slo_short_fast: int = 5 * 60
+    slo_long_fast: int = 3600
+    slo_short_slow: int = 30 * 60
+    slo_long_slow: int = 6 * 3600
+    slo_ticket_long: int = 3 * 24 * 3600
+    slo_page_for: int = 2 * 60
+    slo_ticket_for: int = 3600
+    leak: int = 3600                        # linear regression window of predict_linear
+    leak_growth: int = 5 * 60               # still growing over this window (a plateau ends it)
+    leak_for: int = 30 * 60                 # > a warm-up ramp: ramps shorter than for − growth pass
+    starvation: int = 5 * 60                # backlog throughout, and no tokens, over this window
+    starvation_for: int = 5 * 60
+    composite_for: int = 5 * 60             # two dimensions at once is stronger evidence: shorter wait
+    scrape_down_for: int = 2 * 60
+    exporter_stale_for: int = 2 * 60
+    gpu_lost_for: int = 60
+    xid: int = 15 * 60                      # an XID keeps its alert this long
+    throttle: int = 10 * 60
+    throttle_for: int = 10 * 60
+    timer_drop: int = 10 * 60
+    timer_drop_for: int = 10 * 60
+    logs: int = 5 * 60
+    logs_for: int = 60
+    bottleneck: int = 5 * 60
+
+    def compressed(self, factor: int, floor_s: int) -> Windows:
+        """Every window divided by ``factor``, at least ``floor_s``."""
+        return replace(self, **{f.name: max(floor_s, getattr(self, f.name) // factor) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Alertmanager timing (seconds) and the receiver."""
+
+    #: ≥ 2 evaluation intervals: a composite evaluated in a later rule group still arrives in time
+    #: to inhibit its components before their group is first sent.
+    group_wait: int = 60
+    group_interval: int = 5 * 60
+    repeat_interval: int = 4 * 3600
+    #: The project's alert receiver (`gpuscope receiver`); compose service name and its port. The
+    #: no-Docker stack rewrites this one value.
+    receiver_url: str = f"http://receiver:{PORTS['receiver']}/alerts"
+
+
+@dataclass(frozen=True)
+class Links:
+    """Where runbook and dashboard links in annotations point."""
+
+    #: docs/runbooks.md as served to people reading alerts; each alert links its own section.
+    runbook_base: str = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
+    grafana: str = f"http://localhost:{PORTS['grafana']}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One complete alerting configuration."""
+
+    name: str
+    evaluation_interval: int
+    windows: Windows
+    notify: Notify
+    selectors: Selectors = field(default_factory=Selectors)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    links: Links = field(default_factory=Links)
+
+
+#: Test-profile compression: 5 m → 20 s, 1 h → 4 m, 1 d → 96 m.
+TEST_COMPRESSION = 15
+#: Shortest test window: 4 scrapes at the stack's 5 s scrape interval, so rate() always has samples.
+TEST_MIN_WINDOW_S = 20
+
+PRODUCTION = Profile(name="production", evaluation_interval=30, windows=Windows(), notify=Notify())
+TEST = Profile(
+    name="test",
+    evaluation_interval=5,
+    windows=Windows().compressed(TEST_COMPRESSION, TEST_MIN_WINDOW_S),
+    notify=Notify(group_wait=15, group_interval=30, repeat_interval=3600),
+)
+PROFILES: dict[str, Profile] = {p.name: p for p in (PRODUCTION, TEST)}

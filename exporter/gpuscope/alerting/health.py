@@ -1,0 +1,114 @@
+"""Health of the parts that feed every other alert: scrapes, the exporter, the GPUs, the timer."""
+
+from __future__ import annotations
+
+from gpuscope import catalogue as m
+from gpuscope.alerting.config import Profile
+from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, sel
+
+
+def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
+    t, w = p.thresholds, p.windows
+    window = duration(w.throttle)
+    clock = sel(m.GPU_CLOCK_EVENT_SECONDS.name, p.selectors.exporter, f'reason=~"{reasons}"')
+    return Alert(
+        name=name, expr=f"max by (job, instance, gpu) (rate({clock}[{window}])) > {num(t.throttle_ratio)}",
+        for_s=w.throttle_for, severity="warning", service=p.selectors.exporter_service,
+        dashboard="gpuscope-fleet", dashboard_vars=("instance", "gpu"),
+        summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} is {cause} throttled",
+        description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} ran with its clocks held back "
+                     f"for {cause} reasons {{{{ $value | humanizePercentage }}}} of the last {window}."),
+        doc=Doc(what=f"Clocks held back for {cause} reasons (clock event reasons matching `{reasons}`)",
+                threshold=f"> {num(t.throttle_ratio * 100)}% of the time",
+                window=f"{window}, for {duration(w.throttle_for)}",
+                why="Brief throttling is normal under boost; half the time for many minutes means "
+                    "every kernel runs slower."))
+
+
+def groups(p: Profile) -> list[Group]:
+    s, t, w = p.selectors, p.thresholds, p.windows
+    srv, exp = s.server_service, s.exporter_service
+    xids = "|".join(str(x) for x in t.xid_critical)
+    xid_w = duration(w.xid)
+    drop_w = duration(w.timer_drop)
+    dropped = f"rate({sel(m.TIMER_DROPPED.name, s.server)}[{drop_w}])"
+    timed = f"rate({sel(m.REGION_GPU_SECONDS.series('_count'), s.server)}[{drop_w}])"
+    gpu_vars = ("instance", "gpu")
+    alerts = [
+        Alert(name="GPUServerDown", expr=f"up{{{s.server}}} == 0", for_s=w.scrape_down_for,
+              severity="critical", service=srv, dashboard="gpuscope-fleet",
+              summary="Inference server {{ $labels.instance }} is down",
+              description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
+                           f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
+                           f"the server is down or unreachable."),
+              doc=Doc(what="Server not scraped", threshold="up == 0",
+                      window=f"for {duration(w.scrape_down_for)}",
+                      why="Without the server's metrics no other server alert can fire.")),
+        Alert(name="GPUExporterDown", expr=f"up{{{s.exporter}}} == 0", for_s=w.scrape_down_for,
+              severity="warning", service=exp, dashboard="gpuscope-fleet",
+              summary="GPU exporter {{ $labels.instance }} is down",
+              description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
+                           f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
+                           f"GPU health on that host is unknown."),
+              doc=Doc(what="Exporter not scraped", threshold="up == 0",
+                      window=f"for {duration(w.scrape_down_for)}",
+                      why="The GPUs keep serving; only their visibility is lost, so a warning.")),
+        Alert(name="GPUExporterStale",
+              expr=f"{sel(m.EXPORTER_STALENESS.name, s.exporter)} > {num(t.exporter_stale_s)}",
+              for_s=w.exporter_stale_for, severity="warning", service=exp, dashboard="gpuscope-fleet",
+              summary="GPU exporter {{ $labels.instance }} serves stale {{ $labels.collector }} values",
+              description=("The {{ $labels.collector }} collector of {{ $labels.instance }} serves values "
+                           "{{ $value | humanizeDuration }} old: its NVML sampling is stuck or failing."),
+              doc=Doc(what="Cached NVML values not refreshed", threshold=f"> {num(t.exporter_stale_s)}s old",
+                      window=f"for {duration(w.exporter_stale_for)}",
+                      why="Scrapes never wait on NVML, so a hung NVML call shows up as age, not as a "
+                          "failed scrape.")),
+        Alert(name="GPULost", expr=f"{sel(m.EXPORTER_GPU_UP.name, s.exporter)} == 0", for_s=w.gpu_lost_for,
+              severity="critical", service=exp, dashboard="gpuscope-fleet", dashboard_vars=gpu_vars,
+              summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} stopped answering",
+              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} has not answered "
+                           f"NVML for {duration(w.gpu_lost_for)} (lost from the bus or failing)."),
+              doc=Doc(what="A GPU does not answer NVML", threshold="gpu_up == 0",
+                      window=f"for {duration(w.gpu_lost_for)}",
+                      why="Work on that GPU has stopped; usually needs a reset or a node drain.")),
+        Alert(name="GPUFellOffBus",
+              expr=f"increase({sel(m.EXPORTER_GPUS_LOST.name, s.exporter)}[{xid_w}]) > 0", for_s=0,
+              severity="critical", service=exp, dashboard="gpuscope-fleet",
+              summary="A GPU fell off the bus on {{ $labels.instance }}",
+              description=(f"NVML reported {{{{ $value | humanize }}}} GPU(s) lost from the bus on "
+                           f"{{{{ $labels.instance }}}} in the last {xid_w}."),
+              doc=Doc(what="NVML reported GPU_IS_LOST", threshold="any", window=xid_w,
+                      why="Fires even when the GPU is gone from the exporter's list (no gpu_up left).")),
+        Alert(name="GPUXidCritical",
+              expr=(f'increase({sel(m.GPU_XID_ERRORS.name, s.exporter, f"xid=~{chr(34)}{xids}{chr(34)}")}'
+                    f"[{xid_w}]) > 0\nor\n"
+                    f'time() - {sel(m.GPU_XID_LAST.name, s.exporter, f"xid=~{chr(34)}{xids}{chr(34)}")}'
+                    f" < {w.xid}"),
+              for_s=0, severity="critical", service=exp, dashboard="gpuscope-fleet", dashboard_vars=gpu_vars,
+              summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} reported critical XID "
+                       "{{ $labels.xid }}"),
+              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} reported XID "
+                           f"{{{{ $labels.xid }}}} in the last {xid_w}; this code means a hardware, memory "
+                           f"or driver fault, not an application bug."),
+              doc=Doc(what="An XID error with a hardware/driver code", threshold=f"XID in {xids}",
+                      window=f"{xid_w} after the error",
+                      why="The last-timestamp gauge also catches an XID series' first error, which "
+                          "increase() cannot see.")),
+        _throttle(p, "GPUThermalThrottling", "thermal", t.throttle_thermal_reasons),
+        _throttle(p, "GPUPowerThrottling", "power", t.throttle_power_reasons),
+        Alert(name="GPUTimerDroppingSamples",
+              expr=(f"sum by (job, instance, reason) ({dropped})\n/ on (job, instance) group_left ()\n"
+                    f"(\n  (sum by (job, instance) ({timed}) or sum by (job, instance) ({dropped}) * 0)\n"
+                    f"  + sum by (job, instance) ({dropped})\n)\n> {num(t.timer_drop_ratio)}"),
+              for_s=w.timer_drop_for, severity="warning", service=srv, dashboard="gpuscope-kernels",
+              summary="The kernel timer on {{ $labels.instance }} drops samples ({{ $labels.reason }})",
+              description=(f"{{{{ $value | humanizePercentage }}}} of sampled regions on "
+                           f"{{{{ $labels.instance }}}} lost their timing over {drop_w} (reason "
+                           f"{{{{ $labels.reason }}}}): kernel-time histograms undercount."),
+              doc=Doc(what="Sampled regions whose timing was lost",
+                      threshold=f"> {num(t.timer_drop_ratio * 100)}%",
+                      window=f"{drop_w}, for {duration(w.timer_drop_for)}",
+                      why="The hot path drops rather than blocks; sustained drops bias the kernel "
+                          "latency alerts, so they must be visible.")),
+    ]
+    return [Group("gpuscope-health", tuple(alerts))]

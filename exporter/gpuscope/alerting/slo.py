@@ -1,0 +1,105 @@
+"""SLO burn-rate alerts (SRE workbook, multi-window multi-burn-rate) on TTFT and availability.
+
+Burn rate = bad fraction over a window / error budget (1 − target). Page when both a long and a
+short window burn fast (the short one makes the alert resolve soon after the problem stops); open a
+ticket when the budget burns faster than it refills over days. Recorded per job (the service), with
+the window in a ``window`` label, so dashboards read the same numbers.
+"""
+
+from __future__ import annotations
+
+from gpuscope import catalogue as m
+from gpuscope.alerting import names
+from gpuscope.alerting.config import Profile
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num, sel
+
+LABELS = "job"
+
+
+def _budget(target: float) -> str:
+    return num(round(1.0 - target, 12))
+
+
+def _windows(p: Profile) -> list[int]:
+    w = p.windows
+    return sorted({w.slo_short_fast, w.slo_long_fast, w.slo_short_slow, w.slo_long_slow, w.slo_ticket_long})
+
+
+def ttft_objective_bucket(p: Profile) -> str:
+    """The ``le`` of the TTFT bucket that is the objective; it must be one of the catalogue's buckets."""
+    objective = p.thresholds.slo_ttft_objective_s
+    if objective not in (m.REQUEST_TTFT.buckets or ()):
+        raise ValueError(f"TTFT objective {objective}s is not a bucket of {m.REQUEST_TTFT.name}")
+    return le(objective)
+
+
+def _records(p: Profile) -> list[Record]:
+    s, t = p.selectors.server, p.thresholds
+    bucket = sel(m.REQUEST_TTFT.series("_bucket"), s, f'le="{ttft_objective_bucket(p)}"')
+    count = sel(m.REQUEST_TTFT.series("_count"), s)
+    bad = sel(m.REQUESTS.name, s, f'outcome=~"{"|".join(t.slo_bad_outcomes)}"')
+    total = sel(m.REQUESTS.name, s)
+    records = []
+    for seconds in _windows(p):
+        w = duration(seconds)
+        records.append(Record(
+            names.SLO_TTFT_BURN_RATE,
+            f"(1 - sum by ({LABELS}) (rate({bucket}[{w}])) / sum by ({LABELS}) (rate({count}[{w}])))\n"
+            f"/ {_budget(t.slo_ttft_target)}",
+            {"window": w}))
+        records.append(Record(
+            names.SLO_AVAILABILITY_BURN_RATE,
+            f"sum by ({LABELS}) (rate({bad}[{w}])) / sum by ({LABELS}) (rate({total}[{w}]))\n"
+            f"/ {_budget(t.slo_availability_target)}",
+            {"window": w}))
+    return records
+
+
+def _pair(record: str, long: int, short: int, factor: float) -> str:
+    f = num(factor)
+    return (f'{record}{{window="{duration(long)}"}} > {f}\n'
+            f'and ignoring (window)\n{record}{{window="{duration(short)}"}} > {f}')
+
+
+def _alerts(p: Profile, name: str, record: str, objective: str) -> list[Alert]:
+    t, w = p.thresholds, p.windows
+    fast = (w.slo_long_fast, w.slo_short_fast, t.slo_page_fast_burn)
+    slow = (w.slo_long_slow, w.slo_short_slow, t.slo_page_slow_burn)
+    ticket = (w.slo_ticket_long, w.slo_long_slow, t.slo_ticket_burn)
+    page_rule = (f"{num(fast[2])}× over {duration(fast[0])} and {duration(fast[1])}, or "
+                 f"{num(slow[2])}× over {duration(slow[0])} and {duration(slow[1])}")
+    ticket_rule = f"{num(ticket[2])}× over {duration(ticket[0])} and {duration(ticket[1])}"
+    page_expr = ("max without (window) (\n  (" + _pair(record, *fast).replace("\n", "\n   ") + ")\n"
+                 "  or ignoring (window)\n  (" + _pair(record, *slow).replace("\n", "\n   ") + ")\n)")
+    ticket_expr = "max without (window) (\n" + _pair(record, *ticket) + "\n)"
+    common = {"name": name, "service": p.selectors.server_service, "dashboard": "gpuscope-slo",
+              "dashboard_vars": ()}
+    return [
+        Alert(**common, expr=page_expr, for_s=w.slo_page_for, severity="critical",
+              summary=f"{{{{ $labels.job }}}} burns its {objective} error budget fast",
+              description=(f"{{{{ $labels.job }}}} burns the error budget of its objective ({objective}) at "
+                           f"{{{{ $value | humanize }}}}× the sustainable rate (pages at {page_rule})."),
+              doc=Doc(what=f"Error budget of {objective} burning fast (page)", threshold=page_rule,
+                      window=f"for {duration(w.slo_page_for)}",
+                      why="SRE workbook: 2% of a 30-day budget in 1 h, or 5% in 6 h; the short window "
+                          "lets the page resolve soon after the problem stops.")),
+        Alert(**common, expr=ticket_expr, for_s=w.slo_ticket_for, severity="warning",
+              summary=f"{{{{ $labels.job }}}} spends its {objective} error budget too fast",
+              description=(f"{{{{ $labels.job }}}} burns the error budget of its objective ({objective}) at "
+                           f"{{{{ $value | humanize }}}}× the sustainable rate ({ticket_rule}): the budget "
+                           f"will not last the period."),
+              doc=Doc(what=f"Error budget of {objective} burning slowly but steadily (ticket)",
+                      threshold=ticket_rule, window=f"for {duration(w.slo_ticket_for)}",
+                      why="A slow leak of budget no page catches; fix it in working hours.")),
+    ]
+
+
+def groups(p: Profile) -> list[Group]:
+    t = p.thresholds
+    ttft_obj = (f"{num(t.slo_ttft_target * 100)}% of requests with TTFT ≤ "
+                f"{num(t.slo_ttft_objective_s)}s")
+    avail_obj = (f"{num(t.slo_availability_target * 100)}% of requests without "
+                 f"{' or '.join(t.slo_bad_outcomes)}")
+    alerts = [*_alerts(p, "GPUServiceLatencyBudgetBurn", names.SLO_TTFT_BURN_RATE, ttft_obj),
+              *_alerts(p, "GPUServiceErrorBudgetBurn", names.SLO_AVAILABILITY_BURN_RATE, avail_obj)]
+    return [Group("gpuscope-slo", (*_records(p), *alerts))]
