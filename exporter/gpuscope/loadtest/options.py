@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import sys
 from dataclasses import dataclass
@@ -79,6 +80,15 @@ class Workload:
     seed: int
     temperature: float
 
+    def request_body(self, rng: random.Random) -> dict[str, Any]:
+        """The next streaming completion request of a user drawing from ``rng``."""
+        return {
+            "prompt": make_prompt(rng, self.prompt_tokens.draw(rng)),
+            "max_tokens": self.output_tokens.draw(rng),
+            "temperature": self.temperature,
+            "stream": True,
+        }
+
     @classmethod
     def from_options(cls, options: Any) -> Workload:
         """From Locust's parsed options; defaults where an option is absent (library use, tests)."""
@@ -92,6 +102,32 @@ class Workload:
             seed=int(get("seed", DEFAULT_SEED)),
             temperature=float(get("temperature", 0)),
         )
+
+
+#: Words prompts are made of: plain ASCII, so a byte-level tokenizer (gpuscope serve's) sees one
+#: token per character and a prompt of n characters is n tokens.
+_VOCABULARY = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "on", "with", "as", "by", "at", "from",
+    "this", "be", "are", "it", "an", "or", "was", "which", "all", "graph", "kernel", "memory",
+    "tensor", "stream", "event", "device", "queue", "batch", "token", "layer", "model", "cache",
+    "latency", "budget", "tenant", "share", "region", "sample", "window", "scrape", "alert",
+    "metric", "node", "driver",
+)
+
+
+def make_prompt(rng: random.Random, chars: int) -> str:
+    """Text of exactly ``chars`` ASCII characters, from random words."""
+    words = rng.choices(_VOCABULARY, k=chars // 2 + 1)  # words are >= 2 chars with their space
+    return " ".join(words)[:chars]
+
+
+def user_seed(base: int, process: int, number: int) -> str:
+    """Seed of one simulated user: the nth user started by a Locust process.
+
+    A string seed hashes the same way in every process and Python run, so the
+    same run seed gives the same requests whatever the process layout's timing.
+    """
+    return f"gpuscope-{base}-{process}-{number}"
 
 
 _TENANT = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")

@@ -26,37 +26,11 @@ from typing import Any, ClassVar
 
 from locust import FastHttpUser, constant, task
 
-from gpuscope.loadtest.options import Workload
+from gpuscope.loadtest.options import Workload, user_seed
 from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_sse_line
 
 COMPLETIONS_PATH = "/v1/completions"
 TENANT_HEADER = "X-Tenant"
-
-#: Words prompts are made of: plain ASCII, so a byte-level tokenizer (gpuscope serve's) sees one
-#: token per character and a prompt of n characters is n tokens.
-_VOCABULARY = (
-    "the", "of", "and", "to", "in", "is", "that", "for", "on", "with", "as", "by", "at", "from",
-    "this", "be", "are", "it", "an", "or", "was", "which", "all", "graph", "kernel", "memory",
-    "tensor", "stream", "event", "device", "queue", "batch", "token", "layer", "model", "cache",
-    "latency", "budget", "tenant", "share", "region", "sample", "window", "scrape", "alert",
-    "metric", "node", "driver",
-)
-
-
-def make_prompt(rng: random.Random, chars: int) -> str:
-    """Text of exactly ``chars`` ASCII characters, from random words."""
-    words = rng.choices(_VOCABULARY, k=chars // 2 + 1)  # words are >= 2 chars with their space
-    return " ".join(words)[:chars]
-
-
-def user_seed(base: int, process: int, number: int) -> str:
-    """Seed of one simulated user: the nth user started by a Locust process.
-
-    A string seed hashes the same way in every process and Python run, so the
-    same run seed gives the same requests whatever the process layout's timing.
-    """
-    return f"gpuscope-{base}-{process}-{number}"
-
 
 class CompletionsUser(FastHttpUser):
     """Sends streaming completions back to back (a closed loop: concurrency = users)."""
@@ -78,13 +52,7 @@ class CompletionsUser(FastHttpUser):
 
     @task
     def complete(self) -> None:
-        body = {
-            "prompt": make_prompt(self.rng, self.workload.prompt_tokens.draw(self.rng)),
-            "max_tokens": self.workload.output_tokens.draw(self.rng),
-            "temperature": self.workload.temperature,
-            "stream": True,
-        }
-        self.stream_completion(body)
+        self.stream_completion(self.workload.request_body(self.rng))
 
     def stream_completion(self, body: dict[str, Any]) -> StreamTiming:
         """POST one streaming completion; fire Locust entries and record exact figures."""
@@ -126,9 +94,10 @@ class CompletionsUser(FastHttpUser):
                 if chunk is DONE:
                     done = True
                 elif isinstance(chunk, Chunk):
-                    if chunk.is_token:
+                    if chunk.is_token or not timing.token_times:
+                        # A stream whose only chunk is the last one still has a first token.
                         timing.token(now)
-                    elif chunk.completion_tokens is not None:
+                    if chunk.completion_tokens is not None:
                         timing.reported_tokens = chunk.completion_tokens
         except StreamError as exc:
             return str(exc)
