@@ -1,12 +1,13 @@
 """Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
 
-from common import PromTarget, dashboard, instance_var, sel, stat, table, timeseries
+from common import PromTarget, dashboard, gpu_var, instance_var, sel, stat, table, timeseries
 
 from gpuscope import catalogue as m
+from gpuscope.alerting import names
 
-#: Recording rule from the alert rules (exporter/gpuscope/alerting/): one series per instance and class
-#: (cpu_bound, gpu_bound, memory_pressure, idle), 1 for the class that holds now.
-BOTTLENECK_CLASS = "gpuscope:bottleneck:class"
+# Recorded by the alert rules (gpuscope.alerting.bottleneck): one series per host with value 1 and label
+# class (memory_pressure, idle, gpu_bound, cpu_bound) for the class that holds now.
+BOTTLENECK_CLASS = names.BOTTLENECK_CLASS
 CPU_BUSY = ('1 - avg by (instance) (rate(node_cpu_seconds_total{mode="idle",instance=~"$instance"}'
             '[$__rate_interval]))')
 HOST_MEMORY = ('1 - node_memory_MemAvailable_bytes{instance=~"$instance"}'
@@ -21,16 +22,24 @@ dashboard = dashboard(
     description="Is each machine CPU-bound, GPU-bound, under memory pressure or idle? Host CPU and memory "
                 "from node_exporter next to GPU utilization and memory from gpuscope exporter.",
     tags=["gpu", "node"],
-    variables=[instance_var()],
+    variables=[instance_var(), gpu_var()],
     panels=[
-        table("Current class per instance",
-              PromTarget(f'{BOTTLENECK_CLASS}{{instance=~"$instance"}} == 1', instant=True, format="table"),
+        table("Current class per host",
+              PromTarget(f'{BOTTLENECK_CLASS}{{instance=~"$instance"}}', instant=True, format="table"),
               w=8, h=8, exclude=("Time", "__name__", "Value", "job"),
-              description="From the recording rule gpuscope:bottleneck:class."),
+              description=f"From the recording rule {BOTTLENECK_CLASS}: memory pressure first, then idle, "
+                          "then whichever of CPU and GPU is busier."),
         timeseries("Class over time",
-                   PromTarget(f'max by (instance, class) ({BOTTLENECK_CLASS}{{instance=~"$instance"}})',
-                              "{{instance}} {{class}}"), w=16, h=8, stack=True,
+                   PromTarget(f'max by (host, class) ({BOTTLENECK_CLASS}{{instance=~"$instance"}})',
+                              "{{host}} {{class}}"), w=16, h=8, stack=True,
                    description="1 while the class holds; one colour per class."),
+        timeseries("Classifier inputs (recorded)",
+                   PromTarget(f'{names.HOST_CPU_BUSY}{{instance=~"$instance"}}', "{{host}} busiest CPU core"),
+                   PromTarget(f'{names.HOST_GPU_BUSY}{{instance=~"$instance"}}', "{{host}} GPU"),
+                   PromTarget(f'{names.HOST_MEMORY_USED}{{instance=~"$instance"}}',
+                              "{{host}} fullest memory"),
+                   unit="percentunit", w=24,
+                   description="What the classification reads; GPU is 0 on hosts without GPUs."),
         stat("Host CPU busy", PromTarget(f"max({CPU_BUSY})"), unit="percentunit", w=6),
         stat("Host memory used", PromTarget(f"max({HOST_MEMORY})"), unit="percentunit", w=6),
         stat("GPU busy", PromTarget(f"avg({GPU_BUSY})"), unit="percentunit", w=6),

@@ -35,8 +35,8 @@ ALERTMANAGER_UID = "gpuscope-alertmanager"
 PROMETHEUS = {"type": "prometheus", "uid": PROMETHEUS_UID}
 LOKI = {"type": "loki", "uid": LOKI_UID}
 
-#: Stream selector of the reference server's logs in Loki (its push client sets these labels).
-SERVER_LOG_STREAM = '{service_name="gpuscope-server"}'
+#: Stream selector of the reference server's logs in Loki (its LokiHandler sets service and instance).
+SERVER_LOG_STREAM = '{service="gpuscope-server"}'
 
 #: LogQL that the exemplar link opens: every log line of the request whose trace id the exemplar carries.
 #: ``TRACE_ID`` is replaced by Grafana's ``${__value.raw}``; tools/logql checks the LogQL with it filled in.

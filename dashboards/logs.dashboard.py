@@ -16,6 +16,7 @@ from common import (
 )
 
 from gpuscope import catalogue as m
+from gpuscope.alerting import names
 
 # Tenant, level and trace id are structured metadata (not stream labels), filtered after the selector.
 FILTERED = SERVER_LOG_STREAM + ' | tenant=~"$tenant"'
@@ -31,8 +32,8 @@ dashboard = dashboard(
         stat("Alerts firing", PromTarget('count(ALERTS{alertstate="firing"}) or vector(0)'), w=6),
         stat("Notifications received / s", PromTarget(rate_expr(m.RECEIVER_NOTIFICATIONS)), unit="ops", w=6),
         stat("Log records dropped",
-             PromTarget(f"sum(increase({sel(m.LOG_RECORDS_DROPPED, labels=['instance'])}[$__range]))"
-                        " or vector(0)"), w=6,
+             PromTarget(f"sum(increase({sel(m.LOG_RECORDS_DROPPED, labels=['instance'])}[$__range]))"),
+             w=6,
              description="Records the server's Loki handler dropped over the range (queue full, rejected, "
                          "shutdown)."),
         stat("Log queue", PromTarget(f"sum({sel(m.LOG_QUEUE_RECORDS)})"), w=6,
@@ -41,6 +42,12 @@ dashboard = dashboard(
               PromTarget('ALERTS{alertstate="firing"}', instant=True, format="table"), w=24, h=7,
               exclude=("Time", "__name__", "Value", "alertstate"),
               description="What, where and how bad: one row per firing alert, with all its labels."),
+        timeseries("Degradation dimensions",
+                   PromTarget(f'max by (instance, dimension) ({names.DEGRADATION}{{instance=~"$instance"}})',
+                              "{{instance}} {{dimension}}"), w=24, h=6,
+                   description="1 while a dimension holds (latency spike, memory leak, starvation); two "
+                               "or more at once fire the composite GPUServiceDegraded, which inhibits its "
+                               "parts."),
         timeseries("Log lines by level",
                    LokiTarget(f"sum by (level) (count_over_time({FILTERED} [$__interval]))", "{{level}}"),
                    stack=True, w=12),

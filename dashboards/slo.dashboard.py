@@ -15,6 +15,7 @@ from common import (
 )
 
 from gpuscope import catalogue as m
+from gpuscope.alerting import names
 
 
 def percentiles(title: str, metric: m.Metric, description: str) -> object:
@@ -75,5 +76,11 @@ dashboard = dashboard(
                    PromTarget(quantile_expr(0.99, m.REQUEST_PREFILL), "prefill", exemplar=True),
                    PromTarget(quantile_expr(0.99, m.REQUEST_DECODE), "decode", exemplar=True),
                    unit="s", w=24),
+        timeseries("SLO burn rate: TTFT",
+                   PromTarget(f"max by (window) ({names.SLO_TTFT_BURN_RATE})", "{{window}}"), w=12,
+                   description="Bad fraction over the error budget, per window (recorded by the alert "
+                               "rules); pages at 14.4× over 1h/5m, 6× over 6h/30m."),
+        timeseries("SLO burn rate: availability",
+                   PromTarget(f"max by (window) ({names.SLO_AVAILABILITY_BURN_RATE})", "{{window}}"), w=12),
     ],
 )

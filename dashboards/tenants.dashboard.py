@@ -15,6 +15,7 @@ from common import (
 )
 
 from gpuscope import catalogue as m
+from gpuscope.alerting import names
 
 GPU_RATE = rate_expr(m.TENANT_GPU_SECONDS, by=["tenant"])
 SHARE = f"{GPU_RATE} / ignoring(tenant) group_left sum({GPU_RATE})"
@@ -50,6 +51,10 @@ dashboard = dashboard(
                 description="Queued to first scheduled, every selected tenant."),
         timeseries("Waiting requests per tenant", PromTarget(f"sum by (tenant) ({sel(m.QUEUE_DEPTH)})",
                                                              "{{tenant}}"), w=12),
+        timeseries("Recorded GPU-time share (starvation window)",
+                   PromTarget(f'{names.TENANT_GPU_SHARE}{{instance=~"$instance",tenant=~"$tenant"}}',
+                              "{{instance}} {{tenant}}"), unit="percentunit", w=12,
+                   description="The share the starvation alert compares with each tenant's quota."),
         timeseries("Starvation indicator", PromTarget(STARVING, "{{tenant}}"), w=12,
                    description="1 while a tenant has requests waiting and received no GPU time in the "
                                "interval."),

@@ -1,0 +1,28 @@
+# The gpuscope image: server, NVML exporter, alert receiver and Locust load tests.
+# Built by docker-compose.yml, which passes the pinned versions (PYTHON_IMAGE, TORCH_VERSION);
+# docker-compose.gpu.yml switches TORCH_INDEX_URL to CUDA wheels.
+#   docker compose build    (or: docker build --build-arg PYTHON_IMAGE=... --build-arg TORCH_VERSION=... .)
+ARG PYTHON_IMAGE
+FROM ${PYTHON_IMAGE}
+
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp
+
+# torch first, from the chosen index: a plain requirement would pull the multi-GB CUDA build on CPU.
+RUN test -n "${TORCH_VERSION}" || { echo "build with docker compose, or pass --build-arg TORCH_VERSION"; exit 1; } \
+ && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY exporter ./exporter
+RUN pip install ".[server,loadtest]"
+COPY loadtest ./loadtest
+
+# Non-root; compose runs it with a read-only root filesystem and a tmpfs /tmp (HOME above).
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gpuscope
+USER 10001
+EXPOSE 8000 9400 9095 8089
+ENTRYPOINT ["gpuscope"]
+CMD ["--help"]
