@@ -49,6 +49,9 @@ class ScriptedRoute:
     def relax_capture_mode(self) -> None:
         pass
 
+    def clear_error(self) -> None:
+        pass
+
 
 @pytest.fixture
 def registry() -> CollectorRegistry:

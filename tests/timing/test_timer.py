@@ -141,7 +141,8 @@ def test_exemplars_carry_the_active_trace_id(make_timer, registry):
 
 def test_graph_capture_skips_with_one_warning(make_timer, registry, caplog):
     timer = make_timer(sample_rate=1.0)
-    timer._capturing = lambda: True
+    timer._captures = [1]  # a capture is in progress somewhere...
+    timer._capturing = lambda: True  # ...and it is on this thread's stream
     with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
         for _ in range(3):
             with timer.region("captured"):

@@ -44,8 +44,9 @@ class Resolver:
         self._pending_devices: list[int] = []
         self._skip_cost_idle_s = 0.0
         self._record_cost_idle_s = 0.0
-        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0)
+        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0)
         self._busy_s = 0.0  # time spent resolving samples (the rest of the resolver's CPU is fixed)
+        self._active_s = 0.0  # wall time of resolver intervals in which some region was entered
         self._next_calibration = 0.0
         self._warned: set[str] = set()
 
@@ -85,13 +86,21 @@ class Resolver:
             self.timer.route.relax_capture_mode()
         except Exception as exc:
             self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
-        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time(), 0.0)
+        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time(),
+                            self._busy_s, self._active_s)
         self._next_calibration = time.monotonic() + self.timer.calibrate_every
         interval = self.timer.resolve_interval
+        last_wake, last_entered = time.monotonic(), self._entered()
         while not self._stop.wait(interval):
             try:
                 self.drain()
                 now = time.monotonic()
+                # The budget is a share of the time the program is busy in timed code: a server idle
+                # half the time must not spend its whole budget in the busy half.
+                entered = self._entered()
+                if entered != last_entered:
+                    self._active_s += now - last_wake
+                last_wake, last_entered = now, entered
                 while self._pending_devices:
                     self._calibrate(self._pending_devices.pop())
                 if now - self._last_adapt[0] >= ADAPT_EVERY_S:
@@ -270,13 +279,14 @@ class Resolver:
         """Set the sampling period so estimated cost stays within budget × wall time.
 
         cost = sampled × (hot path + resolution per sample) + unsampled × skip cost
-               + the resolver's fixed wake-up cost
+               + the resolver's fixed wake-up cost,
+        against the wall time of the resolver intervals in which regions were entered.
         """
         timer = self.timer
-        then, entered0, sampled0, cpu0, busy0 = self._last_adapt
+        _then, entered0, sampled0, cpu0, busy0, active0 = self._last_adapt
         entered, sampled, cpu, busy = self._entered(), timer.sampled, time.thread_time(), self._busy_s
-        self._last_adapt = (now, entered, sampled, cpu, busy)
-        wall = now - then
+        self._last_adapt = (now, entered, sampled, cpu, busy, self._active_s)
+        wall = self._active_s - active0
         d_entered, d_sampled = entered - entered0, sampled - sampled0
         resolver_cpu, resolving = cpu - cpu0, busy - busy0
         if wall <= 0:

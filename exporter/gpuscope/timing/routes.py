@@ -42,6 +42,7 @@ class Route(Protocol):
     def elapsed_s(self, start: Any, end: Any) -> float: ...
     def destroy(self, event: Any) -> None: ...
     def relax_capture_mode(self) -> None: ...
+    def clear_error(self) -> None: ...
 
 
 class HostRoute:
@@ -67,6 +68,9 @@ class HostRoute:
         pass
 
     def relax_capture_mode(self) -> None:
+        pass
+
+    def clear_error(self) -> None:
         pass
 
 
@@ -123,6 +127,7 @@ class CudartCtypesRoute:
         self._destroy.argtypes = [ctypes.c_void_p]
         self._exchange_mode = lib.cudaThreadExchangeStreamCaptureMode
         self._exchange_mode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self.clear_error = keep_gil.cudaGetLastError
 
     def create(self) -> int:
         handle = ctypes.c_void_p()
@@ -182,6 +187,9 @@ class CudaBindingsRoute:
     def destroy(self, event: Any) -> None:
         self._rt.cudaEventDestroy(event)
 
+    def clear_error(self) -> None:
+        self._rt.cudaGetLastError()
+
     def relax_capture_mode(self) -> None:
         self._rt.cudaThreadExchangeStreamCaptureMode(self._rt.cudaStreamCaptureMode(CUDA_STREAM_CAPTURE_MODE_RELAXED))
 
@@ -215,6 +223,9 @@ class TorchRoute:
         pass
 
     def relax_capture_mode(self) -> None:
+        pass
+
+    def clear_error(self) -> None:
         pass
 
 

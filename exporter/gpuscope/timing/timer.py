@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from gpuscope.catalogue import REGION_SECONDS_BUCKETS
+from gpuscope.timing import capture
 from gpuscope.timing.histogram import BucketHistogram
 from gpuscope.timing.routes import Route, pick_route
 
@@ -182,6 +183,7 @@ class Timer:
         self._warned_capture = False
         self._record = self.route.record
         self._trace_get = _trace_id.get
+        self._captures = capture.in_progress
         if self.is_host:
             self._device = lambda: 0
             self._stream = lambda device: 0
@@ -189,8 +191,10 @@ class Timer:
         else:
             import torch
 
+            capture.install()
             self._device = torch._C._cuda_getDevice
             self._stream = torch._C._cuda_getCurrentRawStream
+            # Asked only while some capture is in progress (see capture.py).
             self._capturing = torch._C._cuda_isCurrentStreamCapturing
         # Cost of the hot path, measured in context on a few sampled regions (see _end).
         self.hot_path_s = 0.0
@@ -304,6 +308,12 @@ class Timer:
                 self._resolver.add_device(device)
         return self._free[device]
 
+    def _record_failed(self) -> None:
+        """Count a failed record and clear CUDA's last-error slot, which torch checks after its next
+        kernel launch: our failure must not surface as an exception in the caller's code."""
+        self.dropped["error"] += 1
+        self.route.clear_error()
+
     def _note_capture(self) -> None:
         self.dropped["graph_capture"] += 1
         if not self._warned_capture:
@@ -326,7 +336,7 @@ class Timer:
         if self.closed:
             return None
         device = self._device()
-        if self._capturing():
+        if self._captures[0] and self._capturing():
             self._note_capture()
             return None
         try:
@@ -340,7 +350,7 @@ class Timer:
         stream = self._stream(device)
         if self._record(event, stream):
             free.append(event)
-            self.dropped["error"] += 1
+            self._record_failed()
             return None
         return (event, device, stream)
 
@@ -363,7 +373,7 @@ class Timer:
         if self._record(end, stream):
             free.append(end)
             free.append(start)
-            self.dropped["error"] += 1
+            self._record_failed()
             return
         # (op, device, stream, start, end, trace id, callback, keep end: it starts the next region)
         self._ring.append((op, device, stream, start, end, self._trace_get(), callback, False))
@@ -402,7 +412,7 @@ class Sequence:
             self.active = False
             return False
         state.countdown = state.period - 1
-        if timer._capturing():
+        if timer._captures[0] and timer._capturing():
             timer._note_capture()
             self.active = False
             return False
@@ -432,7 +442,7 @@ class Sequence:
         stream = timer._stream(device)
         if timer._record(event, stream):
             free.append(event)
-            timer.dropped["error"] += 1
+            timer._record_failed()
             self._close_open(None)
             return
         self._shared = self._close_open(event)
@@ -454,7 +464,7 @@ class Sequence:
         event = free.pop()
         if timer._record(event, self._stream):
             free.append(event)
-            timer.dropped["error"] += 1
+            timer._record_failed()
             self._close_open(None)
             return
         self._close_open(event, last=True)
