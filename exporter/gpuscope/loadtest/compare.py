@@ -1,0 +1,305 @@
+"""``python -m gpuscope.loadtest.compare``: Locust against several server configurations, side by side.
+
+For every repetition, and within it every configuration (interleaved, so slow
+drift of the machine spreads over all configurations instead of biasing the
+last one), it starts ``gpuscope serve`` on a free local port, runs Locust
+headless with the same seed, users and duration, stops the server, and keeps
+gpuscope's exact figures of the window after warm-up. It writes:
+
+* ``compare-NAME.md`` — tables of medians with [min–max] over repetitions, with plots;
+* ``compare-NAME.csv`` — one row per run and tenant scope, in base units;
+* ``compare-NAME-SET.png`` — one figure per configuration set;
+* per run, under ``--output.runs-dir``: Locust's HTML report, the exact samples,
+  and both processes' logs.
+
+A line per run shows progress, with a countdown while Locust runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from gpuscope.flags import FlagParser
+from gpuscope.loadtest import configs as config_sets
+from gpuscope.loadtest.configs import Config
+from gpuscope.loadtest.distributions import parse_distribution
+from gpuscope.loadtest.options import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
+from gpuscope.loadtest.recorder import load_samples
+from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
+from gpuscope.loadtest.serverproc import ServerError, ServerProcess
+from gpuscope.loadtest.stats import summarise, tenants_of
+
+PROG = "python -m gpuscope.loadtest.compare"
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+def _seconds(raw: str) -> float:
+    """``30``, ``30s``, ``2m`` → seconds."""
+    text = raw.strip().lower()
+    factor = 60.0 if text.endswith("m") else 1.0
+    number = text.rstrip("sm")
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration (e.g. 30s, 2m)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is negative")
+    return value
+
+
+def _int_list(raw: str) -> list[int]:
+    try:
+        values = [int(part) for part in raw.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: batch sizes must be at least 2 (1 is batching off, always included)")
+    return values
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(prog=PROG, description="Compare gpuscope serve configurations under the same Locust load.")
+    p.add_flag("--sets", default=",".join(config_sets.SETS),
+               help=f"configuration sets to run, comma-separated ({', '.join(config_sets.SETS)})")
+    p.add_flag("--repeats", type=int, default=3, help="repetitions of every configuration")
+    p.add_flag("--run.duration", type=_seconds, default=30.0, help="measured time of each run (30s, 2m)")
+    p.add_flag("--run.warmup", type=_seconds, default=5.0, help="time before measuring, left out of figures")
+    p.add_flag("--run.users", type=int, default=8, help="concurrent streaming users")
+    p.add_flag("--run.spawn-rate", type=float, default=100.0, help="users started per second")
+    p.add_flag("--run.processes", type=int, default=1,
+               help="Locust processes (--processes); 1 on small machines")
+    p.add_flag("--load.seed", type=int, default=DEFAULT_SEED, help="seed of every run's requests")
+    p.add_flag("--load.prompt-tokens", default=DEFAULT_PROMPT_TOKENS, help="prompt length distribution")
+    p.add_flag("--load.output-tokens", default=DEFAULT_OUTPUT_TOKENS, help="max_tokens distribution")
+    p.add_flag("--batch.sizes", type=_int_list, default=[4, 8, 16], help="batch sizes of the batching set")
+    p.add_flag("--server.args", default="", help="extra gpuscope serve flags for every configuration")
+    p.add_flag("--output.dir", default="benchmarks/results", help="where the table, CSV and plots go")
+    p.add_flag("--output.name", default="local", help="report name: compare-NAME.md, .csv, -SET.png")
+    p.add_flag("--output.runs-dir", default="",
+               help="per-run HTML reports, samples and logs (default: OUTPUT.DIR/compare-NAME-runs)")
+    p.add_flag("--output.label", default="", help="machine description for the report header")
+    return p
+
+
+@dataclass(frozen=True)
+class Settings:
+    configs: list[Config]
+    repeats: int
+    duration_s: float
+    warmup_s: float
+    users: int
+    spawn_rate: float
+    processes: int
+    seed: int
+    prompt_tokens: str
+    output_tokens: str
+    server_args: list[str]
+    out_dir: Path
+    name: str
+    runs_dir: Path
+    label: str
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    """Flags → Settings; every problem is one line from the parser and exit status 2."""
+    parser = build_parser()
+    ns = vars(parser.parse_args(list(argv)))
+    sets = [s.strip() for s in ns["sets"].split(",") if s.strip()]
+    try:
+        configs = config_sets.build(sets, ns["batch.sizes"])
+        for flag in ("load.prompt_tokens", "load.output_tokens"):
+            parse_distribution(ns[flag])
+        server_args = shlex.split(ns["server.args"])
+    except ValueError as exc:
+        parser.error(str(exc))
+    for flag, low in (("repeats", 1), ("run.users", 1), ("run.processes", 1)):
+        if ns[flag] < low:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {low}")
+    if ns["run.duration"] <= 0:
+        parser.error("--run.duration must be positive")
+    if not configs:
+        parser.error("--sets names no configuration set")
+    if locust_binary() is None:
+        parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
+    out_dir = Path(ns["output.dir"])
+    name = ns["output.name"]
+    return Settings(
+        configs=configs, repeats=ns["repeats"], duration_s=ns["run.duration"], warmup_s=ns["run.warmup"],
+        users=ns["run.users"], spawn_rate=ns["run.spawn_rate"], processes=ns["run.processes"],
+        seed=ns["load.seed"], prompt_tokens=ns["load.prompt_tokens"], output_tokens=ns["load.output_tokens"],
+        server_args=server_args, out_dir=out_dir, name=name,
+        runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
+        label=ns["output.label"])
+
+
+def locust_binary() -> str | None:
+    """The ``locust`` next to this Python (a virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("locust")
+    return str(beside) if beside.exists() else shutil.which("locust")
+
+
+def locust_command(settings: Settings, host: str, run_dir: Path) -> list[str]:
+    command = [
+        locust_binary() or "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "--host", host, "-u", str(settings.users), "-r", str(settings.spawn_rate),
+        "-t", f"{settings.warmup_s + settings.duration_s:g}s",
+        "--seed", str(settings.seed), "--prompt-tokens", settings.prompt_tokens,
+        "--output-tokens", settings.output_tokens,
+        "--html", str(run_dir / "locust.html"), "--samples-file", str(run_dir / "samples.json"),
+    ]
+    if settings.processes > 1:
+        command += ["--processes", str(settings.processes)]
+    return command
+
+
+def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> RunResult:
+    """One server start, one Locust run, one stop; the exact figures of the measured window."""
+    run_dir = settings.runs_dir / f"{config.key}-r{rep}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = run_dir / "samples.json"
+    samples_path.unlink(missing_ok=True)
+    total_s = settings.warmup_s + settings.duration_s
+    server_args = [*settings.server_args, *config.server_args]
+    with ServerProcess(server_args, log_path=run_dir / "serve.log") as server, \
+            open(run_dir / "locust.log", "wb") as log:
+        env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(locust_command(settings, server.url, run_dir), stdout=log,
+                                   stderr=subprocess.STDOUT, env=env)
+        _wait_with_countdown(process, total_s, progress)
+    if not samples_path.exists():
+        raise RuntimeError(f"Locust wrote no samples (exit {process.returncode}); "
+                           f"see {run_dir / 'locust.log'}")
+    data = load_samples(samples_path)
+    started, stopped = data["started"], data["stopped"]
+    window = (started + settings.warmup_s, max(stopped, started + settings.warmup_s + 1e-3))
+    requests = data["requests"]
+    summaries = {ALL: summarise(requests, *window)}
+    for tenant in tenants_of(requests):
+        summaries[tenant] = summarise(requests, *window, tenant=tenant)
+    note = f"{data['dropped']} requests beyond the recorder's cap" if data["dropped"] else ""
+    return RunResult(config, rep, summaries, html=str(run_dir / "locust.html"), note=note)
+
+
+def _wait_with_countdown(process: subprocess.Popen[bytes], total_s: float, progress: TextIO) -> None:
+    """Wait for Locust, showing seconds left; kill it if it overruns its own run time by far."""
+    started = time.monotonic()
+    deadline = started + total_s + 60.0
+    interactive = progress.isatty()
+    last_shown = -1
+    while process.poll() is None:
+        elapsed = time.monotonic() - started
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait(10)
+            raise RuntimeError(f"Locust ran {elapsed:.0f}s, past its {total_s:.0f}s run time; killed")
+        shown = int(elapsed) // (1 if interactive else 10)
+        if shown != last_shown:
+            last_shown = shown
+            text = f"    {min(elapsed, total_s):4.0f}/{total_s:.0f} s"
+            progress.write(("\r" + text) if interactive else (text + "\n"))
+            progress.flush()
+        time.sleep(0.2)
+    if interactive:
+        progress.write("\r" + " " * 20 + "\r")
+
+
+def _machine(label: str) -> str:
+    parts = [label] if label else []
+    parts.append(f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            gpus = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True, timeout=20).stdout.strip().splitlines()
+            if gpus:
+                parts.append(f"GPU: {gpus[0]}" + (f" (×{len(gpus)})" if len(gpus) > 1 else ""))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "; ".join(parts)
+
+
+def header(settings: Settings, started: dt.datetime) -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(settings.label),
+        "load": (f"{settings.users} streaming users (closed loop), seed {settings.seed}, prompts "
+                 f"`{settings.prompt_tokens}`, max_tokens `{settings.output_tokens}`, Locust "
+                 f"{version('locust')} × {settings.processes} process(es)"),
+        "runs": (f"{settings.repeats} repetitions × {len(settings.configs)} configurations, interleaved; "
+                 f"{settings.warmup_s:g} s warm-up + {settings.duration_s:g} s measured each; "
+                 f"a fresh server per run"),
+        "server": f"`gpuscope serve {' '.join(settings.server_args)}` + the configuration's flags",
+        "command": "`" + " ".join([PROG, *map(shlex.quote, sys.argv[1:])]) + "`",
+    }
+
+
+def _one_line(result: RunResult) -> str:
+    s = result.summaries[ALL]
+    ttft = "-" if s.ttft_p99_s is None else f"{s.ttft_p99_s * 1000:.1f}"
+    itl = "-" if s.itl_p99_s is None else f"{s.itl_p99_s * 1000:.2f}"
+    return (f"{s.rps:7.2f} req/s {s.tps:8.0f} tok/s  TTFT p99 {ttft} ms  ITL p99 {itl} ms  "
+            f"errors {s.error_rate:.1%}")
+
+
+def main(argv: Sequence[str] | None = None, progress: TextIO = sys.stdout) -> int:
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    started = dt.datetime.now(dt.timezone.utc)
+    plan = [(rep, config) for rep in range(1, settings.repeats + 1) for config in settings.configs]
+    per_run = settings.warmup_s + settings.duration_s + 5
+    progress.write(f"{len(plan)} runs of {settings.warmup_s + settings.duration_s:g} s "
+                   f"(about {len(plan) * per_run / 60:.1f} min with server starts)\n")
+    results: list[RunResult] = []
+    for index, (rep, config) in enumerate(plan, 1):
+        progress.write(f"[{index}/{len(plan)}] {config.set}/{config.label} rep {rep}/{settings.repeats}\n")
+        progress.flush()
+        try:
+            result = run_one(settings, config, rep, progress)
+        except (ServerError, RuntimeError, ValueError) as exc:
+            sys.stderr.write(f"{PROG}: {config.set}/{config.label} rep {rep}: {exc}\n")
+            return 1
+        results.append(result)
+        progress.write(f"    {_one_line(result)}\n")
+    write_outputs(settings, results, header(settings, started), progress)
+    return 0
+
+
+def write_outputs(settings: Settings, results: Sequence[RunResult], head: dict[str, str],
+                  progress: TextIO) -> list[Path]:
+    from gpuscope.loadtest.plots import plot_set  # matplotlib only when there is something to draw
+
+    out = settings.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"compare-{settings.name}"
+    plots: dict[str, str] = {}
+    written: list[Path] = []
+    for set_name in dict.fromkeys(r.config.set for r in results):
+        path = plot_set(results, set_name, out / f"{stem}-{set_name}.png",
+                        f"{set_name} — {head.get('machine', '')}")
+        plots[set_name] = path.name
+        written.append(path)
+    csv_path, md_path = out / f"{stem}.csv", out / f"{stem}.md"
+    write_csv(results, csv_path)
+    md_path.write_text(markdown(results, head, plots))
+    written += [csv_path, md_path]
+    progress.write("wrote " + ", ".join(str(p) for p in written)
+                   + f"; per-run reports in {settings.runs_dir}\n")
+    return written
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
