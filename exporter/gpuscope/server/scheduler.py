@@ -7,9 +7,10 @@ virtual time, plus an estimate for its requests still running, is lowest; a
 tenant that comes back from idle starts level with the busiest active one, so
 idleness banks no credit. A waiting request of a higher priority class may
 preempt a running request of a lower class when its tenant is behind the
-victim's tenant (the victim is requeued at the front and recomputed later), so
-high-priority latency holds under a low-priority flood without letting
-priority override shares. FCFS mode serves arrivals in order, for comparison.
+victim's tenant (the victim is requeued at the front and recomputed later),
+and while such a higher-class request runs, lower classes do not join the
+batch; so high-priority latency holds under a low-priority flood without
+letting priority override shares. FCFS mode serves arrivals in order, for comparison.
 
 Thread safety: the HTTP loop submits, the engine thread picks, the timer's
 resolver thread charges; one lock guards everything, held for microseconds.
@@ -186,6 +187,13 @@ class Scheduler:
             return None
         if self.mode == "fcfs":
             return min(waiting, key=lambda n: self._queues[n][0].seq)
+        # A lower class does not join (its prefill would slow every decode step) while a higher
+        # class within its share has requests running; the running ones keep decoding.
+        protected = [n for n, count in self._running.items() if count]
+        waiting = [n for n in waiting if not any(
+            self._specs[h].rank < self._specs[n].rank and self._key(h) <= self._key(n) for h in protected)]
+        if not waiting:
+            return None
         return min(waiting, key=lambda n: (self._key(n), self._specs[n].rank))
 
     def _reactivate(self, name: str) -> None:
