@@ -29,20 +29,19 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
 
-import torch  # noqa: E402
+import torch
 
-from gpuscope.server.config import ModelSpec, parse_tenants  # noqa: E402
-from gpuscope.server.engine import Done, Engine, Failed, Request  # noqa: E402
-from gpuscope.server.model import build_model  # noqa: E402
-from gpuscope.server.scheduler import QueueFull, Scheduler  # noqa: E402
-from gpuscope.server.timer_glue import build_timer  # noqa: E402
+from gpuscope.server.config import ModelSpec, parse_tenants
+from gpuscope.server.engine import Done, Engine, Failed, Request
+from gpuscope.server.model import build_model
+from gpuscope.server.scheduler import QueueFull, Scheduler
+from gpuscope.server.timer_glue import build_timer
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "hi_prio_p99_ratio": round(hi_flood / hi_alone, 3),
         "fcfs_hi_prio_p99_ratio": round(hi_fcfs / hi_alone, 3),
         "detail": {
-            "size": args.size, "model": {k: getattr(size.model, k) for k in ("layers", "dim", "heads", "context")},
+            "size": args.size,
+            "model": {k: getattr(size.model, k) for k in ("layers", "dim", "heads", "context")},
             "batch": size.batch, "max_tokens": size.max_tokens, "prompt_bytes": size.prompt_bytes,
             "timing": args.timing, "configured_shares": {"a": 0.7, "b": 0.3},
             "measured_shares": {k: round(v, 4) for k, v in shares["shares"].items()},
