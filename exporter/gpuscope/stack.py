@@ -222,7 +222,7 @@ class Stack:
     def start(self) -> None:
         """Render configs, start every part, wait until all are healthy (StackError if one is not)."""
         try:
-            self._prepare()
+            self.render_configs()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             for name in self.options.components:
                 self.processes[name] = process = self._process(name)
@@ -282,7 +282,8 @@ class Stack:
         host = self.options.host
         return f"[{host}]:{self.ports[part]}" if ":" in host else f"{host}:{self.ports[part]}"
 
-    def _prepare(self) -> None:
+    def render_configs(self) -> None:
+        """Write prometheus.yml and alertmanager.yml for local addresses into the run directory."""
         root = self.options.root
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         addresses = {name: self._address(name) for name in COMPONENTS}
@@ -312,18 +313,22 @@ class Stack:
         listen = self._address(name)
         run = self.run_dir
         gpuscope = [sys.executable, "-m", "gpuscope"]
-        argv = {
-            "server": [*gpuscope, "serve", "--web.listen-address", listen, *self.options.server_args],
-            "exporter": [*gpuscope, "exporter", "--web.listen-address", listen, *self.options.exporter_args],
-            "receiver": [*gpuscope, "receiver", "--web.listen-address", listen],
-            "prometheus": [self._binary("prometheus"), f"--config.file={run / 'prometheus.yml'}",
-                           f"--storage.tsdb.path={run / 'prometheus-data'}", f"--web.listen-address={listen}",
-                           "--enable-feature=exemplar-storage", "--storage.tsdb.retention.time=2d"],
-            "alertmanager": [self._binary("alertmanager"), f"--config.file={run / 'alertmanager.yml'}",
-                             f"--storage.path={run / 'alertmanager-data'}", f"--web.listen-address={listen}",
-                             "--cluster.listen-address="],  # no gossip port: several stacks can coexist
-            "node-exporter": [self._binary("node-exporter"), f"--web.listen-address={listen}"],
-        }[name]
+        if name == "server":
+            argv = [*gpuscope, "serve", "--web.listen-address", listen, *self.options.server_args]
+        elif name == "exporter":
+            argv = [*gpuscope, "exporter", "--web.listen-address", listen, *self.options.exporter_args]
+        elif name == "receiver":
+            argv = [*gpuscope, "receiver", "--web.listen-address", listen]
+        elif name == "prometheus":
+            argv = [self._binary(name), f"--config.file={run / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={run / 'prometheus-data'}", f"--web.listen-address={listen}",
+                    "--enable-feature=exemplar-storage", "--storage.tsdb.retention.time=2d"]
+        elif name == "alertmanager":
+            argv = [self._binary(name), f"--config.file={run / 'alertmanager.yml'}",
+                    f"--storage.path={run / 'alertmanager-data'}", f"--web.listen-address={listen}",
+                    "--cluster.listen-address="]  # no gossip port: several stacks can coexist
+        else:
+            argv = [self._binary(name), f"--web.listen-address={listen}"]
         return Process(name, argv, self.url(name), run / "logs" / f"{name}.log")
 
     def _wait_healthy(self) -> None:

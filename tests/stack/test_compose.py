@@ -1,0 +1,244 @@
+"""docker-compose.yml without a Docker engine: `docker-compose config`, mounts, ports, images, configs.
+
+Every file the compose file mounts must exist and be one that a test here validates; the mapping
+below says which test validates which file.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuscope.ports import PORTS
+from gpuscope.stack import Stack, StackOptions
+from tests.conftest import require_binary
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
+
+#: Every repository path the compose file mounts, and the test that validates it.
+VALIDATED = {
+    "deploy/prometheus/prometheus.yml": "test_prometheus_config_passes_promtool, "
+                                        "test_prometheus_jobs_and_ports",
+    "alerts/prometheus/production": "test_rendered_stack_configs_pass_promtool_and_amtool (promtool "
+                                    "loads the rules); alerts/tests via promtool test rules",
+    "alerts/alertmanager.yml": "test_rendered_stack_configs_pass_promtool_and_amtool (amtool check-config)",
+    "alerts/loki/production": "tests/dashboards/test_logql.py (Grafana's LogQL grammar), test_loki_config",
+    "deploy/loki/loki.yml": "test_loki_config",
+    "deploy/grafana/provisioning": "tests/dashboards/test_structure.py (datasource uids), "
+                                   "test_grafana_provisioning_matches_mounts",
+    "dashboards/json": "tests/dashboards (structure, regeneration, every query against live Prometheus)",
+}
+#: Host paths mounted read-only for node_exporter.
+HOST_MOUNTS = {"/proc", "/sys"}
+
+
+def compose_config(*files: Path, profile: str | None = None, password: str | None = "test-only",
+                   check: bool = True) -> subprocess.CompletedProcess:
+    binary = require_binary("docker-compose")
+    env = {"PATH": "/usr/bin:/bin"}
+    if password is not None:
+        env["GF_ADMIN_PASSWORD"] = password
+    argv = [binary, "--project-directory", str(ROOT)]
+    for f in files or (COMPOSE,):
+        argv += ["-f", str(f)]
+    if profile:
+        argv += ["--profile", profile]
+    result = subprocess.run([*argv, "config"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:
+    return yaml.safe_load(compose_config(profile="loadtest").stdout)
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_config_passes_for_cpu_gpu_and_loadtest():
+    compose_config()
+    gpu = yaml.safe_load(compose_config(COMPOSE, GPU_OVERRIDE).stdout)["services"]
+    for name in ("server", "exporter"):
+        (device,) = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "cu" in gpu["server"]["build"]["args"]["TORCH_INDEX_URL"].rsplit("/", 1)[-1]
+    loadtest = yaml.safe_load(compose_config(profile="loadtest").stdout)["services"]
+    assert {"locust-master", "locust-worker"} <= loadtest.keys()
+
+
+def test_no_default_grafana_password():
+    result = compose_config(password=None, check=False)
+    assert result.returncode != 0
+    assert "GF_ADMIN_PASSWORD" in result.stderr
+    assert re.search(r"GF_SECURITY_ADMIN_PASSWORD: \$\{GF_ADMIN_PASSWORD:\?", COMPOSE.read_text())
+
+
+def test_services(resolved):
+    services = resolved["services"]
+    assert {"server", "exporter", "node-exporter", "prometheus", "alertmanager", "loki", "grafana",
+            "receiver", "locust-master", "locust-worker"} <= services.keys()
+    for name in ("server", "exporter", "receiver", "locust-master", "locust-worker"):
+        assert services[name]["build"]["context"] == str(ROOT), f"{name} is built from this repository"
+    assert services["locust-master"]["command"][:3] == ["-f", "/app/loadtest/", "--master"]
+    assert services["locust-worker"]["command"][:3] == ["-f", "/app/loadtest/", "--worker"]
+    for name, service in services.items():
+        if not name.startswith("locust"):
+            assert "healthcheck" in service, f"{name} has no healthcheck"
+        for dep, cond in service.get("depends_on", {}).items():
+            assert cond["condition"] in ("service_healthy", "service_started"), (name, dep)
+
+
+def _bind_mounts(service: dict) -> list[tuple[str, str]]:
+    mounts = []
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2] if isinstance(volume, str) else (volume["source"],
+                                                                                volume["target"])
+        if source.startswith("/"):
+            mounts.append((source, target))
+    return mounts
+
+
+def test_every_mount_exists_and_is_validated(resolved):
+    mounted = set()
+    for name, service in resolved["services"].items():
+        for source, _ in _bind_mounts(service):
+            if source in HOST_MOUNTS:
+                assert name == "node-exporter", f"{name} mounts host path {source}"
+                continue
+            path = Path(source)
+            rel = path.relative_to(ROOT).as_posix()
+            assert path.exists(), f"{name} mounts {rel}, which does not exist"
+            assert rel in VALIDATED, f"{name} mounts {rel}, which no test validates: add one"
+            mounted.add(rel)
+    assert mounted == set(VALIDATED), f"validated but not mounted: {set(VALIDATED) - mounted}"
+
+
+def test_named_volumes_for_data(resolved):
+    assert {"prometheus-data", "alertmanager-data", "loki-data", "grafana-data"} <= resolved["volumes"].keys()
+
+
+def test_ports_match_the_ports_module(resolved):
+    services = resolved["services"]
+    for name, port in PORTS.items():
+        service = services.get(name) or services[f"{name}-master"]
+        text = " ".join(map(str, service.get("command", []))) + " " + str(service.get("healthcheck", ""))
+        if name not in ("grafana", "loki"):  # their ports come from the image default and loki.yml
+            assert re.search(rf"(0\.0\.0\.0:|--web-port ){port}\b", text), f"{name} does not listen on {port}"
+        for published in service.get("ports", []):
+            assert re.fullmatch(rf"\$?[\w{{}}:.-]*127\.0\.0\.1:{port}:{port}(/tcp)?", published), published
+    loki = yaml.safe_load((ROOT / "deploy" / "loki" / "loki.yml").read_text())
+    assert loki["server"]["http_listen_port"] == PORTS["loki"]
+
+
+def test_host_ports_local_unless_asked(raw):
+    for name, service in raw["services"].items():
+        for published in service.get("ports", []):
+            assert published.startswith("${GPUSCOPE_BIND:-127.0.0.1}:"), f"{name} publishes {published}"
+    published = {name for name, s in raw["services"].items() if s.get("ports")}
+    assert published == {"server", "prometheus", "alertmanager", "grafana", "locust-master"}
+
+
+def test_images_pinned_in_one_place(raw, resolved):
+    versions = raw["x-versions"]
+    for name, service in resolved["services"].items():
+        image = service["image"]
+        if image.startswith("gpuscope:"):
+            continue
+        assert image in versions.values(), f"{name}: {image} is not from x-versions"
+        assert re.search(r":v?\d+\.\d+\.\d+$", image), f"{name}: {image} is not pinned to a release"
+    pinned = re.search(r"torch==([\d.]+)", (ROOT / "scripts" / "test.sh").read_text()).group(1)
+    assert versions["torch"] == pinned, "torch pin differs from scripts/test.sh"
+    args = resolved["services"]["server"]["build"]["args"]
+    assert args["PYTHON_IMAGE"] == versions["python"] and args["TORCH_VERSION"] == versions["torch"]
+
+
+def test_dockerfile_runs_as_non_root_and_installs_the_server_extra():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M)
+    assert re.search(r"^USER 10001$", text, re.M)
+    assert 'pip install ".[server,loadtest]"' in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"!exporter/", "!loadtest/", "!pyproject.toml"} <= set(ignored)
+
+
+def test_prometheus_config_passes_promtool():
+    promtool = require_binary("promtool")
+    result = subprocess.run([promtool, "check", "config", "--syntax-only",
+                             str(ROOT / "deploy" / "prometheus" / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_jobs_and_ports():
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {}
+    for job in config["scrape_configs"]:
+        (group,) = job["static_configs"]
+        (target,) = group["targets"]
+        jobs[job["job_name"]] = target
+    assert jobs == {
+        "gpuscope-server": f"server:{PORTS['server']}",
+        "gpuscope-exporter": f"exporter:{PORTS['exporter']}",
+        "node": f"node-exporter:{PORTS['node-exporter']}",
+        "gpuscope-receiver": f"receiver:{PORTS['receiver']}",
+        "prometheus": f"prometheus:{PORTS['prometheus']}",
+        "alertmanager": f"alertmanager:{PORTS['alertmanager']}",
+    }
+    assert config["global"]["scrape_interval"] == "5s"
+    assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == [
+        f"alertmanager:{PORTS['alertmanager']}"]
+
+
+@pytest.mark.parametrize("profile", ["production", "test"])
+def test_rendered_stack_configs_pass_promtool_and_amtool(tmp_path, profile):
+    """The no-Docker stack's configs: the compose ones with local addresses, loading the real rules."""
+    promtool, amtool = require_binary("promtool"), require_binary("amtool")
+    stack = Stack(StackOptions(profile=profile, ports="free", run_dir=tmp_path), log=lambda line: None)
+    stack.render_configs()
+    prom, am = tmp_path / "prometheus.yml", tmp_path / "alertmanager.yml"
+    result = subprocess.run([promtool, "check", "config", str(prom)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"SUCCESS: \d+ rules found", result.stdout + result.stderr)
+    result = subprocess.run([amtool, "check-config", str(am)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in (prom, am):
+        text = path.read_text()
+        for service, port in PORTS.items():
+            assert not re.search(rf"(?<![\w.-]){service}:{port}\b", text), f"{service}:{port} left in {path}"
+    assert stack.url("receiver").removeprefix("http://") + "/alerts" in am.read_text()
+
+
+def test_loki_config(resolved):
+    config = yaml.safe_load((ROOT / "deploy" / "loki" / "loki.yml").read_text())
+    assert config["auth_enabled"] is False  # → tenant "fake"
+    (schema,) = config["schema_config"]["configs"]
+    assert (schema["store"], schema["schema"], schema["object_store"]) == ("tsdb", "v13", "filesystem")
+    assert config["limits_config"]["allow_structured_metadata"] is True
+    ruler = config["ruler"]
+    assert ruler["alertmanager_url"] == f"http://alertmanager:{PORTS['alertmanager']}"
+    rules_dir = ruler["storage"]["local"]["directory"]
+    mounts = dict((t, s) for s, t in _bind_mounts(resolved["services"]["loki"]))
+    assert mounts[rules_dir] == str(ROOT / "alerts" / "loki" / "production")
+    assert list((ROOT / "alerts" / "loki" / "production" / "fake").glob("*.yml")), "no rules for tenant fake"
+
+
+def test_grafana_provisioning_matches_mounts(resolved):
+    grafana = resolved["services"]["grafana"]
+    mounts = dict((t, s) for s, t in _bind_mounts(grafana))
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/gpuscope.yml").read_text())
+    (prov,) = provider["providers"]
+    assert mounts[prov["options"]["path"]] == str(ROOT / "dashboards" / "json")
+    assert mounts["/etc/grafana/provisioning"] == str(ROOT / "deploy" / "grafana" / "provisioning")
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / "dashboards" / "json" / Path(home).name).exists()

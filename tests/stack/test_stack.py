@@ -1,0 +1,142 @@
+"""`gpuscope stack`: config templating, option errors, and a live run of the command."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from gpuscope import stack as st
+from gpuscope.ports import PORTS
+from tests.conftest import require_binary, wait_for
+
+ADDRESSES = {"server": "127.0.0.1:18000", "receiver": "127.0.0.1:19095", "alertmanager": "127.0.0.1:19093"}
+
+
+def test_localize_rewrites_only_compose_addresses():
+    text = ("url: http://receiver:9095/alerts\n- server:8000\n- gpuscope-server:8000\n- myserver:8000\n"
+            "- server:80001\n- receiver:1234\n")
+    out = st.localize(text, ADDRESSES)
+    assert "http://127.0.0.1:19095/alerts" in out
+    assert "- 127.0.0.1:18000\n" in out
+    for untouched in ("gpuscope-server:8000", "myserver:8000", "server:80001", "receiver:1234"):
+        assert untouched in out
+
+
+def test_render_prometheus_config():
+    source = (Path(st.repo_root()) / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    addresses = {name: f"127.0.0.1:{20000 + i}" for i, name in enumerate(st.COMPONENTS)}
+    config = yaml.safe_load(st.render_prometheus_config(source, addresses, ["/rules/*.yml"], "1s"))
+    targets = {j["job_name"]: j["static_configs"][0]["targets"][0] for j in config["scrape_configs"]}
+    assert targets["gpuscope-server"] == addresses["server"]
+    assert targets["node"] == addresses["node-exporter"]
+    assert config["rule_files"] == ["/rules/*.yml"]
+    assert config["global"]["evaluation_interval"] == "1s"
+    assert config["global"]["scrape_interval"] == "5s"  # everything else as in the compose file
+
+
+def test_profiles_pick_their_rules_and_alertmanager_config():
+    root = st.repo_root()
+    assert st.rule_dir(root, "test") == root / "alerts" / "prometheus" / "test"
+    assert st.alertmanager_source(root, "production").name == "alertmanager.yml"
+    assert st.alertmanager_source(root, "test").name == "alertmanager-test-profile.yml"
+    for profile in st.PROFILES:
+        assert list(st.rule_dir(root, profile).glob("*.yml")), profile
+        assert st.alertmanager_source(root, profile).exists(), profile
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"profile": "staging"}, "profile"),
+    ({"ports": {"grafana": 1}}, "unknown parts"),
+    ({"ports": "random"}, "ports must be"),
+    ({"components": ["server", "loki"]}, "unknown parts"),
+])
+def test_bad_options_raise_one_line(options, needle):
+    with pytest.raises(st.StackError, match=needle) as err:
+        st.Stack(st.StackOptions(**options))
+    assert "\n" not in str(err.value)
+
+
+def test_missing_binary_names_the_debian_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    stack = st.Stack(st.StackOptions(ports="free", run_dir=tmp_path, components=["alertmanager"]),
+                     log=lambda line: None)
+    with pytest.raises(st.StackError, match="apt-get install prometheus-alertmanager"):
+        stack.start()
+
+
+def test_default_ports_are_the_ports_module():
+    stack = st.Stack(st.StackOptions(), log=lambda line: None)
+    assert {name: int(stack.url(name).rsplit(":", 1)[1]) for name in st.COMPONENTS} == \
+        {name: PORTS[name] for name in st.COMPONENTS}
+
+
+@pytest.mark.parametrize("argv", [["--stack.port", "nope"], ["--stack.port", "grafana=3000"],
+                                  ["--stack.profile", "staging"], ["--bogus"]])
+def test_bad_flags_exit_2_with_one_line(argv):
+    result = subprocess.run([sys.executable, "-m", "gpuscope", "stack", *argv], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distro
+def test_command_starts_everything_routes_an_alert_and_stops_on_sigterm(tmp_path):
+    """The CLI end to end: parts healthy, Prometheus scraping all six jobs, an alert through
+    Alertmanager (its templated webhook URL) to the receiver, and a clean stop on SIGTERM."""
+    for binary in ("prometheus", "prometheus-alertmanager", "prometheus-node-exporter"):
+        require_binary(binary)
+    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "stack", "--stack.profile", "test",
+                             "--stack.free-ports", "--stack.run-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: dict[str, str] = {}
+        while "prometheus" not in lines:  # the summary lists every part, prometheus last
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+            if match := re.match(r"\s+([\w-]+)\s+(http://\S+)$", line):
+                lines[match.group(1)] = match.group(2)
+        assert set(lines) == set(st.COMPONENTS)
+        prom, am, receiver = lines["prometheus"], lines["alertmanager"], lines["receiver"]
+
+        def all_jobs_up() -> bool:
+            result = requests.get(prom + "/api/v1/query", params={"query": "up == 1"}, timeout=5).json()
+            return {r["metric"]["job"] for r in result["data"]["result"]} == {
+                "gpuscope-server", "gpuscope-exporter", "node", "gpuscope-receiver", "prometheus",
+                "alertmanager"}
+
+        wait_for(all_jobs_up, timeout=60, interval=0.5, what="all six jobs up in Prometheus")
+        alert = [{"labels": {"alertname": "GpuscopeStackSmoke", "severity": "warning",
+                             "service": "gpuscope-server", "instance": "smoke"},
+                  "annotations": {"summary": "stack smoke test"}}]
+        requests.post(am + "/api/v2/alerts", json=alert, timeout=5).raise_for_status()
+
+        def delivered() -> bool:
+            notes = requests.get(receiver + "/alerts", timeout=5).json()["notifications"]
+            return any(a["labels"]["alertname"] == "GpuscopeStackSmoke"
+                       for n in notes for a in n["notification"]["alerts"])
+
+        wait_for(delivered, timeout=60, interval=0.5, what="the alert at the receiver (after group_wait)")
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) == len(st.COMPONENTS)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 20
+        for pid in children:
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"child {pid} outlived the stack"
+        assert (tmp_path / "logs" / "prometheus.log").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
