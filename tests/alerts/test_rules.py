@@ -1,0 +1,157 @@
+"""Generated rule files: current, valid, tested by promtool per area, and complete (labels, links, docs)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuscope.alerting import generate, names, slo
+from gpuscope.alerting.config import (
+    PRODUCTION,
+    PROFILES,
+    TEST,
+    TEST_COMPRESSION,
+    TEST_MIN_WINDOW_S,
+    Thresholds,
+)
+from gpuscope.alerting.rules import DASHBOARDS
+from tests.conftest import require_binary
+
+ROOT = generate.ROOT
+UNIT_TESTS = sorted((ROOT / "alerts/tests").glob("*.test.yml"))
+RULE_FILES = [generate.prometheus_rules_path(p) for p in PROFILES.values()]
+DURATION = re.compile(r"\b\d+[smhd]\b")
+
+
+def _rules(path: str) -> list[dict]:
+    return [r for g in yaml.safe_load((ROOT / path).read_text())["groups"] for r in g["rules"]]
+
+
+@pytest.mark.parametrize("rel", sorted(generate.outputs()))
+def test_generated_file_is_current(rel: str) -> None:
+    assert (ROOT / rel).read_text() == generate.outputs()[rel], "run: python -m gpuscope.alerting.generate"
+
+
+def test_generate_check_reports_stale_files(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "gpuscope.alerting.generate", "--root", str(tmp_path)]
+    stale = subprocess.run([*cmd, "--check"], capture_output=True, text=True, timeout=60)
+    assert stale.returncode == 1 and "alerts/alertmanager.yml" in stale.stderr
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    assert subprocess.run([*cmd, "--check"], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.distro
+@pytest.mark.parametrize("rel", RULE_FILES)
+def test_promtool_check_rules(rel: str) -> None:
+    result = subprocess.run([require_binary("promtool"), "check", "rules", str(ROOT / rel)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.distro
+@pytest.mark.parametrize("path", UNIT_TESTS, ids=lambda p: p.name)
+def test_promtool_unit_tests(path: Path) -> None:
+    result = subprocess.run([require_binary("promtool"), "test", "rules", path.name], cwd=path.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_prometheus_alert_is_tested_silent_and_firing() -> None:
+    firing, silent = set(), set()
+    for path in UNIT_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (firing if check.get("exp_alerts") else silent).add(check["alertname"])
+    alerts = {r["alert"] for r in _rules(generate.prometheus_rules_path(PRODUCTION)) if "alert" in r}
+    assert alerts - firing == set(), "never asserted firing"
+    assert alerts - silent == set(), "never asserted silent"
+
+
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
+def test_every_alert_has_severity_service_and_links(profile) -> None:
+    runbook_anchors = {h.strip().lower() for h in
+                       re.findall(r"^## (\w+)\s*$", (ROOT / "docs/runbooks.md").read_text(), re.M)}
+    for alert in generate.all_alerts(profile):
+        rendered = alert.render(profile)
+        assert rendered["labels"]["severity"] in ("critical", "warning")
+        assert rendered["labels"]["service"]
+        ann = rendered["annotations"]
+        assert ann["summary"] and ann["description"]
+        base, anchor = ann["runbook_url"].split("#")
+        assert base == profile.links.runbook_base and anchor in runbook_anchors, alert.name
+        dashboards = "|".join(DASHBOARDS)
+        assert re.fullmatch(rf"{profile.links.grafana}/d/({dashboards})(\?.*)?", ann["dashboard_url"])
+
+
+def test_runbooks_have_one_section_per_alert_and_no_orphans() -> None:
+    headings = re.findall(r"^## (\w+)\s*$", (ROOT / "docs/runbooks.md").read_text(), re.M)
+    assert sorted(headings) == sorted({a.name for a in generate.all_alerts(PRODUCTION)})
+    text = (ROOT / "docs/runbooks.md").read_text()
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        for part in ("Meaning", "First checks", "Fixes"):
+            assert f"**{part}**" in section, (section.splitlines()[0], part)
+
+
+def test_recording_rule_names_are_exported_constants() -> None:
+    recorded = {r["record"] for r in _rules(generate.prometheus_rules_path(PRODUCTION)) if "record" in r}
+    exported = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
+    assert recorded == exported - {""}
+
+
+def test_test_profile_is_production_with_compressed_windows() -> None:
+    """Same rules, labels, thresholds and annotations; only durations differ, and only downwards."""
+    def norm(text: str, profile) -> str:
+        # Durations, and windows written as plain seconds (e.g. the XID age), become "D".
+        seconds = {str(v) for v in vars(profile.windows).values()}
+        text = DURATION.sub("D", text)
+        return re.sub(r"\b\d+\b", lambda m: "D" if m.group() in seconds else m.group(), text)
+
+    prod, test = (_rules(generate.prometheus_rules_path(p)) for p in (PRODUCTION, TEST))
+    assert len(prod) == len(test)
+    for a, b in zip(prod, test, strict=True):
+        assert (a.get("record"), a.get("alert")) == (b.get("record"), b.get("alert"))
+        for key in ("labels", "annotations"):
+            for k in a.get(key, {}):
+                assert norm(a[key][k], PRODUCTION) == norm(b[key][k], TEST), (a.get("alert"), k)
+        assert norm(a["expr"], PRODUCTION) == norm(b["expr"], TEST), a.get("alert") or a.get("record")
+    for field_name, value in vars(TEST.windows).items():
+        assert value == max(TEST_MIN_WINDOW_S, getattr(PRODUCTION.windows, field_name) // TEST_COMPRESSION)
+    assert TEST.thresholds == PRODUCTION.thresholds
+
+
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
+def test_group_wait_lets_the_composite_arrive_first(profile) -> None:
+    assert profile.notify.group_wait >= 2 * profile.evaluation_interval
+
+
+def test_test_profile_detects_each_fault_within_a_few_minutes() -> None:
+    """Worst case from fault start to firing: window to fill + for (+ one evaluation)."""
+    w, ev = TEST.windows, TEST.evaluation_interval
+    assert w.latency + w.latency_for + ev <= 120
+    assert w.starvation + w.starvation_for + ev <= 120
+    assert w.composite_for + ev <= 60
+    assert w.slo_short_fast + w.slo_page_for + ev <= 120
+    assert w.leak_growth + w.leak_for + ev <= 180  # plus the time the trend needs to point past capacity
+
+
+def test_slo_objective_must_be_a_ttft_bucket() -> None:
+    bad = replace(PRODUCTION, thresholds=replace(Thresholds(), slo_ttft_objective_s=0.9))
+    with pytest.raises(ValueError, match="not a bucket"):
+        slo.ttft_objective_bucket(bad)
+
+
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
+def test_loki_rules_use_only_the_server_stream_labels(profile) -> None:
+    doc = yaml.safe_load((ROOT / generate.loki_rules_path(profile)).read_text())
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == {"GPUServerCUDAOutOfMemory", "GPUServerErrorLogBurst"}
+    for rule in rules:
+        selectors = re.findall(r"\{([^}]*)\}", rule["expr"])
+        assert selectors == [profile.selectors.server_logs], rule["expr"]
+        assert "sum by (service, instance)" in rule["expr"]
