@@ -12,7 +12,9 @@ from gpuscope.nvml.exporter import Exporter
 from tests.nvml.fake_nvml import FakeNvml
 
 #: Short cadences so rounds happen often; every wait in the tests is a deadline, never a sleep.
-FAST = Config(interval=0.05, slow_interval=0.1, call_timeout=0.3)
+#: The call timeout stays generous (a loaded 2-core CI box can stall a thread for a while);
+#: tests of hung calls set their own.
+FAST = Config(interval=0.05, slow_interval=0.1, call_timeout=2.0)
 
 
 @pytest.fixture
@@ -38,6 +40,16 @@ def start_exporter() -> Iterator[Callable[..., Exporter]]:
             for event in gpu.hangs.values():
                 event.set()
         exporter.stop()
+
+
+def wait_first_rounds(exporter: Exporter) -> None:
+    """Until every running collector has finished a round."""
+    from tests.conftest import wait_for
+
+    for sampler in exporter.samplers:
+        name = sampler.collector.name
+        wait_for(lambda n=name: (value(exporter, "gpuscope_exporter_last_success_timestamp_seconds",
+                                       collector=n) or 0) > 0, what=f"first {name} round")
 
 
 def value(exporter: Exporter, name: str, /, **labels: str) -> float | None:

@@ -17,7 +17,7 @@ from gpuscope import catalogue as cat
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.server import ExporterServer
 from tests.conftest import promtool_check_metrics, wait_for
-from tests.nvml.conftest import value
+from tests.nvml.conftest import value, wait_first_rounds
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess
 
 
@@ -29,24 +29,11 @@ def served(start_exporter) -> Iterator[tuple[str, Exporter]]:
                                                   "nvlink", "xid", "pcie_throughput", "processes"}))
     server = ExporterServer(("127.0.0.1", 0), ex.registry, ex.healthz)
     server.serve_in_thread()
-    wait_for(lambda: value(ex, cat.GPU_PROCESS_MEMORY.name, gpu="0", pid=str(os.getpid()), process=_comm(),
-                           container_id=_cid()) is not None, what="every collector")
-    wait_for(lambda: value(ex, cat.GPU_PCIE_THROUGHPUT.name, gpu="1", direction="tx") is not None)
+    wait_first_rounds(ex)
+    wait_for(lambda: value(ex, cat.GPU_XID_ERRORS.name, gpu="1", xid="79") is not None, what="xid thread")
     yield server.url, ex
     server.shutdown()
     server.server_close()
-
-
-def _comm() -> str:
-    with open(f"/proc/{os.getpid()}/comm") as f:
-        return f.read().strip()
-
-
-def _cid() -> str:
-    from gpuscope.nvml.procinfo import container_id
-
-    with open(f"/proc/{os.getpid()}/cgroup") as f:
-        return container_id(f.read())
 
 
 def test_metrics_exposition_passes_promtool(served) -> None:

@@ -55,29 +55,39 @@ def test_process_names_cache_and_forget(tmp_path: Path) -> None:
     assert names.lookup(7)[0] == "reused"
 
 
+def _round(ex, name: str) -> None:
+    """One round of a collector on this thread (its own thread sleeps an hour after its first)."""
+    sampler = next(s for s in ex.samplers if s.collector.name == name)
+    wait_for(lambda: value(ex, cat.EXPORTER_LAST_SUCCESS.name, collector=name), what=f"first {name} round")
+    assert sampler.run_round()
+
+
 def test_per_process_memory_and_sm_utilization(start_exporter, tmp_path: Path) -> None:
     _proc(tmp_path, 100, "vllm", f"0::/system.slice/docker-{CID}.scope\n")
     _proc(tmp_path, 200, "python", "0::/user.slice\n")
     gpu = FakeGpu(util_gpu=99, mem_used=40 * 2**30,
                   processes=[FakeProcess(100, 30 * 2**30), FakeProcess(200, 2**30)],
                   proc_samples=[(100, 1_000, 90), (100, 2_000, 70)])
-    nv = FakeNvml([gpu])
-    ex = start_exporter(nv, proc_root=str(tmp_path), collectors=frozenset({"device", "processes"}))
+    ex = start_exporter(FakeNvml([gpu]), proc_root=str(tmp_path), slow_interval=3600,
+                        collectors=frozenset({"device", "processes"}))
     a = {"gpu": "0", "pid": "100", "process": "vllm", "container_id": CID}
     b = {"gpu": "0", "pid": "200", "process": "python", "container_id": ""}
-    wait_for(lambda: value(ex, cat.GPU_PROCESS_MEMORY.name, **a) is not None, what="process round")
+    wait_for(lambda: value(ex, cat.GPU_PROCESS_MEMORY.name, **a) is not None, what="first process round")
     assert value(ex, cat.GPU_PROCESS_MEMORY.name, **a) == 30 * 2**30
     assert value(ex, cat.GPU_PROCESS_MEMORY.name, **b) == 2**30
     # Each process's own samples, never the device's 99%: mean of 90 and 70; none for pid 200 → 0.
     assert value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **a) == pytest.approx(0.8)
     assert value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **b) == 0.0
     assert value(ex, cat.EXPORTER_PROCESSES_OMITTED.name, gpu="0") == 0
-    # Later rounds ask only for newer samples; with none, a process counts as idle.
-    wait_for(lambda: value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **a) == 0.0, what="no new samples")
+    # The next round asks only for newer samples; with none, a process counts as idle.
+    _round(ex, "processes")
+    assert value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **a) == 0.0
     gpu.proc_samples.append((100, 3_000, 40))
-    wait_for(lambda: value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **a) == pytest.approx(0.4))
+    _round(ex, "processes")
+    assert value(ex, cat.GPU_PROCESS_SM_UTILIZATION.name, **a) == pytest.approx(0.4)
     gpu.processes = [FakeProcess(200, 2**30)]  # pid 100 left the GPU
-    wait_for(lambda: value(ex, cat.GPU_PROCESS_MEMORY.name, **a) is None, what="exited process dropped")
+    _round(ex, "processes")
+    assert value(ex, cat.GPU_PROCESS_MEMORY.name, **a) is None
 
 
 def test_process_count_is_capped_largest_first(start_exporter, tmp_path: Path) -> None:

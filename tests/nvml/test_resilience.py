@@ -91,7 +91,7 @@ def test_slow_call_does_not_delay_the_fast_collector(start_exporter, fake) -> No
         fake.gpus[0].temp_c = temp
         wait_for(lambda t=temp: value(ex, cat.GPU_TEMPERATURE.name, gpu="0") == t, timeout=2.0)
     assert value(ex, cat.EXPORTER_COLLECTION_SECONDS.name, collector="energy") >= 0.5
-    assert value(ex, cat.EXPORTER_COLLECTION_SECONDS.name, collector="device") < 0.1
+    assert value(ex, cat.EXPORTER_COLLECTION_SECONDS.name, collector="device") < 0.25
     assert value(ex, cat.EXPORTER_STALENESS.name, collector="device") < 0.5
 
 

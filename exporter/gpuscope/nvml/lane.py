@@ -13,6 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 
+class LaneStopped(Exception):
+    """The lane was stopped before it ran the job."""
+
+
 class Lane:
     """One daemon thread; :meth:`run` submits a job and waits for it with a timeout."""
 
@@ -59,6 +63,10 @@ class Lane:
             self._wake.wait()
             self._wake.clear()
             if self._stopping:
+                # A job submitted as stop() arrived is never run: release its waiter now.
+                self._error = LaneStopped()
+                self._job = None
+                self._done.set()
                 return
             job = self._job
             if job is None:

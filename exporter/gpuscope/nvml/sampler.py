@@ -72,9 +72,9 @@ class Sampler:
                 continue
             lane = self.lanes[device.label]
             finished, samples, error = lane.run(partial(self.collector.sample, device), self.timeout)
+            if self._stop.is_set():
+                return ok  # shutting down: neither a hang nor a result
             if not finished:
-                if self._stop.is_set():
-                    return ok  # shutting down, not a hang
                 ok = False
                 self._report_hang(device, lane)
                 self.store.mark_down(name, device.label)

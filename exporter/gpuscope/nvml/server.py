@@ -49,6 +49,9 @@ class ExporterServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: ExporterServer
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; with Nagle on, the second waits for a delayed ACK
+    # (up to 40 ms on Linux) on keep-alive connections, which is what Prometheus uses.
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
