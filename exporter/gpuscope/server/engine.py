@@ -240,7 +240,9 @@ class Engine:
         for req, weight in zip(batch, weights, strict=True):
             share[req.tenant] = share.get(req.tenant, 0) + weight
         with trace_context(batch[0].trace_id):
-            handle = self.timer.start(op, on_elapsed=functools.partial(self.scheduler.charge, share))
+            estimate = self.scheduler.provisional(op, share)
+            charge = functools.partial(self.scheduler.charge, share, op=op, estimate=estimate)
+            handle = self.timer.start(op, on_elapsed=charge)
             next_tokens = sample(self.model(tokens, slots, start_t, last_t, span), temps)
             if self._stop_after_sync:
                 ids = next_tokens.tolist()

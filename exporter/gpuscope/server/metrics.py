@@ -67,6 +67,22 @@ def device_memory(device: torch.device) -> tuple[float, float]:
     return resident, resident
 
 
+def device_memory_total(device: torch.device) -> float:
+    """Capacity leak alerts predict against: the GPU's memory, or on CPU the cgroup limit or RAM."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    physical = float(os.sysconf("SC_PHYS_PAGES") * _PAGE) if hasattr(os, "sysconf") else float("nan")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < physical:
+            return float(text)
+    return physical
+
+
 class StateCollector:
     """Scrape-time view of scheduler, KV cache, device memory and faults.
 
@@ -79,6 +95,7 @@ class StateCollector:
         gpuscope_request_preemptions_total{tenant="beta"} 4.0
         gpuscope_kv_cache_usage_ratio 0.25
         gpuscope_device_memory_allocated_bytes{device="cpu"} 3.1e+08
+        gpuscope_device_memory_total_bytes{device="cpu"} 8.3e+09
         gpuscope_fault_active{fault="latency_spike"} 0.0
     """
 
@@ -88,6 +105,7 @@ class StateCollector:
         self._device = device
         self._kv_usage = kv_usage
         self._faults = faults
+        self._total = device_memory_total(device)  # fixed for the process's life: read once
 
     def collect(self):
         state = self._scheduler.state()
@@ -105,7 +123,8 @@ class StateCollector:
         yield kv
         allocated, reserved = device_memory(self._device)
         label = str(self._device)
-        for metric, value in ((c.DEVICE_MEMORY_ALLOCATED, allocated), (c.DEVICE_MEMORY_RESERVED, reserved)):
+        for metric, value in ((c.DEVICE_MEMORY_ALLOCATED, allocated), (c.DEVICE_MEMORY_RESERVED, reserved),
+                              (c.DEVICE_MEMORY_TOTAL, self._total)):
             family = metric.family()
             family.add_metric([label], value)
             yield family

@@ -4,13 +4,16 @@ Share mode is weighted fair queueing on *measured* GPU time: each tenant has a
 virtual time, the GPU seconds charged to it (from the timer's event pairs)
 divided by its share. A free batch slot goes to the waiting tenant whose
 virtual time, plus an estimate for its requests still running, is lowest; a
-tenant that comes back from idle starts level with the busiest active one, so
-idleness banks no credit. A waiting request of a higher priority class may
-preempt a running request of a lower class when its tenant is behind the
-victim's tenant (the victim is requeued at the front and recomputed later),
-and while such a higher-class request runs, lower classes do not join the
-batch; so high-priority latency holds under a low-priority flood without
-letting priority override shares. FCFS mode serves arrivals in order, for comparison.
+tenant that comes back from idle starts level with the active tenant furthest
+behind, so idleness banks no credit. Each step's cost is charged provisionally
+at once (recent seconds per token) and replaced by the measurement when the
+resolver delivers it, so the tens of milliseconds of measurement lag cause no
+herding. A waiting request of a higher priority class may preempt a running
+request of a lower class when its tenant is behind the victim's tenant (the
+victim is requeued at the front and recomputed later), and while such a
+higher-class request runs, lower classes do not join the batch; so
+high-priority latency holds under a low-priority flood without letting
+priority override shares. FCFS mode serves arrivals in order, for comparison.
 
 Thread safety: the HTTP loop submits, the engine thread picks, the timer's
 resolver thread charges; one lock guards everything, held for microseconds.
@@ -74,6 +77,7 @@ class Scheduler:
         self._finish_times: deque[float] = deque(maxlen=256)
         self._seq = itertools.count()
         self._starved: set[str] = set()
+        self._per_token: dict[str, float] = {}  # recent measured seconds per token, by step op
 
     # --- HTTP side ---------------------------------------------------------------
     def submit(self, req: Schedulable) -> None:
@@ -145,17 +149,35 @@ class Scheduler:
             self._finished += 1
             self._finish_times.append(self._clock())
 
+    def provisional(self, op: str, tokens: dict[str, int]) -> float:
+        """Charge a step's estimated cost now; ``charge`` replaces it with the measurement.
+
+        Measurements arrive a resolver interval later (tens of ms, many steps); without
+        an estimate meanwhile, every slot freed in that time would go to the same tenant.
+        """
+        total = sum(tokens.values())
+        with self._lock:
+            estimate = self._per_token.get(op, 0.0) * total
+            if estimate > 0:
+                for name, count in tokens.items():
+                    self._vt[name] += estimate * count / total / self._specs[name].share
+        return estimate
+
     # --- resolver side -----------------------------------------------------------
-    def charge(self, tokens: dict[str, int], seconds: float) -> None:
+    def charge(self, tokens: dict[str, int], seconds: float, op: str = "", estimate: float = 0.0) -> None:
         """Split one step's measured GPU seconds among tenants in proportion to their tokens."""
         total = sum(tokens.values())
-        if total <= 0 or seconds <= 0 or not math.isfinite(seconds):
+        if total <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         with self._lock:
+            if op:
+                rate = seconds / total
+                old = self._per_token.get(op)
+                self._per_token[op] = rate if old is None else 0.8 * old + 0.2 * rate
             for name, count in tokens.items():
                 part = seconds * count / total
                 self._used[name] += part
-                self._vt[name] += part / self._specs[name].share
+                self._vt[name] += (part - estimate * count / total) / self._specs[name].share
 
     # --- faults and metrics ------------------------------------------------------
     def set_starved(self, tenant: str | None) -> None:
@@ -191,7 +213,7 @@ class Scheduler:
         # class within its share has requests running; the running ones keep decoding.
         protected = [n for n, count in self._running.items() if count]
         waiting = [n for n in waiting if not any(
-            self._specs[h].rank < self._specs[n].rank and self._key(h) <= self._key(n) for h in protected)]
+            self._specs[h].rank < self._specs[n].rank and self._vt[h] <= self._vt[n] for h in protected)]
         if not waiting:
             return None
         return min(waiting, key=lambda n: (self._key(n), self._specs[n].rank))

@@ -1,0 +1,150 @@
+"""The scheduler's policy, driven directly with synthetic GPU-time charges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from gpuscope.server.config import ConfigError, parse_tenants
+from gpuscope.server.scheduler import QueueFull, Scheduler
+
+
+@dataclass(eq=False)
+class Req:
+    tenant: str
+    arrival: float = 0.0
+    seq: int = 0
+    cancelled: bool = False
+    generated: list = field(default_factory=list)
+
+
+def simulate(scheduler: Scheduler, slots: int, steps: int, cost: dict[str, float] | None = None):
+    """Saturating closed loop: every tenant always has work; each running request lives 4 steps."""
+    tenants = list(scheduler.state())
+    for t in tenants:
+        for _ in range(slots * 2):
+            scheduler.submit(Req(t))
+    running: list[tuple[Req, int]] = []
+    for _ in range(steps):
+        for req in scheduler.pick(slots - len(running)):
+            running.append((req, 4))
+        tokens: dict[str, int] = {}
+        for req, _ in running:
+            tokens[req.tenant] = tokens.get(req.tenant, 0) + 1
+        seconds = sum((cost or {}).get(t, 1.0) * n for t, n in tokens.items()) * 1e-3
+        scheduler.charge(tokens, seconds)
+        left = []
+        for req, ttl in running:
+            if ttl > 1:
+                left.append((req, ttl - 1))
+            else:
+                scheduler.finished(req)
+                scheduler.submit(Req(req.tenant))
+        running = left
+    return scheduler.gpu_seconds()
+
+
+def shares(used: dict[str, float]) -> dict[str, float]:
+    total = sum(used.values())
+    return {t: v / total for t, v in used.items()}
+
+
+def test_gpu_time_follows_shares_under_saturation():
+    got = shares(simulate(Scheduler(parse_tenants("a:0.7,b:0.3"), "share", 1000), slots=8, steps=2000))
+    assert got["a"] == pytest.approx(0.7, abs=0.02)
+
+
+def test_shares_hold_when_one_tenants_work_costs_more_per_token():
+    # b's tokens cost 3x as much GPU time: slots alone would give b 56%; GPU-time fairness gives 30%.
+    got = shares(simulate(Scheduler(parse_tenants("a:0.7,b:0.3"), "share", 1000), slots=8, steps=3000,
+                          cost={"a": 1.0, "b": 3.0}))
+    assert got["b"] == pytest.approx(0.3, abs=0.02)
+
+
+def test_fcfs_ignores_shares():
+    s = Scheduler(parse_tenants("a:0.9,b:0.1"), "fcfs", 100)
+    order = [Req("b"), Req("a"), Req("b")]
+    for r in order:
+        s.submit(r)
+    assert s.pick(3) == order
+    assert s.state()["a"].quota == 0
+
+
+def test_full_queue_raises_with_retry_after():
+    s = Scheduler(parse_tenants("a:1"), "share", 2)
+    s.submit(Req("a"))
+    s.submit(Req("a"))
+    with pytest.raises(QueueFull) as info:
+        s.submit(Req("a"))
+    assert 1 <= info.value.retry_after <= 60
+
+
+def test_idle_tenant_banks_no_credit():
+    s = Scheduler(parse_tenants("a:0.5,b:0.5"), "share", 1000)
+    s.submit(Req("a"))
+    [req] = s.pick(1)
+    s.charge({"a": 1}, 100.0)  # a ran alone for a long time while b was idle
+    s.finished(req)
+    s.submit(Req("a"))
+    s.submit(Req("b"))  # b comes back: it starts level with a, not 100 s ahead
+    picks = [s.pick(1)[0].tenant for _ in range(2)]
+    assert sorted(picks) == ["a", "b"]
+
+
+def test_high_priority_preempts_lower_class_only_within_its_share():
+    s = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 100)
+    lo_reqs = [Req("lo") for _ in range(2)]
+    for r in lo_reqs:
+        s.submit(r)
+    running = s.pick(2)
+    s.charge({"lo": 2}, 1.0)
+    s.submit(Req("hi"))
+    victim, started = s.preempt(running)
+    assert started.tenant == "hi" and victim in lo_reqs
+    assert s.state()["lo"].preemptions == 1 and s.state()["lo"].queued == 1
+    # Once hi is far over its share, it no longer preempts.
+    s.charge({"hi": 1}, 50.0)
+    s.submit(Req("hi"))
+    assert s.preempt([r for r in running if r is not victim]) is None
+
+
+def test_lower_class_waits_while_higher_class_runs():
+    s = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 100)
+    s.submit(Req("hi"))
+    [hi] = s.pick(1)
+    s.submit(Req("lo"))
+    assert s.pick(1) == []
+    s.finished(hi)
+    assert [r.tenant for r in s.pick(1)] == ["lo"]
+
+
+def test_starved_tenant_is_not_served():
+    s = Scheduler(parse_tenants("a:0.5,b:0.5"), "share", 100)
+    s.set_starved("b")
+    s.submit(Req("b"))
+    assert s.pick(1) == []
+    s.set_starved(None)
+    assert len(s.pick(1)) == 1
+
+
+@pytest.mark.parametrize("text, unknown, message", [
+    ("a", "reject", "not NAME:SHARE"),
+    ("a:x", "reject", "is not a number"),
+    ("a:0", "reject", "must be in (0, 1]"),
+    ("a:0.5:urgent", "reject", "must be high, normal or low"),
+    ("a:0.5,a:0.5", "reject", "twice"),
+    ("a:0.7,b:0.7", "reject", "sum to 1.4"),
+    ("a:1", "other", "no share is left for 'other'"),
+    ("a b:1", "reject", "must be 1-64"),
+])
+def test_bad_tenant_specs_name_the_problem(text, unknown, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_tenants(text, unknown)
+
+
+def test_tenant_spec_normalizes_and_adds_other():
+    specs = {t.name: t for t in parse_tenants("a:0.6:high", "other")}
+    assert specs["a"].share == pytest.approx(0.6) and specs["other"].share == pytest.approx(0.4)
+    assert specs["other"].priority == "low"
+    assert parse_tenants("a:0.2,b:0.2")[0].share == pytest.approx(0.5)
