@@ -18,6 +18,7 @@ Loki and Grafana are not part of it: neither is packaged for Debian.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -383,12 +384,12 @@ def _parser() -> FlagParser:
     parser.add_flag("--stack.run-dir", dest="run_dir", default=".stack",
                     help="directory for rendered configs, data and logs")
     parser.add_flag("--stack.host", dest="host", default=LOCAL_HOST, help="address every part listens on")
-    parser.add_flag("--stack.free-ports", dest="free_ports", action="store_true", default=False,
-                    help="pick a free port for every part instead of the defaults")
+    parser.add_flag("--stack.free-ports", dest="free_ports", action=argparse.BooleanOptionalAction,
+                    default=False, help="pick a free port for every part instead of the defaults")
     parser.add_argument("--stack.port", dest="port", action="append", default=[], metavar="PART=PORT",
                         help="listen port of one part (repeatable), e.g. server=18000")
-    parser.add_flag("--stack.no-server", dest="no_server", action="store_true", default=False,
-                    help="do not start the server (run your own on the server port)")
+    parser.add_flag("--stack.server", dest="server", action=argparse.BooleanOptionalAction, default=True,
+                    help="start the reference server (--no-stack.server: run your own on its port)")
     return parser
 
 
@@ -407,7 +408,7 @@ def main(argv: list[str]) -> int:
         ports: str | dict[str, int] = "free" if args.free_ports else _parse_ports(args.port) or "default"
     except ValueError as exc:
         parser.error(str(exc))
-    components = [c for c in COMPONENTS if not (args.no_server and c == "server")]
+    components = [c for c in COMPONENTS if c != "server" or args.server]
     options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
                            server_args=server_args, components=components)
     # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
