@@ -1,0 +1,101 @@
+"""``gpuscope serve`` as a process: flags, one-line errors, and request logs reaching Loki."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import wait_for
+from tests.test_loki import Receiver, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "256", "--request.max-tokens", "32"]
+
+
+def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuscope", "serve", *args], capture_output=True, text=True,
+                          timeout=60, env=env or ENV, **kw)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tenants", "a:0.8,b:0.8"], "shares sum to 1.6"),
+    (["--tenants", "a:1", "--tenants.default", "b"], "--tenants.default 'b' is not a configured tenant"),
+    (["--scheduler", "lottery"], "--scheduler 'lottery' must be 'share' or 'fcfs'"),
+    (["--timing", "sometimes"], "--timing 'sometimes' must be off, budget or all"),
+    (["--model.dim", "100", "--model.heads", "3"], "not a multiple of --model.heads"),
+    (["--web.listen-address", "nowhere"], "is not HOST:PORT"),
+    (["--faults.enable"], "--faults.enable needs a token"),
+    (["--faults.enable", "--faults.token-file", "/nonexistent/token"], "cannot read /nonexistent/token"),
+    (["--model.checkpoint", "/nonexistent.pt"], "is not a local file"),
+    (["--batch.max-size", "lots"], "invalid int value"),
+])
+def test_bad_flags_exit_2_with_one_line(args, message):
+    result = serve(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_env_variables_configure_flags():
+    env = {**ENV, "GPUSCOPE_SCHEDULER": "lottery"}
+    result = serve(env=env)
+    assert result.returncode == 2 and "'lottery'" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_answers_and_ships_request_logs_to_loki(tmp_path):
+    receiver = Receiver().start()
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-fault-token\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuscope", "serve", *SMALL, "--web.listen-address", f"127.0.0.1:{port}",
+         "--tenants", "alpha:0.7:high,beta:0.3:low", "--loki.url", receiver.url, "--faults.enable",
+         "--faults.token-file", str(token)],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        try:
+            return requests.get(url + "/readyz", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            return False
+
+    try:
+        wait_for(ready, timeout=60, what="server ready")
+        r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                          headers={"X-Tenant": "beta"}, timeout=30)
+        assert r.status_code == 200
+        trace_id = r.headers["X-Trace-Id"]
+        auth = {"Authorization": "Bearer a-long-enough-fault-token"}
+        assert requests.post(url + "/admin/faults/latency_spike", json={"duration_s": 5}, headers=auth,
+                             timeout=5).status_code == 200
+
+        def request_line():
+            for labels, (_, line, meta) in receiver.entries:
+                if meta.get("trace_id") == trace_id:
+                    return labels, json.loads(line), meta
+            return None
+
+        labels, line, meta = wait_for(request_line, timeout=15, what="request log line in Loki")
+        assert labels == {"service": "gpuscope-server", "instance": f"{labels['instance']}"}
+        assert labels["instance"].endswith(f":{port}")
+        assert meta == {"level": "info", "trace_id": trace_id, "tenant": "beta"}
+        assert line["tenant"] == "beta" and line["outcome"] in ("length", "stop")
+        assert line["prompt_tokens"] == 3 and line["e2e_s"] >= line["ttft_s"] > 0
+        assert receiver.invalid == []
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        finally:
+            receiver.stop()
+    assert proc.returncode in (0, -15)

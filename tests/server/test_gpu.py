@@ -1,0 +1,51 @@
+"""On a CUDA GPU: the server's model runs there, its steps and modules are timed with CUDA events."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.gpu
+
+
+def test_engine_on_cuda_times_modules_and_charges_tenants():
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from gpuscope.server.config import ModelSpec, parse_tenants
+    from gpuscope.server.engine import Engine, Request
+    from gpuscope.server.metrics import RequestMetrics, StateCollector
+    from gpuscope.server.model import build_model, encode
+    from gpuscope.server.scheduler import Scheduler
+    from gpuscope.server.timer_glue import build_timer, instrument_model
+
+    registry = CollectorRegistry()
+    model = build_model(ModelSpec(layers=4, dim=512, heads=8, context=512))
+    assert next(model.parameters()).device.type == "cuda"
+    timer = build_timer("all", registry)
+    inst = instrument_model(timer, model)
+    scheduler = Scheduler(parse_tenants("a:0.7,b:0.3"), "share", 100)
+    engine = Engine(model, scheduler, timer, batch_size=8, max_wait_s=0.005, deliver=lambda events: None,
+                    metrics=RequestMetrics(registry, ["a", "b"]), log_requests=False)
+    registry.register(StateCollector(scheduler, torch.device("cuda", 0), engine.kv_usage,
+                                     lambda: {}))
+    engine.start()
+    try:
+        reqs = [Request("a" if i % 2 else "b", encode("gpu prompt"), 32, 0.0) for i in range(16)]
+        for r in reqs:
+            engine.submit(r)
+        wait_for(lambda: all(r.outcome for r in reqs), timeout=60, what="16 requests on the GPU")
+        assert {r.outcome for r in reqs} <= {"length", "stop"}
+        timer.flush(10)
+        for op in ("prefill", "decode", "blocks.0.attn", "blocks.3.mlp", "lm_head"):
+            count = registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": "0"})
+            assert count and count > 0, op
+        assert registry.get_sample_value("gpuscope_tenant_gpu_seconds_total", {"tenant": "a"}) > 0
+        allocated = registry.get_sample_value("gpuscope_device_memory_allocated_bytes", {"device": "cuda:0"})
+        total = registry.get_sample_value("gpuscope_device_memory_total_bytes", {"device": "cuda:0"})
+        assert 0 < allocated < total
+    finally:
+        engine.stop()
+        inst.remove()
+        timer.close()
