@@ -44,9 +44,11 @@ class Resolver:
         self._pending_devices: list[int] = []
         self._skip_cost_idle_s = 0.0
         self._record_cost_idle_s = 0.0
-        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0)
+        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0, 0, 0)
         self._busy_s = 0.0  # time spent resolving samples (the rest of the resolver's CPU is fixed)
         self._active_s = 0.0  # wall time of resolver intervals in which some region was entered
+        self._wakes = 0
+        self._active_wakes = 0
         self._next_calibration = 0.0
         self._warned: set[str] = set()
 
@@ -87,7 +89,7 @@ class Resolver:
         except Exception as exc:
             self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
         self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time(),
-                            self._busy_s, self._active_s)
+                            self._busy_s, self._active_s, self._wakes, self._active_wakes)
         self._next_calibration = time.monotonic() + self.timer.calibrate_every
         interval = self.timer.resolve_interval
         last_wake, last_entered = time.monotonic(), self._entered()
@@ -98,8 +100,10 @@ class Resolver:
                 # The budget is a share of the time the program is busy in timed code: a server idle
                 # half the time must not spend its whole budget in the busy half.
                 entered = self._entered()
+                self._wakes += 1
                 if entered != last_entered:
                     self._active_s += now - last_wake
+                    self._active_wakes += 1
                 last_wake, last_entered = now, entered
                 while self._pending_devices:
                     self._calibrate(self._pending_devices.pop())
@@ -215,7 +219,9 @@ class Resolver:
                     stream = self._calibration_streams[device] = torch.cuda.Stream(device=device)
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     for _ in range(CALIBRATION_PAIRS):
-                        torch.cuda._sleep(20_000)  # ~10 µs of GPU work ahead of the pair
+                        # ~0.1 ms of GPU work ahead of the pair, far longer than the CPU needs to
+                        # queue both records, so the pair is timed back to back on the GPU.
+                        torch.cuda._sleep(200_000)
                         route.record(start, stream.cuda_stream)
                         route.record(end, stream.cuda_stream)
                         deadline = time.monotonic() + 1.0
@@ -283,22 +289,24 @@ class Resolver:
         against the wall time of the resolver intervals in which regions were entered.
         """
         timer = self.timer
-        _then, entered0, sampled0, cpu0, busy0, active0 = self._last_adapt
+        _then, entered0, sampled0, cpu0, busy0, active0, wakes0, active_wakes0 = self._last_adapt
         entered, sampled, cpu, busy = self._entered(), timer.sampled, time.thread_time(), self._busy_s
-        self._last_adapt = (now, entered, sampled, cpu, busy, self._active_s)
+        self._last_adapt = (now, entered, sampled, cpu, busy, self._active_s, self._wakes, self._active_wakes)
         wall = self._active_s - active0
+        wakes, active_wakes = self._wakes - wakes0, self._active_wakes - active_wakes0
         d_entered, d_sampled = entered - entered0, sampled - sampled0
         resolver_cpu, resolving = cpu - cpu0, busy - busy0
         if wall <= 0:
             return
         hot = timer.hot_path_s or self._record_cost_idle_s
         skip = self.skip_cost_s()
-        spent = d_sampled * hot + max(0, d_entered - d_sampled) * skip + resolver_cpu
+        # The resolver's wake-up cost counts only for the wakes that fell in busy intervals.
+        fixed = max(0.0, resolver_cpu - resolving) * (active_wakes / wakes if wakes else 1.0)
+        spent = d_sampled * hot + max(0, d_entered - d_sampled) * skip + resolving + fixed
         self.overhead_ratio = spent / wall
         if timer._fixed_rate or d_entered <= 0:
             return
         per_sample = hot + (resolving / d_sampled if d_sampled else 0.0)
-        fixed = max(0.0, resolver_cpu - resolving)
         allowance = timer.budget * wall - d_entered * skip - fixed
         ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / per_sample / d_entered))
         target = max(1, round(1 / ratio))

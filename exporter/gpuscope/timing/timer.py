@@ -301,6 +301,8 @@ class Timer:
     def _add_device(self, device: int) -> list[Any]:
         """Preallocate a device's events (once per device; never on the steady-state hot path)."""
         with self._ops_lock:
+            if self.closed:
+                return []
             if device not in self._free:
                 events = [self.route.create() for _ in range(self.pool_size)]
                 self._all_events[device] = events
@@ -333,8 +335,7 @@ class Timer:
         return self._record_start()
 
     def _record_start(self) -> Any:
-        if self.closed:
-            return None
+        # No "closed" test here: close() empties the pools, so a late region finds none.
         device = self._device()
         if self._captures[0] and self._capturing():
             self._note_capture()
