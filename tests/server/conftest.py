@@ -7,7 +7,6 @@ import threading
 from dataclasses import replace
 
 import pytest
-import requests
 
 from gpuscope.server.config import ModelSpec, ServerConfig, parse_tenants
 from tests.conftest import wait_for
@@ -59,6 +58,8 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServerThread:
+        import requests  # imported here so the GPU machine (no requests/aiohttp) can collect test_gpu.py
+
         self._thread.start()
         assert self._started.wait(30), "server did not start"
         wait_for(lambda: requests.get(self.url + "/readyz", timeout=5).status_code == 200, timeout=30,
@@ -73,6 +74,8 @@ class ServerThread:
         return self.service.registry.get_sample_value(name, labels or {})
 
     def complete(self, prompt: str = "hello", max_tokens: int = 4, tenant: str | None = None, **extra):
+        import requests
+
         headers = {"X-Tenant": tenant} if tenant else {}
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
         return requests.post(self.url + "/v1/completions", json=body, headers=headers, timeout=30)
