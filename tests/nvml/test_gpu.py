@@ -141,7 +141,7 @@ def test_energy_counter_agrees_with_power(exporter: Exporter) -> None:
     while time.monotonic() - t0 < 3.0:  # bounded: 3 s of ~10 power readings
         refresh(exporter, "device")
         powers.append(value(exporter, cat.GPU_POWER.name, gpu=gpu))
-        time.sleep(0.3)
+        time.sleep(0.3)  # paces the power readings across the window; nothing is awaited
     refresh(exporter, "energy")
     e1, t1 = value(exporter, cat.GPU_ENERGY.name, gpu=gpu), time.monotonic()
     mean_power = (e1 - e0) / (t1 - t0)
@@ -222,7 +222,9 @@ def test_torch_process_memory_is_attributed(exporter: Exporter, torch_busy) -> N
     refresh(exporter, "processes")
     labels = _this_process(exporter)
     used = value(exporter, cat.GPU_PROCESS_MEMORY.name, **labels)
-    assert used is not None and used >= 2**30, f"process memory {used} for {labels}"
+    exported = [s.labels for f in exporter.registry.collect() for s in f.samples
+                if s.name == cat.GPU_PROCESS_MEMORY.name]
+    assert used is not None and used >= 2**30, f"process memory {used} for {labels}; exported: {exported}"
     apps = smi(("pid", "used_memory"), "--query-compute-apps")
     mine = [float(a["used_memory"]) for a in apps if a["pid"] == str(os.getpid())]
     assert mine and used / MIB == pytest.approx(mine[0], abs=64)

@@ -40,6 +40,8 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
     ("display_clock_setting", 0x100),
 )
 _FIELD_OK = pynvml.NVML_SUCCESS
+# nvidia-ml-py before 11.510 has no v2 memory struct (no "reserved" figure).
+_MEMORY_V2 = getattr(pynvml, "nvmlMemory_v2", None)
 
 
 def _field_value(field: Any) -> float | None:
@@ -96,8 +98,10 @@ class DeviceCollector(Collector):
         if util is not None:
             out += [Sample(cat.GPU_UTILIZATION, g, util.gpu / 100.0),
                     Sample(cat.GPU_MEMORY_UTILIZATION, g, util.memory / 100.0)]
-        mem = c.call(device, "nvmlDeviceGetMemoryInfo", pynvml.nvmlMemory_v2, variant="memory_v2")
-        if mem is None and "memory_v2" in device.unsupported:
+        mem = None
+        if _MEMORY_V2 is not None:
+            mem = c.call(device, "nvmlDeviceGetMemoryInfo", _MEMORY_V2, variant="memory_v2")
+        if mem is None and (_MEMORY_V2 is None or "memory_v2" in device.unsupported):
             mem = c.call(device, "nvmlDeviceGetMemoryInfo")  # older drivers: no reserved figure
         if mem is not None:
             out += [Sample(cat.GPU_MEMORY_USED, g, float(mem.used)),
