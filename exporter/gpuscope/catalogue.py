@@ -246,7 +246,8 @@ EXPORTER_UNSUPPORTED = _m("gpuscope_exporter_unsupported_calls", "gauge",
                           "1 per NVML call (or field) a GPU answered NOT_SUPPORTED; it is no longer asked.",
                           "boolean", ("gpu", "call"), area=GPU)
 EXPORTER_PROCESSES_OMITTED = _m("gpuscope_exporter_processes_omitted", "gauge",
-                                "GPU processes left out of per-process metrics by --processes.max, last round.",
+                                "GPU processes left out of per-process metrics by --processes.max "
+                                "(last round).",
                                 "processes", _G, area=GPU)
 
 # --- reference inference server (gpuscope serve) -------------------------------
