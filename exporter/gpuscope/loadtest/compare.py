@@ -38,25 +38,11 @@ from gpuscope.loadtest.distributions import parse_distribution
 from gpuscope.loadtest.options import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
 from gpuscope.loadtest.recorder import load_samples
 from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
+from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_binary
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess
 from gpuscope.loadtest.stats import summarise, tenants_of
 
 PROG = "python -m gpuscope.loadtest.compare"
-LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-
-
-def _seconds(raw: str) -> float:
-    """``30``, ``30s``, ``2m`` → seconds."""
-    text = raw.strip().lower()
-    factor = 60.0 if text.endswith("m") else 1.0
-    number = text.rstrip("sm")
-    try:
-        value = float(number) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration (e.g. 30s, 2m)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is negative")
-    return value
 
 
 def _int_list(raw: str) -> list[int]:
@@ -75,8 +61,9 @@ def build_parser() -> FlagParser:
     p.add_flag("--sets", default=",".join(config_sets.SETS),
                help=f"configuration sets to run, comma-separated ({', '.join(config_sets.SETS)})")
     p.add_flag("--repeats", type=int, default=3, help="repetitions of every configuration")
-    p.add_flag("--run.duration", type=_seconds, default=30.0, help="measured time of each run (30s, 2m)")
-    p.add_flag("--run.warmup", type=_seconds, default=5.0, help="time before measuring, left out of figures")
+    p.add_flag("--run.duration", type=duration_arg, default=30.0, help="measured time of each run (30s, 2m)")
+    p.add_flag("--run.warmup", type=duration_arg, default=5.0,
+               help="time before measuring, left out of figures")
     p.add_flag("--run.users", type=int, default=8, help="concurrent streaming users")
     p.add_flag("--run.spawn-rate", type=float, default=100.0, help="users started per second")
     p.add_flag("--run.processes", type=int, default=1,
@@ -143,12 +130,6 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         server_args=server_args, out_dir=out_dir, name=name,
         runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
         label=ns["output.label"])
-
-
-def locust_binary() -> str | None:
-    """The ``locust`` next to this Python (a virtualenv's), else the one on PATH."""
-    beside = Path(sys.executable).with_name("locust")
-    return str(beside) if beside.exists() else shutil.which("locust")
 
 
 def locust_command(settings: Settings, host: str, run_dir: Path) -> list[str]:

@@ -1,0 +1,281 @@
+"""``python -m gpuscope.loadtest.alerts``: prove the alert rules under load, without Docker.
+
+It starts the no-Docker stack (``gpuscope stack``'s context manager) with the
+test alerting profile and fault injection enabled, puts steady streaming load
+on the server with Locust (two tenants, so one can be starved), and then:
+
+1. warm-up (``--warmup``): history for the latency baselines; alerts seen here
+   are reported, not counted;
+2. steady load (``--steady``): every alert that reaches the receiver counts as
+   a false alert (target: zero);
+3. each fault in turn: inject it through ``POST /admin/faults/NAME``, wait for
+   its alert at the receiver, clear the fault, and wait until Prometheus,
+   Alertmanager and the receiver are quiet again before the next one. The
+   composite injects a latency spike and a memory leak together and waits for
+   ``GPUServiceDegraded``.
+
+Detection latency is fault start → first notification of the expected alert at
+the receiver. Alongside, the report gives when Alertmanager says the alert
+started firing, and the target: the rule's ``for`` plus two evaluation
+intervals (firing), plus Alertmanager's ``group_wait`` (receiver).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from gpuscope.flags import FlagParser
+from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of
+from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_binary
+
+PROG = "python -m gpuscope.loadtest.alerts"
+SERVER_TENANTS = "alpha:0.5,beta:0.5"
+LOAD_TENANTS = "alpha:1,beta:1"
+STARVED_TENANT = "beta"
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Faults to inject together, and the alerts that count as detecting them (first listed is expected)."""
+
+    name: str
+    faults: dict[str, dict[str, Any]]
+    alerts: tuple[str, ...]
+
+
+#: The composite inhibits its component alerts on the same instance (alerts/alertmanager.yml), so a
+#: single fault whose composite fires reaches people as GPUServiceDegraded: that counts as detected,
+#: and the report names which alert it was (a composite on one fault means a second dimension moved).
+COMPOSITE = "GPUServiceDegraded"
+_LEAK = {"rate_bytes_per_s": 4 * _MIB, "max_bytes": 4096 * _MIB}
+
+#: Every scenario the runner knows; the fault bodies are what the server's admin API takes.
+#: 4 MiB/s predicts the host's memory gone within the rule's 4 h horizon on machines up to ~56 GB,
+#: and stays under max_bytes for the whole detection window.
+SCENARIOS: dict[str, Scenario] = {
+    "starvation": Scenario("starvation", {"starvation": {"tenant": STARVED_TENANT}},
+                           ("GPUTenantStarved", "GPUTenantUnderServed", COMPOSITE)),
+    "error_burst": Scenario("error_burst", {"error_burst": {"log_lines_per_s": 5, "error_ratio": 1.0}},
+                            ("GPUServiceErrorBudgetBurn",)),
+    "latency_spike": Scenario("latency_spike", {"latency_spike": {"extra_passes": 8}},
+                              ("GPUKernelLatencySpike", COMPOSITE)),
+    "memory_leak": Scenario("memory_leak", {"memory_leak": _LEAK}, ("GPUMemoryLeak", COMPOSITE)),
+    "composite": Scenario("composite", {"latency_spike": {"extra_passes": 8}, "memory_leak": _LEAK},
+                          (COMPOSITE,)),
+}
+FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(prog=PROG, description="Induce each fault under steady load and time its alert.")
+    p.add_flag("--scenarios", default=",".join([*FAULT_SCENARIOS, "composite"]),
+               help=f"scenarios in order, comma-separated ({', '.join(SCENARIOS)}); empty for none")
+    p.add_flag("--warmup", type=duration_arg, default=60.0,
+               help="load before the steady window (not counted)")
+    p.add_flag("--steady", type=duration_arg, default=600.0, help="steady window counting false alerts (10m)")
+    p.add_flag("--users", type=int, default=2, help="Locust users (closed loop); small on small machines")
+    p.add_flag("--detect-timeout", type=duration_arg, default=420.0, help="longest wait for a fault's alert")
+    p.add_flag("--quiet-timeout", type=duration_arg, default=420.0,
+               help="longest wait for quiet after a fault")
+    p.add_flag("--server.args", default="--model.layers 1",
+               help="extra gpuscope serve flags (tenants and faults are set by the runner)")
+    p.add_flag("--output", default="benchmarks/results/alerts-cpu.json", help="JSON report path")
+    p.add_flag("--run-dir", default="", help="keep the stack's configs, logs and Locust's report here")
+    return p
+
+
+def _say(out: TextIO, text: str) -> None:
+    out.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
+    out.flush()
+
+
+def _request(method: str, url: str, token: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def poll(check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
+    """``check()`` until it returns something truthy or the deadline passes (then its last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+        except (urllib.error.URLError, OSError):
+            value = None  # a part briefly busy under load: ask again
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSources,
+                 rules: dict[str, float], interval: float, group_wait: float, settings: dict[str, Any],
+                 out: TextIO) -> dict[str, Any]:
+    """Inject, wait for the alert, clear, wait for quiet; the scenario's part of the report."""
+    fault_duration = settings["detect_timeout"] + 60.0  # the server ends the fault itself if we die
+    started = time.time()
+    for fault, params in scenario.faults.items():
+        _request("POST", f"{server}/admin/faults/{fault}", token, {"duration_s": fault_duration, **params})
+    _say(out, f"{scenario.name}: injected {', '.join(scenario.faults)}; waiting for {scenario.alerts[0]}")
+    hit: Seen | None = poll(lambda: first_of(sources.notifications(), scenario.alerts, started),
+                            settings["detect_timeout"])
+    during = distinct(firing(poll(sources.notifications, 30) or [], started))
+    for fault in scenario.faults:
+        _request("DELETE", f"{server}/admin/faults/{fault}", token)
+    expected_for = rules.get(hit.alertname if hit else scenario.alerts[0], 0.0)
+    result = {
+        "expected": list(scenario.alerts),
+        "raised": hit.alertname if hit else None,
+        "detection_latency_s": round(hit.received_at - started, 1) if hit else None,
+        "firing_latency_s": round(hit.starts_at - started, 1) if hit and hit.starts_at else None,
+        "rule_for_s": expected_for,
+        "target_firing_s": expected_for + 2 * interval,
+        "target_receiver_s": expected_for + 2 * interval + group_wait,
+        "alerts_during": sorted({s.alertname for s in during}),
+    }
+    if hit:
+        _say(out, f"{scenario.name}: {hit.alertname} at the receiver after {result['detection_latency_s']} s "
+                  f"(firing after {result['firing_latency_s']} s)")
+    else:
+        _say(out, f"{scenario.name}: no alert within {settings['detect_timeout']:.0f} s")
+    quiet_started = time.monotonic()
+    quiet = poll(sources.quiet, settings["quiet_timeout"], 2.0)
+    result["quiet_after_s"] = round(time.monotonic() - quiet_started, 1) if quiet else None
+    _say(out, f"{scenario.name}: " + ("quiet again" if quiet else "still alerting after the quiet timeout"))
+    return result
+
+
+def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
+    parser = build_parser()
+    ns = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    names = [s.strip() for s in ns["scenarios"].split(",") if s.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario {unknown[0]!r} (one of: {', '.join(SCENARIOS)})")
+    if ns["users"] < 2:
+        parser.error("--users must be at least 2 (one per tenant)")
+    if locust_binary() is None:
+        parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
+    try:
+        from gpuscope.stack import Stack, StackOptions
+    except ImportError as exc:
+        parser.error(f"gpuscope stack is not available: {exc}")
+    import shlex
+
+    run_dir = Path(ns["run_dir"] or tempfile.mkdtemp(prefix="gpuscope-alerts-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    token_file = run_dir / "faults.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    server_args = [*shlex.split(ns["server.args"]), "--tenants", SERVER_TENANTS,
+                   "--faults.enable", "--faults.token-file", str(token_file)]
+    settings = {"detect_timeout": ns["detect_timeout"], "quiet_timeout": ns["quiet_timeout"]}
+    budget_s = ns["warmup"] + ns["steady"] + len(names) * (ns["detect_timeout"] + ns["quiet_timeout"] + 60)
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    _say(out, f"starting the stack (test profile) in {run_dir}")
+    with Stack(StackOptions(profile="test", ports="free", server_args=server_args, run_dir=run_dir / "stack"),
+               log=lambda line: _say(out, line)) as stack:
+        sources = AlertSources(stack.url("receiver"), stack.url("alertmanager"), stack.url("prometheus"))
+        server = stack.url("server")
+        rules, interval = sources.rule_for_s()
+        group_wait = _group_wait_s(run_dir / "stack" / "alertmanager.yml")
+        locust = _start_locust(server, ns["users"], budget_s, run_dir)
+        try:
+            _say(out, f"warm-up {ns['warmup']:.0f} s with {ns['users']} users")
+            time.sleep(ns["warmup"])  # load runs meanwhile; nothing to poll for
+            warmup_alerts = distinct(firing(sources.notifications(), 0.0))
+            steady_start = time.time()
+            _say(out, f"steady load {ns['steady']:.0f} s: counting alerts")
+            _countdown(ns["steady"], out)
+            steady = distinct(firing(sources.notifications(), steady_start, time.time()))
+            _say(out, f"steady: {len(steady)} alerts ({', '.join(s.alertname for s in steady) or 'none'})")
+            results = {name: run_scenario(SCENARIOS[name], server, token, sources, rules, interval,
+                                          group_wait, settings, out) for name in names}
+        finally:
+            _stop(locust)
+    report = {
+        "date": date,
+        "detection_latency_s": {n: r["detection_latency_s"] for n, r in results.items()
+                                if n in FAULT_SCENARIOS},
+        "composite_detection_latency_s": results["composite"]["detection_latency_s"]
+        if "composite" in results else None,
+        "false_alerts_steady": len(steady),
+        "steady_minutes": round(ns["steady"] / 60.0, 2),
+        "false_alert_names": sorted(s.alertname for s in steady),
+        "alerts_during_warmup": sorted({s.alertname for s in warmup_alerts}),
+        "scenarios": results,
+        "evaluation_interval_s": interval,
+        "group_wait_s": group_wait,
+        "profile": "test",
+        "load": {"users": ns["users"], "tenants": LOAD_TENANTS, "server_args": " ".join(server_args),
+                 "warmup_s": ns["warmup"]},
+        "command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]),
+    }
+    output = Path(ns["output"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    _say(out, f"wrote {output}")
+    missed = [n for n, r in results.items() if r["detection_latency_s"] is None]
+    return 1 if missed or steady else 0
+
+
+def _group_wait_s(alertmanager_yml: Path) -> float:
+    import yaml
+
+    route = yaml.safe_load(alertmanager_yml.read_text()).get("route", {})
+    text = str(route.get("group_wait", "30s"))
+    return duration_arg(text)
+
+
+def _start_locust(server: str, users: int, budget_s: float, run_dir: Path) -> subprocess.Popen[bytes]:
+    """Steady load for at most the whole run's budget: it stops by itself even if we never stop it."""
+    command = [locust_binary() or "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+               "--host", server, "-u", str(users), "-r", str(users), "-t", f"{budget_s:.0f}s",
+               "--output-tokens", "uniform:min=8,max=32", "--html", str(run_dir / "locust.html"),
+               "--samples-file", str(run_dir / "samples.json")]
+    env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": LOAD_TENANTS, "PYTHONUNBUFFERED": "1"}
+    log = open(run_dir / "locust.log", "wb")  # noqa: SIM115  (handed to the child, closed with it)
+    try:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    finally:
+        log.close()
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()  # Locust quits cleanly on SIGTERM and writes its reports
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def _countdown(seconds: float, out: TextIO) -> None:
+    """Sleep through a window, saying how much is left every minute (it is a fixed window, not a wait)."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(60.0, left))
+        if end - time.monotonic() > 1:
+            _say(out, f"  {end - time.monotonic():.0f} s left")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""Small helpers the load-test commands share: durations as flags, and where Locust is."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+#: The locustfile both commands run (``loadtest/locustfile.py`` re-exports it).
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+
+
+def duration_arg(raw: str) -> float:
+    """``30``, ``30s``, ``2m`` → seconds."""
+    text = raw.strip().lower()
+    factor = 60.0 if text.endswith("m") else 1.0
+    number = text.rstrip("sm")
+    try:
+        value = float(number) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration (e.g. 30s, 2m)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{raw!r} is negative")
+    return value
+
+
+def locust_binary() -> str | None:
+    """The ``locust`` next to this Python (a virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("locust")
+    return str(beside) if beside.exists() else shutil.which("locust")

@@ -1,0 +1,97 @@
+"""The alert scenario runner: reading alerts back, and a shortened run against the no-Docker stack."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gpuscope.loadtest import alerts
+from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time
+
+from ..conftest import require_binary
+
+
+def _record(at, status, group, *alerts_):
+    return {"received_at": at, "notification": {"status": status, "groupKey": group, "alerts": [
+        {"status": s, "labels": {"alertname": name, "instance": "i1"}, "startsAt": "2026-01-01T00:00:10.5Z"}
+        for name, s in alerts_]}}
+
+
+RECORDS = [
+    _record(100.0, "firing", "g1", ("GPUTenantQueueWaitHigh", "firing")),
+    _record(130.0, "firing", "g1", ("GPUTenantQueueWaitHigh", "firing"), ("GPUTenantStarved", "firing")),
+    _record(160.0, "resolved", "g1", ("GPUTenantQueueWaitHigh", "resolved"),
+            ("GPUTenantStarved", "resolved")),
+]
+
+
+def test_first_expected_alert_after_the_fault_start():
+    hit = first_of(RECORDS, ["GPUTenantStarved", "GPUServiceDegraded"], since=90.0)
+    assert hit is not None and hit.alertname == "GPUTenantStarved" and hit.received_at == 130.0
+    assert hit.starts_at == parse_time("2026-01-01T00:00:10.5+00:00")
+    assert first_of(RECORDS, ["GPUTenantStarved"], since=131.0) is None
+
+
+def test_repeated_notifications_of_one_alert_count_once():
+    seen = firing(RECORDS, 0.0)
+    assert [s.alertname for s in seen] == ["GPUTenantQueueWaitHigh", "GPUTenantQueueWaitHigh",
+                                          "GPUTenantStarved"]
+    assert sorted(s.alertname for s in distinct(seen)) == ["GPUTenantQueueWaitHigh", "GPUTenantStarved"]
+    assert firing(RECORDS, 0.0, until=100.0) == []
+
+
+def test_quiet_needs_every_group_resolved_last():
+    assert groups_resolved(RECORDS)
+    assert not groups_resolved([*RECORDS, _record(170.0, "firing", "g2", ("GPUMemoryLeak", "firing"))])
+
+
+def test_alertmanager_times_with_nanoseconds_parse():
+    assert parse_time("2026-01-01T00:00:00.123456789Z") == pytest.approx(parse_time("2026-01-01T00:00:00Z")
+                                                                         + 0.123456)
+    assert parse_time("0001-01-01T00:00:00Z") is None
+
+
+def test_unknown_scenario_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "gpuscope.loadtest.alerts", "--scenarios", "meteor"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "unknown scenario 'meteor'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _require_stack_binaries() -> None:
+    require_binary("prometheus")
+    for debian, upstream in (("prometheus-alertmanager", "alertmanager"),
+                             ("prometheus-node-exporter", "node_exporter")):
+        if shutil.which(upstream) is None:
+            require_binary(debian)
+
+
+@pytest.mark.slow
+@pytest.mark.distro
+@pytest.mark.timeout(600)
+def test_shortened_run_detects_starvation_and_stays_quiet_under_steady_load(tmp_path):
+    """CI's version of the full run (benchmarks/results/alerts-cpu.json): one fault, 40 s of steady load."""
+    _require_stack_binaries()
+    output = tmp_path / "alerts.json"
+    progress = io.StringIO()
+    code = alerts.main(["--scenarios", "starvation", "--warmup", "20s", "--steady", "40s",
+                        "--detect-timeout", "180s", "--quiet-timeout", "180s", "--output", str(output),
+                        "--run-dir", str(tmp_path / "run")], out=progress)
+    report = json.loads(output.read_text())
+    assert {"date", "detection_latency_s", "composite_detection_latency_s", "false_alerts_steady",
+            "steady_minutes"} <= report.keys()
+    assert report["false_alerts_steady"] == 0, report["false_alert_names"]
+    assert report["steady_minutes"] == pytest.approx(40 / 60, abs=0.01)
+    starvation = report["scenarios"]["starvation"]
+    assert starvation["raised"] in ("GPUTenantStarved", "GPUTenantUnderServed", "GPUServiceDegraded")
+    latency = report["detection_latency_s"]["starvation"]
+    # Within the rule's for + two evaluation intervals + group_wait, plus the rule's own 20 s window
+    # and one group_interval of slack for an inhibiting composite that resolves first.
+    bound = starvation["target_receiver_s"] + 20 + 30 + 30
+    assert latency is not None and latency <= bound, progress.getvalue()
+    assert code == 0, progress.getvalue()
