@@ -9,8 +9,8 @@ gpuscope's exact figures of the window after warm-up. It writes:
 * ``compare-NAME.md`` — tables of medians with [min–max] over repetitions, with plots;
 * ``compare-NAME.csv`` — one row per run and tenant scope, in base units;
 * ``compare-NAME-SET.png`` — one figure per configuration set;
-* per run, under ``--output.runs-dir``: Locust's HTML report, the exact samples,
-  and both processes' logs.
+* per run, under ``--output.runs-dir``: Locust's HTML report, both processes'
+  logs, and with ``--output.keep-samples`` the exact per-request samples.
 
 A line per run shows progress, with a countdown while Locust runs.
 """
@@ -78,6 +78,8 @@ def build_parser() -> FlagParser:
     p.add_flag("--output.runs-dir", default="",
                help="per-run HTML reports, samples and logs (default: OUTPUT.DIR/compare-NAME-runs)")
     p.add_flag("--output.label", default="", help="machine description for the report header")
+    p.add_toggle("output.keep-samples", False,
+                 "keep each run's exact samples.json (several MB per run at GPU rates)")
     return p
 
 
@@ -98,6 +100,7 @@ class Settings:
     name: str
     runs_dir: Path
     label: str
+    keep_samples: bool = False
 
 
 def parse_settings(argv: Sequence[str]) -> Settings:
@@ -129,7 +132,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         seed=ns["load.seed"], prompt_tokens=ns["load.prompt_tokens"], output_tokens=ns["load.output_tokens"],
         server_args=server_args, out_dir=out_dir, name=name,
         runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
-        label=ns["output.label"])
+        label=ns["output.label"], keep_samples=ns["output.keep_samples"])
 
 
 def locust_command(settings: Settings, host: str, run_dir: Path) -> list[str]:
@@ -164,6 +167,8 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
         raise RuntimeError(f"Locust wrote no samples (exit {process.returncode}); "
                            f"see {run_dir / 'locust.log'}")
     data = load_samples(samples_path)
+    if not settings.keep_samples:
+        samples_path.unlink()
     started, stopped = data["started"], data["stopped"]
     window = (started + settings.warmup_s, max(stopped, started + settings.warmup_s + 1e-3))
     requests = data["requests"]

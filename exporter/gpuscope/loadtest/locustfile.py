@@ -10,27 +10,33 @@ needs the user classes before it parses options.
 
 from __future__ import annotations
 
+import logging
+
 from locust import LoadTestShape
 
 import gpuscope.loadtest.plugin  # noqa: F401  (registers gpuscope's options and recorder)
 from gpuscope.loadtest.options import tenants_from_env
-from gpuscope.loadtest.shapes import stage_at
+from gpuscope.loadtest.shapes import SHAPES, stage_at
 from gpuscope.loadtest.users import tenant_users
 
 
 class GpuscopeShape(LoadTestShape):
     """Stage-table load shape: ``--shape`` picks the table, ``-u`` is the peak, ``-t`` the length.
 
-    Locust uses a shape only when one is chosen (headless, or in the web UI's
-    shape picker); with ``--shape steady`` it behaves as plain ``-u``/``-r``/``-t``.
+    With ``--shape steady`` (the default) it behaves as plain ``-u``/``-r``/``-t``,
+    headless and in the web UI, whose user count, spawn rate and run time it reads.
     """
 
     use_common_options = True
 
     def tick(self) -> tuple[int, float] | None:
         options = self.runner.environment.parsed_options if self.runner else None
+        name = getattr(options, "shape", None) or "steady"
+        if name not in SHAPES:  # the web UI edits options as plain strings, unchecked
+            logging.getLogger("gpuscope.loadtest").error("unknown shape %r; running steady", name)
+            options.shape = name = "steady"
         return stage_at(
-            getattr(options, "shape", None) or "steady",
+            name,
             self.get_run_time(),
             getattr(options, "run_time", None) or None,
             int(getattr(options, "num_users", None) or 1),
