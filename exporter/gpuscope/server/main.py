@@ -15,6 +15,8 @@ import queue
 import socket
 import sys
 
+from prometheus_client import CollectorRegistry
+
 from gpuscope.flags import FlagParser, parse_listen_address
 from gpuscope.ports import default_listen_address
 
@@ -90,7 +92,7 @@ def config_from_args(ns) -> ServerConfig:
     ).validate()
 
 
-def setup_logging(config: ServerConfig, level: str) -> list[logging.Handler]:
+def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry) -> list[logging.Handler]:
     """stderr through a queue (a slow terminal or pipe never stalls the engine), plus Loki when set."""
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
@@ -107,7 +109,9 @@ def setup_logging(config: ServerConfig, level: str) -> list[logging.Handler]:
     if config.loki_url:
         from gpuscope.loki import LokiHandler
 
-        loki = LokiHandler(config.loki_url, service="gpuscope-server", instance=config.instance)
+        # The server's own registry: that is what its /metrics serves.
+        loki = LokiHandler(config.loki_url, service="gpuscope-server", instance=config.instance,
+                           registry=registry)
         root.addHandler(loki)
         handlers.append(loki)
     handlers.append(_ListenerStopper(listener))
@@ -131,9 +135,10 @@ class _ListenerStopper(logging.Handler):
 
 def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
+    registry = CollectorRegistry()
     try:
         config = config_from_args(ns)
-        handlers = setup_logging(config, ns.__dict__["log.level"])
+        handlers = setup_logging(config, ns.__dict__["log.level"], registry)
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
@@ -144,7 +149,7 @@ def main(argv: list[str]) -> int:
 
     log = logging.getLogger("gpuscope.server")
     try:
-        service = Service(config)
+        service = Service(config, registry)
     except (OSError, RuntimeError, ValueError) as exc:
         sys.stderr.write(f"{PROG}: error: cannot build the model: {exc}\n".replace("\n", " ").rstrip() + "\n")
         return 1
