@@ -86,3 +86,53 @@ def test_sampled_out_forwards_only_count(make_timer, registry):
     assert registry.get_sample_value("gpuscope_regions_entered_total", {"op": "1.attn"}) == 10
     assert counts(registry, ["1.attn"])["1.attn"] == 5
     inst.remove()
+
+
+class Probe(torch.nn.Module):
+    """Records, on every call, whether a per-module wrapper was in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.wrapped = []
+
+    def forward(self, x):
+        self.wrapped.append("forward" in self.__dict__)
+        return x
+
+
+def test_unsampled_passes_run_without_module_wrappers(make_timer, registry):
+    timer = make_timer(sample_rate=0.25)
+    probe = Probe()
+    m = torch.nn.Sequential(torch.nn.Identity(), probe)
+    inst = timer.instrument(m, include=("1",))
+    for _ in range(8):
+        m(torch.zeros(1))
+    assert probe.wrapped == [True, False, False, False] * 2
+    assert inst.passes == 8 and inst.sampled_passes == 2
+    assert timer.flush(5)
+    assert registry.get_sample_value("gpuscope_regions_entered_total", {"op": "1"}) == 8
+    assert registry.get_sample_value("gpuscope_timer_sampling_ratio", {"op": "1"}) == 0.25
+    inst.remove()
+
+
+def test_pass_cost_is_the_difference_of_sampled_and_unsampled_means():
+    from gpuscope.timing.instrument import MIN_COST_MEASUREMENTS, PassCost
+
+    cost = PassCost()
+    for _ in range(MIN_COST_MEASUREMENTS - 1):
+        cost.add(True, 1_300_000)
+        cost.add(False, 1_000_000)
+    assert cost.per_sampled_pass_s() is None  # not enough measurements yet
+    cost.add(True, 1_300_000)
+    cost.add(False, 1_000_000)
+    assert cost.per_sampled_pass_s() == pytest.approx(300e-6)
+
+
+def test_instrumenting_twice_is_refused(make_timer):
+    timer = make_timer(sample_rate=1.0)
+    m = model()
+    inst = timer.instrument(m)
+    with pytest.raises(ValueError, match="already instrumented"):
+        timer.instrument(m)
+    inst.remove()
+    timer.instrument(m).remove()

@@ -43,8 +43,13 @@ class TimerCollector(Collector):
         entered = c.REGIONS_ENTERED.family()
         ratio = c.TIMER_SAMPLING_RATIO.family()
         for op in ops:
-            entered.add_metric([op.name], op.entered)
-            ratio.add_metric([op.name], 1.0 / op.period)
+            owner = op.owner
+            if owner is None:
+                entered.add_metric([op.name], op.entered)
+                ratio.add_metric([op.name], 1.0 / op.period)
+            else:  # instrument(): sampled per forward pass, counted on sampled passes
+                entered.add_metric([op.name], round(op.entered * owner.entered_scale()))
+                ratio.add_metric([op.name], 1.0 / owner.pass_state.period)
             for device, h in list(op.hists.items()):
                 buckets = []
                 for le, count, exemplar in h.cumulative():

@@ -1,9 +1,16 @@
 """``timer.instrument(model)``: per-module GPU time for a ``torch.nn.Module``.
 
-The chosen submodules' ``forward`` is replaced by a thin wrapper (an instance
-attribute) rather than hooked: LIMITS.md measured that empty forward hooks on 24
-modules cost 160–410 µs per forward (3–7% of throughput), because a module with
-hooks leaves torch's fast call path; a replaced ``forward`` keeps it.
+Sampling is decided once per forward pass, by a wrapper on the model's own
+``forward``. Only a sampled pass puts the per-module wrappers in place (as
+instance attributes, set in ``module.__dict__`` directly) and takes them out
+after, so an unsampled pass costs one Python call, not one per module.
+Per-module wrappers replace ``forward`` rather than hook it: LIMITS.md measured
+that empty forward hooks on 24 modules cost 160–410 µs per forward (3–7%),
+because a module with hooks leaves torch's fast call path.
+
+The wrapper also measures what timing costs where it matters, inside the
+program: the CPU time of sampled passes against unsampled ones (an online
+paired comparison), which the overhead budget then uses.
 
 Two modes:
 
@@ -12,24 +19,35 @@ Two modes:
   module's region runs from its start to the next instrumented module's start
   (or the end of the model's forward), so glue between modules (residual adds,
   norms) is charged to the module before it. Nested matches are dropped.
-  Sampling is decided per forward pass.
+
+``gpuscope_regions_entered_total`` for these ops is counted on sampled passes
+and scaled by passes / sampled passes (exact for a model whose modules run the
+same number of times every pass).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuscope.timing.timer import OpState, Timer
 from gpuscope.timing.timer import Sequence as RegionSequence
-from gpuscope.timing.timer import Timer
 
 #: Module names timed when ``include`` is not given: the usual per-block breakdown.
 DEFAULT_NAMES = frozenset({
     "attn", "attention", "self_attn", "self_attention", "mlp", "ffn", "feed_forward", "embed",
     "embedding", "embeddings", "wte", "tok_embeddings", "token_embedding", "lm_head", "head",
 })
+
+#: Weight of the newest pass in the running means of pass CPU time.
+COST_SMOOTHING = 0.05
+#: Measure every Nth unsampled pass (each measurement is two clock reads).
+UNSAMPLED_MEASURE_EVERY = 8
+#: Measurements of each kind needed before the in-program cost estimate is trusted.
+MIN_COST_MEASUREMENTS = 8
 
 
 def _matcher(include: Any) -> Callable[[str, Any], bool]:
@@ -52,14 +70,46 @@ def _matcher(include: Any) -> Callable[[str, Any], bool]:
     return match
 
 
-class Instrumentation:
-    """The wrappers ``instrument`` installed; ``remove()`` restores every ``forward``."""
+class PassCost:
+    """Running means of the caller's CPU time per sampled and per unsampled pass."""
 
-    def __init__(self, timer: Timer, mode: str) -> None:
+    __slots__ = ("n_sampled", "n_unsampled", "sampled_ns", "unsampled_ns")
+
+    def __init__(self) -> None:
+        self.sampled_ns = self.unsampled_ns = 0.0
+        self.n_sampled = self.n_unsampled = 0
+
+    def add(self, sampled: bool, ns: int) -> None:
+        if sampled:
+            self.n_sampled += 1
+            self.sampled_ns = ns if self.n_sampled == 1 else (
+                self.sampled_ns + COST_SMOOTHING * (ns - self.sampled_ns))
+        else:
+            self.n_unsampled += 1
+            self.unsampled_ns = ns if self.n_unsampled == 1 else (
+                self.unsampled_ns + COST_SMOOTHING * (ns - self.unsampled_ns))
+
+    def per_sampled_pass_s(self) -> float | None:
+        """Extra CPU seconds a sampled pass costs, once both means are trustworthy."""
+        if min(self.n_sampled, self.n_unsampled) < MIN_COST_MEASUREMENTS:
+            return None
+        return max(0.0, self.sampled_ns - self.unsampled_ns) * 1e-9
+
+
+class Instrumentation:
+    """What ``instrument`` installed; ``remove()`` restores the model."""
+
+    def __init__(self, timer: Timer, mode: str, name: str) -> None:
         self.timer = timer
         self.mode = mode
         self.ops: list[str] = []
-        self._restore: list[tuple[Any, Any]] = []
+        self.op_states: list[OpState] = []
+        self.passes = 0
+        self.sampled_passes = 0
+        self.pass_state = OpState(name, timer._period, timer._fixed_rate)
+        self.cost = PassCost()
+        self.wrappers: list[tuple[Any, Callable]] = []
+        self._model: Any = None
         self._local = threading.local()
 
     def sequence(self) -> RegionSequence:
@@ -70,30 +120,27 @@ class Instrumentation:
             seq = self._local.seq = RegionSequence(self.timer, "forward")
             return seq
 
-    def _replace(self, module: Any, forward: Callable) -> None:
-        self._restore.append((module, module.__dict__.get("forward")))
-        module.forward = forward
+    def entered_scale(self) -> float:
+        """passes / sampled passes: turns counts from sampled passes into counts of all passes."""
+        return self.passes / self.sampled_passes if self.sampled_passes else 0.0
+
+    def samples_per_pass(self) -> int:
+        return len(self.wrappers)
 
     def remove(self) -> None:
-        for module, previous in reversed(self._restore):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._restore.clear()
+        if self._model is not None:
+            self._model.__dict__.pop("forward", None)
+            self._model = None
+        for module, _ in self.wrappers:
+            module.__dict__.pop("forward", None)
+        self.timer._unregister_sampler(self)
 
 
-def _exact_forward(timer: Timer, original: Callable, op_name: str) -> Callable:
-    record_start, end, op = timer._record_start, timer._end, timer.op_state(op_name)
+def _exact_forward(timer: Timer, original: Callable, op: OpState) -> Callable:
+    record_start, end = timer._record_start, timer._end
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        # Timer._begin, inlined: one Python frame less on every module call.
         op.entered += 1
-        countdown = op.countdown
-        if countdown:
-            op.countdown = countdown - 1
-            return original(*args, **kwargs)
-        op.countdown = op.period - 1
         token = record_start()
         if token is None:
             return original(*args, **kwargs)
@@ -105,8 +152,8 @@ def _exact_forward(timer: Timer, original: Callable, op_name: str) -> Callable:
     return forward
 
 
-def _split_forward(inst: Instrumentation, original: Callable, op_name: str) -> Callable:
-    op, local, get_seq = inst.timer.op_state(op_name), inst._local, inst.sequence
+def _split_forward(inst: Instrumentation, original: Callable, op: OpState) -> Callable:
+    local, get_seq = inst._local, inst.sequence
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -120,17 +167,44 @@ def _split_forward(inst: Instrumentation, original: Callable, op_name: str) -> C
 
 
 def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
-    get_seq = inst.sequence
+    timer, state, cost, wrappers = inst.timer, inst.pass_state, inst.cost, inst.wrappers
+    partition = inst.mode == "partition"
+    clock = time.thread_time_ns
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        seq = get_seq()
-        if seq.active:  # re-entrant call of the model: already inside a pass
+    def unsampled(args: tuple, kwargs: dict) -> Any:
+        if inst.passes % UNSAMPLED_MEASURE_EVERY:
             return original(*args, **kwargs)
-        seq.begin()
+        t0 = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            seq.end()
+            cost.add(False, clock() - t0)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inst.passes += 1
+        countdown = state.countdown
+        if countdown:
+            state.countdown = countdown - 1
+            return unsampled(args, kwargs)
+        if timer._captures[0] and timer._capturing():
+            timer._note_capture()
+            return original(*args, **kwargs)
+        state.countdown = state.period - 1
+        inst.sampled_passes += 1
+        t0 = clock()
+        for module, wrapper in wrappers:
+            module.__dict__["forward"] = wrapper
+        seq = inst.sequence() if partition else None
+        if seq is not None:
+            seq.begin(sampled=True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if seq is not None:
+                seq.end()
+            for module, _ in wrappers:
+                module.__dict__.pop("forward", None)
+            cost.add(True, clock() - t0)
 
     return forward
 
@@ -147,6 +221,8 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
     """
     if mode not in ("exact", "partition"):
         raise ValueError(f"mode must be 'exact' or 'partition', got {mode!r}")
+    if "forward" in model.__dict__:
+        raise ValueError("instrument(): the model is already instrumented (or has an instance forward)")
     match = _matcher(include)
     name_of = op_name or (lambda path: path)
     chosen: list[tuple[str, Any]] = []
@@ -155,20 +231,24 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
             continue
         if mode == "partition" and any(path.startswith(p + ".") for p, _ in chosen):
             continue
+        if "forward" in module.__dict__:
+            raise ValueError(f"instrument(): module {path!r} already has an instance forward")
         chosen.append((path, module))
     if not chosen:
         raise ValueError("instrument(): no submodule matched include=" + repr(include))
-    inst = Instrumentation(timer, mode)
+    inst = Instrumentation(timer, mode, f"pass:{type(model).__name__}")
     for path, module in chosen:
-        op = name_of(path)
-        inst.ops.append(op)
-        if mode == "exact":
-            inst._replace(module, _exact_forward(timer, module.forward, op))
-        else:
-            inst._replace(module, _split_forward(inst, module.forward, op))
-    if mode == "partition":
-        inst._replace(model, _pass_forward(inst, model.forward))
+        op = timer.op_state(name_of(path))
+        op.owner = inst
+        inst.ops.append(op.name)
+        inst.op_states.append(op)
+        wrapper = (_exact_forward(timer, module.forward, op) if mode == "exact"
+                   else _split_forward(inst, module.forward, op))
+        inst.wrappers.append((module, wrapper))
+    model.__dict__["forward"] = _pass_forward(inst, model.forward)
+    inst._model = model
+    timer._register_sampler(inst)
     return inst
 
 
-__all__ = ["DEFAULT_NAMES", "Instrumentation", "instrument"]
+__all__ = ["DEFAULT_NAMES", "Instrumentation", "PassCost", "instrument"]

@@ -44,7 +44,8 @@ class Resolver:
         self._pending_devices: list[int] = []
         self._skip_cost_idle_s = 0.0
         self._record_cost_idle_s = 0.0
-        self._last_adapt = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0, 0, 0)
+        self._last_adapt: dict[str, float] = {}
+        self._resolved = 0  # samples turned into observations
         self._busy_s = 0.0  # time spent resolving samples (the rest of the resolver's CPU is fixed)
         self._active_s = 0.0  # wall time of resolver intervals in which some region was entered
         self._wakes = 0
@@ -88,18 +89,17 @@ class Resolver:
             self.timer.route.relax_capture_mode()
         except Exception as exc:
             self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
-        self._last_adapt = (time.monotonic(), self._entered(), self.timer.sampled, time.thread_time(),
-                            self._busy_s, self._active_s, self._wakes, self._active_wakes)
+        self._last_adapt = self._counters(time.monotonic())
         self._next_calibration = time.monotonic() + self.timer.calibrate_every
         interval = self.timer.resolve_interval
-        last_wake, last_entered = time.monotonic(), self._entered()
+        last_wake, last_entered = time.monotonic(), self._activity()
         while not self._stop.wait(interval):
             try:
                 self.drain()
                 now = time.monotonic()
                 # The budget is a share of the time the program is busy in timed code: a server idle
                 # half the time must not spend its whole budget in the busy half.
-                entered = self._entered()
+                entered = self._activity()
                 self._wakes += 1
                 if entered != last_entered:
                     self._active_s += now - last_wake
@@ -107,7 +107,7 @@ class Resolver:
                 last_wake, last_entered = now, entered
                 while self._pending_devices:
                     self._calibrate(self._pending_devices.pop())
-                if now - self._last_adapt[0] >= ADAPT_EVERY_S:
+                if now - self._last_adapt["now"] >= ADAPT_EVERY_S:
                     self._adapt(now)
                 if self.timer.calibrate_every and now >= self._next_calibration:
                     self._next_calibration = now + self.timer.calibrate_every
@@ -169,6 +169,7 @@ class Resolver:
             if seconds < 0.0:
                 seconds = 0.0
             op.histogram(device).observe(seconds, trace_id)
+            self._resolved += 1
             if callback is not None:
                 try:
                     callback(seconds)
@@ -278,37 +279,63 @@ class Resolver:
             return self._skip_cost_idle_s * max(1.0, hot / self._record_cost_idle_s)
         return self._skip_cost_idle_s
 
-    def _entered(self) -> int:
-        return sum(op.entered for op in self.timer.ops())
+    def _activity(self) -> int:
+        """Changes whenever any timed code ran: regions entered and instrumented passes."""
+        return sum(op.entered for op in self.timer.ops()) + sum(s.passes for s in self.timer.samplers())
+
+    def _counters(self, now: float) -> dict[str, float]:
+        timer = self.timer
+        counters = {
+            "now": now, "cpu": time.thread_time(), "busy": self._busy_s, "active": self._active_s,
+            "wakes": self._wakes, "active_wakes": self._active_wakes, "resolved": self._resolved,
+            "direct_entered": sum(op.entered for op in timer.ops() if op.owner is None),
+        }
+        for sampler in timer.samplers():
+            counters[f"passes:{id(sampler)}"] = sampler.passes
+            counters[f"sampled:{id(sampler)}"] = sampler.sampled_passes
+        return counters
 
     def _adapt(self, now: float) -> None:
-        """Set the sampling period so estimated cost stays within budget × wall time.
+        """Set the sampling period so the estimated cost stays within budget × busy time.
 
-        cost = sampled × (hot path + resolution per sample) + unsampled × skip cost
-               + the resolver's fixed wake-up cost,
-        against the wall time of the resolver intervals in which regions were entered.
+        cost = sampled direct regions × hot path + unsampled direct regions × skip cost
+             + sampled passes × (their measured extra CPU)        [instrument(), per pass]
+             + resolved samples × resolution cost + the resolver's wake-ups in busy intervals,
+        against the wall time of the resolver intervals in which timed code ran (a server idle
+        half the time must not spend its whole budget in the busy half).
         """
         timer = self.timer
-        _then, entered0, sampled0, cpu0, busy0, active0, wakes0, active_wakes0 = self._last_adapt
-        entered, sampled, cpu, busy = self._entered(), timer.sampled, time.thread_time(), self._busy_s
-        self._last_adapt = (now, entered, sampled, cpu, busy, self._active_s, self._wakes, self._active_wakes)
-        wall = self._active_s - active0
-        wakes, active_wakes = self._wakes - wakes0, self._active_wakes - active_wakes0
-        d_entered, d_sampled = entered - entered0, sampled - sampled0
-        resolver_cpu, resolving = cpu - cpu0, busy - busy0
+        before, after = self._last_adapt, self._counters(now)
+        self._last_adapt = after
+        delta = {key: after[key] - before.get(key, 0) for key in after}
+        wall = delta["active"]
         if wall <= 0:
             return
         hot = timer.hot_path_s or self._record_cost_idle_s
         skip = self.skip_cost_s()
-        # The resolver's wake-up cost counts only for the wakes that fell in busy intervals.
-        fixed = max(0.0, resolver_cpu - resolving) * (active_wakes / wakes if wakes else 1.0)
-        spent = d_sampled * hot + max(0, d_entered - d_sampled) * skip + resolving + fixed
+        per_resolved = delta["busy"] / delta["resolved"] if delta["resolved"] else 0.0
+        fixed = max(0.0, delta["cpu"] - delta["busy"]) * (
+            delta["active_wakes"] / delta["wakes"] if delta["wakes"] else 1.0)
+        pass_spent = pass_full = pass_samples = 0.0
+        for sampler in timer.samplers():
+            passes, sampled = delta.get(f"passes:{id(sampler)}", 0), delta.get(f"sampled:{id(sampler)}", 0)
+            per_region = hot if sampler.mode == "exact" else hot / 2
+            per_pass = sampler.cost.per_sampled_pass_s()
+            if per_pass is None:
+                per_pass = per_region * sampler.samples_per_pass()
+            pass_spent += sampled * per_pass
+            pass_full += passes * (per_pass + sampler.samples_per_pass() * per_resolved)
+            pass_samples += sampled * sampler.samples_per_pass()
+        direct_entered = delta["direct_entered"]
+        direct_sampled = max(0.0, delta["resolved"] - pass_samples)
+        spent = (direct_sampled * hot + max(0.0, direct_entered - direct_sampled) * skip + pass_spent
+                 + delta["busy"] + fixed)
         self.overhead_ratio = spent / wall
-        if timer._fixed_rate or d_entered <= 0:
+        full = direct_entered * (hot + per_resolved) + pass_full
+        if timer._fixed_rate or full <= 0:
             return
-        per_sample = hot + (resolving / d_sampled if d_sampled else 0.0)
-        allowance = timer.budget * wall - d_entered * skip - fixed
-        ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / per_sample / d_entered))
+        allowance = timer.budget * wall - fixed - direct_entered * skip
+        ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / full))
         target = max(1, round(1 / ratio))
         # Move at most 4× per second so one noisy window cannot swing the rate.
         period = min(max(target, timer._period // 4), max(1, timer._period * 4))
@@ -316,6 +343,8 @@ class Resolver:
         for op in timer.ops():
             if not op.fixed:
                 op.period = period
+        for sampler in timer.samplers():
+            sampler.pass_state.period = period
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -56,10 +56,11 @@ def current_trace_id() -> str | None:
 class OpState:
     """Per-op sampling state and histograms (one per device), owned by one timer."""
 
-    __slots__ = ("countdown", "entered", "fixed", "hists", "name", "period")
+    __slots__ = ("countdown", "entered", "fixed", "hists", "name", "owner", "period")
 
     def __init__(self, name: str, period: int, fixed: bool) -> None:
         self.name = name
+        self.owner: Any = None  # the Instrumentation whose sampled passes count this op, if any
         self.period = period
         self.countdown = 0  # the first region of every op is timed
         self.entered = 0
@@ -171,6 +172,7 @@ class Timer:
             max(1, round(1 / sample_rate)) if sample_rate is not None else 16)
         self._fixed_rate = sample_rate is not None
         self._ops: dict[str, OpState] = {}
+        self._samplers: list[Any] = []  # instrumentations, sampled per forward pass
         self._regions: dict[str, Region] = {}
         self._ops_lock = threading.Lock()  # only taken when a new op name first appears
         self._local = threading.local()
@@ -295,6 +297,20 @@ class Timer:
     def ops(self) -> list[OpState]:
         return list(self._ops.values())
 
+    def samplers(self) -> list[Any]:
+        return list(self._samplers)
+
+    def _register_sampler(self, sampler: Any) -> None:
+        with self._ops_lock:
+            self._samplers.append(sampler)
+
+    def _unregister_sampler(self, sampler: Any) -> None:
+        with self._ops_lock:
+            if sampler in self._samplers:
+                self._samplers.remove(sampler)
+            for op in sampler.op_states:
+                op.owner = None if op.owner is sampler else op.owner
+
     def device_label(self, device: int) -> str:
         return "cpu" if self.is_host else str(device)
 
@@ -403,16 +419,22 @@ class Sequence:
         self._shared = False
         self.active = False
 
-    def begin(self) -> bool:
-        """Start a pass; True when this pass is sampled."""
+    def begin(self, sampled: bool | None = None) -> bool:
+        """Start a pass; True when this pass is timed. ``sampled`` overrides the sequence's own
+        sampling (instrument() decides per forward pass itself)."""
         timer, state = self._timer, self._pass
-        state.period = max(1, timer._period) if not state.fixed else state.period
-        countdown = state.countdown
-        if countdown or timer.closed:
-            state.countdown = countdown - 1 if countdown else 0
+        if sampled is None:
+            if not state.fixed:
+                state.period = max(1, timer._period)
+            countdown = state.countdown
+            if countdown:
+                state.countdown = countdown - 1
+                self.active = False
+                return False
+            state.countdown = state.period - 1
+        if not sampled and sampled is not None:
             self.active = False
             return False
-        state.countdown = state.period - 1
         if timer._captures[0] and timer._capturing():
             timer._note_capture()
             self.active = False
