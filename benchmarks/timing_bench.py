@@ -141,8 +141,13 @@ class Config:
     def install(self) -> None:
         name = self.name
         if name.startswith("gpuscope"):
-            mode = "partition" if name.endswith("partition") else "exact"
-            self.inst = self.timer.instrument(self.model, include=("attn", "mlp"), mode=mode)
+            # One instrumentation for the whole run, detached between measurements, so the budget's
+            # cost estimates and sampling state persist as they would in a long-running server.
+            if self.inst is None:
+                mode = "partition" if name.endswith("partition") else "exact"
+                self.inst = self.timer.instrument(self.model, include=("attn", "mlp"), mode=mode)
+            else:
+                self.inst.attach()
         elif name == "raw_records":
             for path, module in self.mods:
                 module.forward = self._raw_forward(module.forward, *self.raw[path]) if self.cuda else \
@@ -163,8 +168,7 @@ class Config:
 
     def uninstall(self) -> None:
         if self.inst is not None:
-            self.inst.remove()
-            self.inst = None
+            self.inst.detach()
         for _, module in self.mods:
             module.__dict__.pop("forward", None)
         for h in self.hooks:
@@ -228,6 +232,8 @@ class Config:
 
     def close(self) -> None:
         self.uninstall()
+        if self.inst is not None:
+            self.inst.remove()
         if self.timer is not None:
             self.timer.close()
 
@@ -244,9 +250,13 @@ def throughput(cuda: bool, label: str, bs: int, seq: int, iters: int, rounds: in
 
     cfgs = {name: Config(name, mods, model, cuda) for name in configs}
 
+    sampled_fraction: dict[str, list[float]] = collections.defaultdict(list)
+
     def measure(cfg: Config | None) -> tuple[float, float]:
         if cfg is not None:
             cfg.install()
+        inst = cfg.inst if cfg is not None else None
+        before = (inst.passes, inst.sampled_passes) if inst is not None else None
         try:
             with torch.no_grad():
                 for _ in range(5):
@@ -261,6 +271,9 @@ def throughput(cuda: bool, label: str, bs: int, seq: int, iters: int, rounds: in
         finally:
             if cfg is not None:
                 cfg.uninstall()
+        if inst is not None:
+            passes, sampled = inst.passes - before[0], inst.sampled_passes - before[1]
+            sampled_fraction[cfg.name].append(sampled / passes if passes else 0.0)
         return iters / (t1 - t0), (c1 - c0) / iters * 1e6
 
     with torch.no_grad():
@@ -300,6 +313,9 @@ def throughput(cuda: bool, label: str, bs: int, seq: int, iters: int, rounds: in
         if timer is not None:
             timer.flush(10)
             entry["sampling_ratio_final"] = 1 / timer._period
+            entry["sampled_pass_fraction_median"] = statistics.median(sampled_fraction[name])
+            cost = cfgs[name].inst.cost.per_sampled_pass_s()
+            entry["measured_cost_us_per_sampled_pass"] = None if cost is None else cost * 1e6
             entry["overhead_ratio_estimate"] = timer._resolver.overhead_ratio
             entry["hot_path_us_in_context"] = timer.hot_path_s * 1e6
             entry["dropped"] = dict(timer.dropped)

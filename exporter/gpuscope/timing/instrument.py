@@ -110,6 +110,7 @@ class Instrumentation:
         self.cost = PassCost()
         self.wrappers: list[tuple[Any, Callable]] = []
         self._model: Any = None
+        self._pass_wrapper: Callable | None = None
         self._local = threading.local()
 
     def sequence(self) -> RegionSequence:
@@ -127,9 +128,19 @@ class Instrumentation:
     def samples_per_pass(self) -> int:
         return len(self.wrappers)
 
-    def remove(self) -> None:
+    def detach(self) -> None:
+        """Stop timing the model, keeping counts, cost estimates and sampling state."""
         if self._model is not None:
             self._model.__dict__.pop("forward", None)
+
+    def attach(self) -> None:
+        """Resume timing after ``detach()``."""
+        if self._model is not None:
+            self._model.__dict__["forward"] = self._pass_wrapper
+
+    def remove(self) -> None:
+        self.detach()
+        if self._model is not None:
             self._model = None
         for module, _ in self.wrappers:
             module.__dict__.pop("forward", None)
@@ -245,8 +256,9 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
         wrapper = (_exact_forward(timer, module.forward, op) if mode == "exact"
                    else _split_forward(inst, module.forward, op))
         inst.wrappers.append((module, wrapper))
-    model.__dict__["forward"] = _pass_forward(inst, model.forward)
+    inst._pass_wrapper = _pass_forward(inst, model.forward)
     inst._model = model
+    inst.attach()
     timer._register_sampler(inst)
     return inst
 
