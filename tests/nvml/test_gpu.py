@@ -219,7 +219,7 @@ def _this_process(exporter: Exporter) -> dict[str, str]:
 
 def test_torch_process_memory_is_attributed(exporter: Exporter, torch_busy) -> None:
     torch_busy(0.1)
-    refresh(exporter, "processes")
+    refresh(exporter)  # every collector: the device figure compared below must be as fresh
     labels = _this_process(exporter)
     used = value(exporter, cat.GPU_PROCESS_MEMORY.name, **labels)
     exported = [s.labels for f in exporter.registry.collect() for s in f.samples
