@@ -320,9 +320,10 @@ class Resolver:
         for sampler in timer.samplers():
             passes, sampled = delta.get(f"passes:{id(sampler)}", 0), delta.get(f"sampled:{id(sampler)}", 0)
             per_region = hot if sampler.mode == "exact" else hot / 2
-            per_pass = sampler.cost.per_sampled_pass_s()
-            if per_pass is None:
-                per_pass = per_region * sampler.samples_per_pass()
+            # The in-program measurement is noisy (pass-to-pass jitter): never trust it below what
+            # the records alone cost in context.
+            floor = per_region * sampler.samples_per_pass()
+            per_pass = max(sampler.cost.per_sampled_pass_s() or 0.0, floor)
             pass_spent += sampled * per_pass
             pass_full += passes * (per_pass + sampler.samples_per_pass() * per_resolved)
             pass_samples += sampled * sampler.samples_per_pass()
