@@ -17,6 +17,7 @@ class ScriptedRoute:
 
     name = "scripted"
     on_host = True
+    gpu_queue = False
 
     def __init__(self, step: float = 1e-6) -> None:
         self.step = step
@@ -48,6 +49,15 @@ class ScriptedRoute:
 
     def relax_capture_mode(self) -> None:
         pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: int) -> int:
+        return 0
+
+    def is_capturing(self) -> bool:
+        return False
 
     def clear_error(self) -> None:
         pass

@@ -207,7 +207,7 @@ class Resolver:
         start, end = route.create(), route.create()
         samples = []
         try:
-            if timer.is_host:
+            if not route.gpu_queue:
                 for _ in range(CALIBRATION_PAIRS):
                     route.record(start, 0)
                     route.record(end, 0)
@@ -266,7 +266,7 @@ class Resolver:
         for _ in range(n):
             route.record(event, stream)
         self._record_cost_idle_s = 2 * (time.perf_counter_ns() - t0) * 1e-9 / n
-        if not timer.is_host:
+        if route.gpu_queue:
             import torch
 
             torch.cuda.synchronize()

@@ -34,7 +34,12 @@ class Route(Protocol):
     """The event operations the timer needs; ``record`` is the only one on the hot path."""
 
     name: str
-    on_host: bool  # True when events are host timestamps (no CUDA device or stream involved)
+    on_host: bool  # True when events are host timestamps: samples are labelled device="cpu"
+    gpu_queue: bool  # True when the baseline must be calibrated behind queued GPU work
+
+    def current_device(self) -> int: ...
+    def current_stream(self, device: int) -> int: ...
+    def is_capturing(self) -> bool: ...
 
     def create(self) -> Any: ...
     def record(self, event: Any, stream: int) -> int: ...
@@ -50,6 +55,16 @@ class HostRoute:
 
     name = "host"
     on_host = True
+    gpu_queue = False
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device: int) -> int:
+        return 0
+
+    def is_capturing(self) -> bool:
+        return False
 
     def create(self) -> list[int]:
         return [0]
@@ -97,13 +112,27 @@ def _loaded_libcudart() -> str | None:
     return None
 
 
-class CudartCtypesRoute:
+class _TorchCurrent:
+    """Device, stream and capture lookups through torch's C bindings (no Python wrapper frames)."""
+
+    on_host = False
+    gpu_queue = True
+
+    def _bind_torch(self) -> None:
+        import torch
+
+        self.current_device = torch._C._cuda_getDevice
+        self.current_stream = torch._C._cuda_getCurrentRawStream
+        self.is_capturing = torch._C._cuda_isCurrentStreamCapturing
+
+
+class CudartCtypesRoute(_TorchCurrent):
     """CUDA runtime through ctypes on torch's own libcudart (same runtime instance as torch)."""
 
     name = "cudart-ctypes"
-    on_host = False
 
     def __init__(self, path: str | None = None) -> None:
+        self._bind_torch()
         path = path or _loaded_libcudart()
         if path is None:
             raise OSError("libcudart not found beside torch")
@@ -156,15 +185,15 @@ class CudartCtypesRoute:
         self._exchange_mode(ctypes.byref(mode))
 
 
-class CudaBindingsRoute:
+class CudaBindingsRoute(_TorchCurrent):
     """CUDA runtime through NVIDIA's ``cuda-bindings`` package."""
 
     name = "cuda-bindings"
-    on_host = False
 
     def __init__(self) -> None:
         from cuda.bindings import runtime
 
+        self._bind_torch()
         self._rt = runtime
         record = runtime.cudaEventRecord
         self.record = lambda event, stream: record(event, stream)[0]
@@ -194,15 +223,15 @@ class CudaBindingsRoute:
         self._rt.cudaThreadExchangeStreamCaptureMode(self._rt.cudaStreamCaptureMode(CUDA_STREAM_CAPTURE_MODE_RELAXED))
 
 
-class TorchRoute:
+class TorchRoute(_TorchCurrent):
     """``torch.cuda.Event``: always available with CUDA torch, about 4× dearer per record."""
 
     name = "torch"
-    on_host = False
 
     def __init__(self) -> None:
         import torch
 
+        self._bind_torch()
         self._torch = torch
 
     def create(self) -> Any:

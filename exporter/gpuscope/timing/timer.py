@@ -186,18 +186,12 @@ class Timer:
         self._record = self.route.record
         self._trace_get = _trace_id.get
         self._captures = capture.in_progress
-        if self.is_host:
-            self._device = lambda: 0
-            self._stream = lambda device: 0
-            self._capturing = lambda: False
-        else:
-            import torch
-
+        if self.route.gpu_queue:
             capture.install()
-            self._device = torch._C._cuda_getDevice
-            self._stream = torch._C._cuda_getCurrentRawStream
-            # Asked only while some capture is in progress (see capture.py).
-            self._capturing = torch._C._cuda_isCurrentStreamCapturing
+        self._device = self.route.current_device
+        self._stream = self.route.current_stream
+        # Asked only while some capture is in progress (see capture.py).
+        self._capturing = self.route.is_capturing
         # Cost of the hot path, measured in context on a few sampled regions (see _end).
         self.hot_path_s = 0.0
         self._measure_every = 16
