@@ -6,9 +6,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpuscope.timing import Timer
+from gpuscope.timing.routes import HostRoute
 
 
-class ScriptedRoute:
+class ScriptedRoute(HostRoute):
     """Host-like route whose "GPU clock" advances by ``step`` seconds at every record.
 
     Lets a test state exactly what each event pair measures, so baseline subtraction and
@@ -16,8 +17,6 @@ class ScriptedRoute:
     """
 
     name = "scripted"
-    on_host = True
-    gpu_queue = False
 
     def __init__(self, step: float = 1e-6) -> None:
         self.step = step
@@ -46,21 +45,6 @@ class ScriptedRoute:
 
     def destroy(self, event: list[float]) -> None:
         self.destroyed += 1
-
-    def relax_capture_mode(self) -> None:
-        pass
-
-    def current_device(self) -> int:
-        return 0
-
-    def current_stream(self, device: int) -> int:
-        return 0
-
-    def is_capturing(self) -> bool:
-        return False
-
-    def clear_error(self) -> None:
-        pass
 
 
 @pytest.fixture
