@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import random
 import threading
 import time
@@ -85,7 +86,7 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._faults: dict[str, Fault] = {}
         # Engine-thread state: what is applied now.
-        self._leaked: list[torch.Tensor] = []
+        self._leaked: list[torch.Tensor | mmap.mmap] = []
         self._passes = 0
         self._starved: str | None = None
         self._rng = random.Random(0)
@@ -161,6 +162,9 @@ class FaultInjector:
         if leak:
             self._leak(leak, now)
         elif self._leaked:
+            for block in self._leaked:
+                if isinstance(block, mmap.mmap):
+                    block.close()
             self._leaked.clear()
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -180,8 +184,7 @@ class FaultInjector:
         if chunk < min(_MIB, fault.params["rate_bytes_per_s"]):
             return
         try:
-            # ones, not empty: the pages must be touched to count as resident on CPU.
-            self._leaked.append(torch.ones(chunk, dtype=torch.uint8, device=self._device))
+            self._leaked.append(_retain(chunk, self._device))
             fault.done["bytes"] = held + chunk
         except (RuntimeError, MemoryError):
             log.exception("memory_leak fault could not allocate %d bytes", chunk)
@@ -193,3 +196,17 @@ class FaultInjector:
         if burst and self._rng.random() < burst.params["error_ratio"]:
             return oom_message(self._device, 1 << 30)
         return None
+
+
+def _retain(nbytes: int, device: torch.device) -> torch.Tensor | mmap.mmap:
+    """``nbytes`` of memory that counts as the server's own until released.
+
+    On CPU an anonymous mapping, every page touched so it is resident: malloc'd memory (a CPU
+    tensor) may stay in the heap after it is freed, so the "leak" would not visibly end.
+    """
+    if device.type != "cpu":
+        return torch.ones(nbytes, dtype=torch.uint8, device=device)
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
+    return block
