@@ -38,7 +38,7 @@ from gpuscope.loadtest.distributions import parse_distribution
 from gpuscope.loadtest.options import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
 from gpuscope.loadtest.recorder import load_samples
 from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
-from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_binary
+from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_available, locust_prefix
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess
 from gpuscope.loadtest.stats import summarise, tenants_of
 
@@ -122,7 +122,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         parser.error("--run.duration must be positive")
     if not configs:
         parser.error("--sets names no configuration set")
-    if locust_binary() is None:
+    if not locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
     out_dir = Path(ns["output.dir"])
     name = ns["output.name"]
@@ -137,7 +137,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
 def locust_command(settings: Settings, host: str, run_dir: Path) -> list[str]:
     command = [
-        locust_binary() or "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        *locust_prefix(), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "--host", host, "-u", str(settings.users), "-r", str(settings.spawn_rate),
         "-t", f"{settings.warmup_s + settings.duration_s:g}s",
         "--seed", str(settings.seed), "--prompt-tokens", settings.prompt_tokens,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import shutil
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -25,7 +25,10 @@ def duration_arg(raw: str) -> float:
     return value
 
 
-def locust_binary() -> str | None:
-    """The ``locust`` next to this Python (a virtualenv's), else the one on PATH."""
-    beside = Path(sys.executable).with_name("locust")
-    return str(beside) if beside.exists() else shutil.which("locust")
+def locust_available() -> bool:
+    return importlib.util.find_spec("locust") is not None
+
+
+def locust_prefix() -> list[str]:
+    """How to run Locust: with this Python, so no script directory has to be on PATH."""
+    return [sys.executable, "-m", "locust"]

@@ -1,5 +1,7 @@
 """The streaming completions user, and one weighted user class per tenant.
 
+Users send requests back to back (a closed loop), pausing briefly only after a failure.
+
 Why ``FastHttpUser``: on the 2-core machines this runs on, Locust shares the CPU
 with the server it loads, and FastHttpUser costs about a quarter of HttpUser per
 request. Its ``iter_content(n)`` waits until ``n`` bytes arrived, which would
@@ -24,7 +26,7 @@ import random
 import time
 from typing import Any, ClassVar
 
-from locust import FastHttpUser, constant, task
+from locust import FastHttpUser, task
 
 from gpuscope.loadtest.options import Workload, user_seed
 from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_sse_line
@@ -38,11 +40,17 @@ class CompletionsUser(FastHttpUser):
     abstract = True
     #: Tenant name sent in ``X-Tenant``.
     tenant: ClassVar[str] = "default"
-    wait_time = constant(0)
+    #: Pause after a failed request: failures come back in milliseconds, and a closed loop without
+    #: a pause would turn an error burst into a flood that starves the server's machine of CPU.
+    pause_after_failure_s: ClassVar[float] = 0.2
     # A long generation on a slow CPU server can take minutes; a connect should not.
     network_timeout = 300.0
     connection_timeout = 10.0
     _started_per_process: ClassVar[int] = 0
+    _last_failed = False
+
+    def wait_time(self) -> float:
+        return self.pause_after_failure_s if self._last_failed else 0.0
 
     def on_start(self) -> None:
         CompletionsUser._started_per_process += 1
@@ -74,6 +82,7 @@ class CompletionsUser(FastHttpUser):
                 response.success()
             else:
                 response.failure(error)
+        self._last_failed = error is not None
         self._fire_token_entries(timing, ok=error is None)
         recorder = getattr(self.environment, "gpuscope_recorder", None)
         if recorder is not None:
@@ -82,7 +91,9 @@ class CompletionsUser(FastHttpUser):
         return timing
 
     def _read_stream(self, response: Any, timing: StreamTiming) -> str | None:
-        raw = response._response  # see the module docstring for why not iter_content
+        # See the module docstring for why not iter_content. A stream abandoned on an error is
+        # never returned to the pool: geventhttpclient closes its socket when the response is freed.
+        raw = response._response
         done = False
         try:
             while True:
