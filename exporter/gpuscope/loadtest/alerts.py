@@ -130,8 +130,8 @@ def poll(check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) ->
 
 def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSources,
                  rules: dict[str, float], interval: float, group_wait: float, settings: dict[str, Any],
-                 out: TextIO) -> dict[str, Any]:
-    """Inject, wait for the alert, clear, wait for quiet; the scenario's part of the report."""
+                 out: TextIO, last: bool = False) -> dict[str, Any]:
+    """Inject, wait for the alert, clear, wait for quiet (unless nothing follows); its part of the report."""
     fault_duration = settings["detect_timeout"] + 60.0  # the server ends the fault itself if we die
     started = time.time()
     for fault, params in scenario.faults.items():
@@ -158,6 +158,9 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
                   f"(firing after {result['firing_latency_s']} s)")
     else:
         _say(out, f"{scenario.name}: no alert within {settings['detect_timeout']:.0f} s")
+    if last:
+        result["quiet_after_s"] = None  # nothing follows: no need to wait out slow-burn windows
+        return result
     quiet_started = time.monotonic()
     quiet = poll(sources.quiet, settings["quiet_timeout"], 2.0)
     result["quiet_after_s"] = round(time.monotonic() - quiet_started, 1) if quiet else None
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             steady = distinct(firing(sources.notifications(), steady_start, time.time()))
             _say(out, f"steady: {len(steady)} alerts ({', '.join(s.alertname for s in steady) or 'none'})")
             results = {name: run_scenario(SCENARIOS[name], server, token, sources, rules, interval,
-                                          group_wait, settings, out) for name in names}
+                                          group_wait, settings, out, last=i == len(names) - 1)
+                       for i, name in enumerate(names)}
         finally:
             _stop(locust)
     report = {
