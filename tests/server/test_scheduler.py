@@ -109,14 +109,58 @@ def test_high_priority_preempts_lower_class_only_within_its_share():
     assert s.preempt([r for r in running if r is not victim]) is None
 
 
-def test_lower_class_waits_while_higher_class_runs():
-    s = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 100)
+def test_lower_class_joins_paced_while_higher_class_runs():
+    # Each join is an extra prefill step for the running high-priority requests: lower classes
+    # join at most every join_every iterations (all at once), and freely once it has finished.
+    s = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 100, join_every=3)
     s.submit(Req("hi"))
-    [hi] = s.pick(1)
-    s.submit(Req("lo"))
+    [hi] = s.pick(1)                                      # iteration 1
+    for _ in range(6):
+        s.submit(Req("lo"))
+    assert [r.tenant for r in s.pick(2)] == ["lo", "lo"]  # iteration 2: one batch of joins
+    assert s.pick(1) == [] and s.pick(1) == []            # iterations 3, 4: paced
+    assert len(s.pick(1)) == 1                            # iteration 5
     assert s.pick(1) == []
     s.finished(hi)
-    assert [r.tenant for r in s.pick(1)] == ["lo"]
+    assert len(s.pick(3)) == 3
+
+
+def test_paced_lower_class_keeps_a_shared_batch_so_high_priority_stays_within_share():
+    # Launch-bound steps (cost independent of rows): shutting the flood out would leave the high
+    # tenant paying whole steps alone; pacing keeps it cheap, so it keeps its preemption right.
+    s = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 1000, join_every=8)
+    running, waits, arrived = [], [], {}
+    for _ in range(64):
+        s.submit(Req("lo"))
+    running += s.pick(8)
+    for step in range(400):
+        if step % 20 == 0:
+            req = Req("hi")
+            arrived[req] = step
+            s.submit(req)
+        new = s.pick(8 - len(running))
+        while len(running) + len(new) >= 8 and s.waiting():
+            swap = s.preempt(running)
+            if swap is None:
+                break
+            running.remove(swap[0])
+            new.append(swap[1])
+        running += new
+        waits += [step - arrived[r] for r in new if r.tenant == "hi"]
+        tokens: dict[str, int] = {}
+        for r in running:
+            tokens[r.tenant] = tokens.get(r.tenant, 0) + 1
+        s.charge(tokens, 1e-3)
+        for r in running:
+            r.generated.append(0)
+        for r in [r for r in running if len(r.generated) >= 8]:
+            running.remove(r)
+            s.finished(r)
+            if r.tenant == "lo":
+                s.submit(Req("lo"))
+    state = s.diagnostics()
+    assert state["virtual_time_s"]["hi"] <= state["virtual_time_s"]["lo"]
+    assert len(waits) == 20 and max(waits) == 0  # every hi request started in its arrival iteration
 
 
 def test_starved_tenant_is_not_served():

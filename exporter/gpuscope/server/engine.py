@@ -88,7 +88,8 @@ Deliver = Callable[[list[tuple[Request, Event]]], None]
 class Engine:
     def __init__(self, model: TinyGPT, scheduler: Scheduler, timer, *, batch_size: int,
                  max_wait_s: float, deliver: Deliver, metrics: RequestMetrics | None = None,
-                 faults: FaultInjector | None = None, log_requests: bool = True) -> None:
+                 faults: FaultInjector | None = None, log_requests: bool = True,
+                 on_step: Callable[[str, list[Request], float], Any] | None = None) -> None:
         self.model = model
         self.scheduler = scheduler
         self.timer = timer
@@ -97,6 +98,7 @@ class Engine:
         self.metrics = metrics
         self.faults = faults
         self.log_requests = log_requests
+        self.on_step = on_step  # observer (op, batch, host seconds incl. the sync), e.g. for benchmarks
         self._deliver = deliver
         self._device = next(model.parameters()).device
         self._context = model.spec.context
@@ -239,6 +241,7 @@ class Engine:
         share: dict[str, int] = {}
         for req, weight in zip(batch, weights, strict=True):
             share[req.tenant] = share.get(req.tenant, 0) + weight
+        began = time.perf_counter()
         with trace_context(batch[0].trace_id):
             estimate = self.scheduler.provisional(op, share)
             charge = functools.partial(self.scheduler.charge, share, op=op, estimate=estimate)
@@ -250,6 +253,8 @@ class Engine:
             else:
                 self.timer.stop(handle)
                 ids = next_tokens.tolist()
+        if self.on_step is not None:
+            self.on_step(op, batch, time.perf_counter() - began)
         if self.metrics:
             self.metrics.batch_size.labels("prefill" if op == "prefill" else "decode").observe(len(batch))
         return ids

@@ -10,10 +10,16 @@ at once (recent seconds per token) and replaced by the measurement when the
 resolver delivers it, so the tens of milliseconds of measurement lag cause no
 herding. A waiting request of a higher priority class may preempt a running
 request of a lower class when its tenant is behind the victim's tenant (the
-victim is requeued at the front and recomputed later), and while such a
-higher-class request runs, lower classes do not join the batch; so
-high-priority latency holds under a low-priority flood without letting
-priority override shares. FCFS mode serves arrivals in order, for comparison.
+victim is requeued at the front and recomputed later). While a higher class
+has requests running, lower classes join the batch at most every
+``join_every`` iterations, all their newcomers in one prefill: each join costs
+an extra prefill step, which on a launch-bound GPU (a step costs about the same
+for 1 or 32 rows) would otherwise double the higher class's inter-token
+latency. Lower classes are paced, never shut out: shutting them out lets the
+batch drain, the higher class then pays for whole steps alone, overtakes its
+share and loses its rights, which is worse for its latency. So high-priority
+latency holds under a low-priority flood without letting priority override
+shares. FCFS mode serves arrivals in order, for comparison.
 
 Thread safety: the HTTP loop submits, the engine thread picks, the timer's
 resolver thread charges; one lock guards everything, held for microseconds.
@@ -62,9 +68,10 @@ class TenantState:
 
 class Scheduler:
     def __init__(self, tenants: Iterable[TenantSpec], mode: str = "share", max_queue: int = 64,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, join_every: int = 8) -> None:
         self.mode = mode
         self.max_queue = max_queue
+        self.join_every = max(1, join_every)
         self._clock = clock
         self._specs = {t.name: t for t in tenants}
         self._lock = threading.Lock()
@@ -78,6 +85,12 @@ class Scheduler:
         self._seq = itertools.count()
         self._starved: set[str] = set()
         self._per_token: dict[str, float] = {}  # recent measured seconds per token, by step op
+        self._iteration = 0  # engine iterations (one pick() each); paces lower-class joins
+        # the last iteration in which each tenant joined while a higher class was running
+        self._lower_joined = dict.fromkeys(self._specs, -(1 << 30))
+        self._started = dict.fromkeys(self._specs, 0)
+        self._steps = 0  # provisional charges made (one per timed step)
+        self._charges = 0  # measurements received
 
     # --- HTTP side ---------------------------------------------------------------
     def submit(self, req: Schedulable) -> None:
@@ -109,6 +122,7 @@ class Scheduler:
         """Up to ``n`` waiting requests to start now, in the order the policy gives."""
         picked = []
         with self._lock:
+            self._iteration += 1
             for _ in range(n):
                 name = self._next_tenant()
                 if name is None:
@@ -116,6 +130,9 @@ class Scheduler:
                 req = self._queues[name].popleft()
                 if not req.cancelled:
                     self._running[name] += 1
+                    self._started[name] += 1
+                    if self._higher_running(name):
+                        self._lower_joined[name] = self._iteration
                 picked.append(req)
         return picked
 
@@ -140,6 +157,7 @@ class Scheduler:
             self._queues[victim.tenant].appendleft(victim)
             if not req.cancelled:
                 self._running[name] += 1
+                self._started[name] += 1
             return victim, req
 
     def finished(self, req: Schedulable) -> None:
@@ -157,6 +175,7 @@ class Scheduler:
         """
         total = sum(tokens.values())
         with self._lock:
+            self._steps += 1
             estimate = self._per_token.get(op, 0.0) * total
             if estimate > 0:
                 for name, count in tokens.items():
@@ -170,6 +189,7 @@ class Scheduler:
         if total <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         with self._lock:
+            self._charges += 1
             if op:
                 rate = seconds / total
                 old = self._per_token.get(op)
@@ -195,6 +215,15 @@ class Scheduler:
         with self._lock:
             return dict(self._used)
 
+    def diagnostics(self) -> dict:
+        """Accounting internals for benchmarks and debugging (not exported as metrics)."""
+        with self._lock:
+            return {"virtual_time_s": dict(self._vt), "gpu_seconds": dict(self._used),
+                    "started": dict(self._started), "preemptions": dict(self._preemptions),
+                    "finished": self._finished, "cost_per_request_s": self._cost_per_request(),
+                    "steps_charged_provisionally": self._steps, "measurements_received": self._charges,
+                    "iterations": self._iteration}
+
     # --- policy (lock held) ------------------------------------------------------
     def _cost_per_request(self) -> float:
         # Before anything finished, a unit cost makes running counts split slots by share.
@@ -209,14 +238,23 @@ class Scheduler:
             return None
         if self.mode == "fcfs":
             return min(waiting, key=lambda n: self._queues[n][0].seq)
-        # A lower class does not join (its prefill would slow every decode step) while a higher
-        # class within its share has requests running; the running ones keep decoding.
-        protected = [n for n, count in self._running.items() if count]
-        waiting = [n for n in waiting if not any(
-            self._specs[h].rank < self._specs[n].rank and self._vt[h] <= self._vt[n] for h in protected)]
+        # While a higher class has requests running, a lower class joins (its prefill is an extra
+        # step every running request waits for) only every join_every iterations, all the slots
+        # it gets in that iteration sharing one prefill step; its running requests keep decoding.
+        waiting = [n for n in waiting if self._may_join(n)]
         if not waiting:
             return None
         return min(waiting, key=lambda n: (self._key(n), self._specs[n].rank))
+
+    def _higher_running(self, name: str) -> list[str]:
+        rank = self._specs[name].rank
+        return [h for h, count in self._running.items() if count and self._specs[h].rank < rank]
+
+    def _may_join(self, name: str) -> bool:
+        if not self._higher_running(name):
+            return True
+        last = self._lower_joined[name]
+        return last == self._iteration or self._iteration - last >= self.join_every
 
     def _reactivate(self, name: str) -> None:
         active = [self._vt[n] for n in self._specs
