@@ -90,9 +90,8 @@ def paced_server() -> Iterator[PacedServer]:
 
 def run_locust(args: list[str], env: dict[str, str] | None = None, timeout: float = 120,
                cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """``locust -f loadtest/ ARGS`` headless in a child process; returns its output."""
+    """``locust -f loadtest/ ARGS`` headless in a child process (this Python's Locust); its output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    locust = Path(sys.executable).with_name("locust")
-    return subprocess.run([str(locust), "-f", str(LOCUSTFILE_DIR), "--headless",
+    return subprocess.run([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE_DIR), "--headless",
                            *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpuscope.loadtest import alerts
-from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time
+from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time, rule_for_s
 
 from ..conftest import require_binary
 
@@ -95,3 +95,13 @@ def test_shortened_run_detects_starvation_and_stays_quiet_under_steady_load(tmp_
     bound = starvation["target_receiver_s"] + 20 + 30 + 30
     assert latency is not None and latency <= bound, progress.getvalue()
     assert code == 0, progress.getvalue()
+
+
+def test_the_rule_that_fired_is_found_by_its_labels():
+    rules = [{"name": "GPUServiceErrorBudgetBurn", "duration": 20, "labels": {"severity": "critical"}},
+             {"name": "GPUServiceErrorBudgetBurn", "duration": 240, "labels": {"severity": "warning"}},
+             {"name": "GPUMemoryLeak", "duration": 120, "labels": {"severity": "warning"}}]
+    assert rule_for_s(rules, "GPUServiceErrorBudgetBurn", {"severity": "warning", "instance": "x"}) == 240
+    assert rule_for_s(rules, "GPUServiceErrorBudgetBurn", {"severity": "critical"}) == 20
+    assert rule_for_s(rules, "GPUMemoryLeak") == 120
+    assert rule_for_s(rules, "Nope") == 0

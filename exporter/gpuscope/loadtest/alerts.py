@@ -39,8 +39,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpuscope.flags import FlagParser
-from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of
-from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_available, locust_prefix
+from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
+from gpuscope.loadtest.runtools import (
+    LOCUSTFILE,
+    describe_machine,
+    duration_arg,
+    locust_available,
+    locust_prefix,
+)
 
 PROG = "python -m gpuscope.loadtest.alerts"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
@@ -129,7 +135,7 @@ def poll(check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) ->
 
 
 def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSources,
-                 rules: dict[str, float], interval: float, group_wait: float, settings: dict[str, Any],
+                 rules: list[dict[str, Any]], interval: float, group_wait: float, settings: dict[str, Any],
                  out: TextIO, last: bool = False) -> dict[str, Any]:
     """Inject, wait for the alert, clear, wait for quiet (unless nothing follows); its part of the report."""
     fault_duration = settings["detect_timeout"] + 60.0  # the server ends the fault itself if we die
@@ -142,15 +148,18 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
     during = distinct(firing(poll(sources.notifications, 30) or [], started))
     for fault in scenario.faults:
         _request("DELETE", f"{server}/admin/faults/{fault}", token)
-    expected_for = rules.get(hit.alertname if hit else scenario.alerts[0], 0.0)
+    expected_for = (rule_for_s(rules, hit.alertname, hit.labels) if hit
+                    else rule_for_s(rules, scenario.alerts[0]))
+    target_firing = expected_for + 2 * interval
     result = {
         "expected": list(scenario.alerts),
         "raised": hit.alertname if hit else None,
         "detection_latency_s": round(hit.received_at - started, 1) if hit else None,
         "firing_latency_s": round(hit.starts_at - started, 1) if hit and hit.starts_at else None,
         "rule_for_s": expected_for,
-        "target_firing_s": expected_for + 2 * interval,
-        "target_receiver_s": expected_for + 2 * interval + group_wait,
+        "target_firing_s": target_firing,
+        "target_receiver_s": target_firing + group_wait,
+        "within_target": bool(hit and hit.starts_at and hit.starts_at - started <= target_firing),
         "alerts_during": sorted({s.alertname for s in during}),
     }
     if hit:
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
                log=lambda line: _say(out, line)) as stack:
         sources = AlertSources(stack.url("receiver"), stack.url("alertmanager"), stack.url("prometheus"))
         server = stack.url("server")
-        rules, interval = sources.rule_for_s()
+        rules, interval = sources.alert_rules()
         group_wait = _group_wait_s(run_dir / "stack" / "alertmanager.yml")
         locust = _start_locust(server, ns["users"], budget_s, run_dir)
         try:
@@ -232,6 +241,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         "evaluation_interval_s": interval,
         "group_wait_s": group_wait,
         "profile": "test",
+        "machine": describe_machine(),
         "load": {"users": ns["users"], "tenants": LOAD_TENANTS, "server_args": " ".join(server_args),
                  "warmup_s": ns["warmup"]},
         "command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]),

@@ -82,6 +82,16 @@ def groups_resolved(records: Iterable[dict[str, Any]]) -> bool:
     return all(status == "resolved" for status in last.values())
 
 
+def rule_for_s(rules: Iterable[dict[str, Any]], name: str, labels: dict[str, str] | None = None) -> float:
+    """``for`` (seconds) of the rule that raised an alert: same name, and its labels (severity, ...)
+    among the alert's; one name can have several rules (a page and a ticket)."""
+    candidates = [r for r in rules if r["name"] == name
+                  and all((labels or {}).get(k) == v for k, v in r.get("labels", {}).items())]
+    if not candidates:
+        candidates = [r for r in rules if r["name"] == name]
+    return min((float(r.get("duration", 0)) for r in candidates), default=0.0)
+
+
 def _get_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
@@ -106,18 +116,12 @@ class AlertSources:
         """Pending and firing alerts of Prometheus's rules."""
         return _get_json(self.prometheus + "/api/v1/alerts")["data"]["alerts"]
 
-    def rule_for_s(self) -> tuple[dict[str, float], float]:
-        """Each alerting rule's ``for`` in seconds (longest where a name has several), and the
-        evaluation interval of the rule groups (the longest)."""
+    def alert_rules(self) -> tuple[list[dict[str, Any]], float]:
+        """Prometheus's alerting rules (name, duration = ``for`` in seconds, labels), and the
+        longest evaluation interval of their groups."""
         groups = _get_json(self.prometheus + "/api/v1/rules?type=alert")["data"]["groups"]
-        durations: dict[str, float] = {}
-        interval = 0.0
-        for group in groups:
-            interval = max(interval, float(group.get("interval", 0)))
-            for rule in group["rules"]:
-                name = rule["name"]
-                durations[name] = max(durations.get(name, 0.0), float(rule.get("duration", 0)))
-        return durations, interval
+        rules = [rule for group in groups for rule in group["rules"]]
+        return rules, max((float(g.get("interval", 0)) for g in groups), default=0.0)
 
     def quiet(self) -> bool:
         """Nothing pending or firing anywhere, and every group's last notification was resolved."""

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -38,7 +36,13 @@ from gpuscope.loadtest.distributions import parse_distribution
 from gpuscope.loadtest.options import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
 from gpuscope.loadtest.recorder import load_samples
 from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
-from gpuscope.loadtest.runtools import LOCUSTFILE, duration_arg, locust_available, locust_prefix
+from gpuscope.loadtest.runtools import (
+    LOCUSTFILE,
+    describe_machine,
+    duration_arg,
+    locust_available,
+    locust_prefix,
+)
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess
 from gpuscope.loadtest.stats import summarise, tenants_of
 
@@ -173,8 +177,10 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
     window = (started + settings.warmup_s, max(stopped, started + settings.warmup_s + 1e-3))
     requests = data["requests"]
     summaries = {ALL: summarise(requests, *window)}
-    for tenant in tenants_of(requests):
-        summaries[tenant] = summarise(requests, *window, tenant=tenant)
+    tenants = tenants_of(requests)
+    if len(tenants) > 1:  # one tenant's figures would repeat the "all" row
+        for tenant in tenants:
+            summaries[tenant] = summarise(requests, *window, tenant=tenant)
     note = f"{data['dropped']} requests beyond the recorder's cap" if data["dropped"] else ""
     return RunResult(config, rep, summaries, html=str(run_dir / "locust.html"), note=note)
 
@@ -202,27 +208,12 @@ def _wait_with_countdown(process: subprocess.Popen[bytes], total_s: float, progr
         progress.write("\r" + " " * 20 + "\r")
 
 
-def _machine(label: str) -> str:
-    parts = [label] if label else []
-    parts.append(f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}")
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            gpus = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                                  text=True, timeout=20).stdout.strip().splitlines()
-            if gpus:
-                parts.append(f"GPU: {gpus[0]}" + (f" (×{len(gpus)})" if len(gpus) > 1 else ""))
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return "; ".join(parts)
-
-
 def header(settings: Settings, started: dt.datetime) -> dict[str, str]:
     from importlib.metadata import version
 
     return {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(settings.label),
+        "machine": describe_machine(settings.label),
         "load": (f"{settings.users} streaming users (closed loop), seed {settings.seed}, prompts "
                  f"`{settings.prompt_tokens}`, max_tokens `{settings.output_tokens}`, Locust "
                  f"{version('locust')} × {settings.processes} process(es)"),

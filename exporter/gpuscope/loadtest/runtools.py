@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,3 +36,19 @@ def locust_available() -> bool:
 def locust_prefix() -> list[str]:
     """How to run Locust: with this Python, so no script directory has to be on PATH."""
     return [sys.executable, "-m", "locust"]
+
+
+def describe_machine(label: str = "") -> str:
+    """CPU count, Python, and the GPU nvidia-smi names (when there is one), after ``label``."""
+    parts = [label] if label else []
+    parts.append(f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            gpus = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                  text=True, timeout=20).stdout.strip().splitlines()
+            if gpus:
+                parts.append(f"GPU: {gpus[0]}" + (f" (×{len(gpus)})" if len(gpus) > 1 else ""))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "; ".join(parts)
