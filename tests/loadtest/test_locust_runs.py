@@ -30,9 +30,13 @@ def test_stream_timings_entries_and_tenant_weights(paced_server, tmp_path):
                          "--csv", str(prefix), "--only-summary"],
                         env={"GPUSCOPE_LOAD_TENANTS": "alpha:3,beta:1"})
     assert result.returncode == 0, result.stderr[-2000:]
-    requests = load_samples(samples)["requests"]
+    everything = load_samples(samples)["requests"]
+    requests = [r for r in everything if not r["cut"]]
     ok = [r for r in requests if r["ok"]]
     assert len(ok) >= 40 and len(ok) == len(requests)
+    # Users stopped mid-stream leave what they received, marked cut, never as errors.
+    cut = [r for r in everything if r["cut"]]
+    assert cut and all(r["error"] is None and r["e2e"] is None and r["tokens"] <= 4 for r in cut)
 
     # Streaming is read line by line: a buffered reader would see the first token only at the end.
     assert 0.14 <= statistics.median(r["ttft"] for r in ok) <= 0.20
@@ -63,7 +67,7 @@ def test_errors_and_figures_from_several_processes_reach_the_master(paced_server
                          "--csv", str(prefix), "--only-summary"])
     # Locust exits 1 when requests failed, which they did on purpose.
     assert result.returncode == 1, result.stderr[-2000:]
-    requests = load_samples(samples)["requests"]
+    requests = [r for r in load_samples(samples)["requests"] if not r["cut"]]
     rows = _locust_rows(prefix)
     assert int(rows["end_to_end"]["Request Count"]) == len(requests) > 20
     failed = [r for r in requests if not r["ok"]]
@@ -118,7 +122,7 @@ def test_against_gpuscope_serve_the_counts_agree_with_the_server(tmp_path):
             t: sum(_metric_sum(server.url, "gpuscope_requests_total", tenant=t, outcome=o)
                    for o in ("stop", "length"))
             for t in ("alpha", "beta")}
-    requests = json.loads(samples.read_text())["requests"]
+    requests = [r for r in json.loads(samples.read_text())["requests"] if not r["cut"]]
     assert requests and all(r["ok"] for r in requests)
     for tenant in ("alpha", "beta"):
         ours = sum(1 for r in requests if r["tenant"] == tenant)

@@ -39,6 +39,18 @@ def test_summary_counts_only_the_window_and_divides_by_its_length():
     assert s.itl_p50_s == pytest.approx(0.06) and s.itl_p99_s == pytest.approx(0.07)
 
 
+def test_long_requests_count_where_they_finish_and_tokens_where_they_arrive():
+    # Sent during warm-up (t=8), first token at 9, gaps of 1 s: chunks at 9, 10, 11; done at 11.5.
+    straddling = _request(8.0, ttft=1.0, e2e=3.5, tokens=6, itl=(1.0, 1.0))
+    # Cut off by the end of the run: two chunks (12, 13) received, never finished.
+    cut = {**_request(11.0, ttft=1.0, e2e=None, tokens=2, itl=(1.0,)), "cut": True}
+    s = summarise([straddling, cut], 10.0, 20.0)
+    assert s.requests == 1 and s.errors == 0 and s.e2e_p50_s == 3.5
+    assert s.tps == pytest.approx((4 + 2) / 10)  # 2 of 3 chunks × 2 tokens each, plus the cut one's 2
+    assert s.ttft_p50_s == 1.0  # only the cut request's first token arrived inside
+    assert s.itl_p50_s == 1.0
+
+
 def test_summary_per_tenant_and_empty_window():
     requests = [_request(1.0, "a"), _request(1.5, "b", tokens=4)]
     assert summarise(requests, 0, 2, tenant="b").tps == pytest.approx(2.0)

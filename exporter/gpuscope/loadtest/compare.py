@@ -181,7 +181,12 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
     if len(tenants) > 1:  # one tenant's figures would repeat the "all" row
         for tenant in tenants:
             summaries[tenant] = summarise(requests, *window, tenant=tenant)
-    note = f"{data['dropped']} requests beyond the recorder's cap" if data["dropped"] else ""
+    notes = []
+    if data["dropped"]:
+        notes.append(f"{data['dropped']} requests beyond the recorder's cap")
+    if summaries[ALL].requests == 0:
+        notes.append("no request finished in the window: requests outlast it, lengthen --run.duration")
+    note = "; ".join(notes)
     return RunResult(config, rep, summaries, html=str(run_dir / "locust.html"), note=note)
 
 

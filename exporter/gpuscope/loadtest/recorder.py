@@ -11,7 +11,10 @@ The file is JSON::
 
     {"format": "gpuscope-loadtest-samples/1", "started": <unix s>, "stopped": <unix s>,
      "dropped": 0, "requests": [{"t": <unix s sent>, "tenant": "alpha", "ok": true,
-     "ttft": 0.012, "e2e": 0.31, "tokens": 32, "itl": [0.009, ...], "error": null}, ...]}
+     "ttft": 0.012, "e2e": 0.31, "tokens": 32, "itl": [0.009, ...], "error": null, "cut": false}, ...]}
+
+A ``cut`` request was still streaming when Locust stopped its user: it has no
+end-to-end time and is neither a success nor an error, but the tokens it got count.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ class Recorder:
     _shipped: int = 0
 
     def add(self, t: float, tenant: str, ok: bool, ttft: float | None, e2e: float | None,
-            tokens: int, itl: list[float], error: str | None = None) -> None:
+            tokens: int, itl: list[float], error: str | None = None, cut: bool = False) -> None:
+        """One request; ``cut`` when the run ended while it streamed (what arrived is kept)."""
         if len(self.requests) >= self.max_requests:
             self.dropped += 1
             return
         self.requests.append({"t": t, "tenant": tenant, "ok": ok, "ttft": ttft, "e2e": e2e,
-                              "tokens": tokens, "itl": itl, "error": error})
+                              "tokens": tokens, "itl": itl, "error": error, "cut": cut})
 
     def reset(self, now: float) -> None:
         """A new test starts: forget the last one."""

@@ -3,7 +3,8 @@
 Percentiles interpolate linearly between order statistics (numpy's default), so
 p50 of [1, 2] is 1.5 and figures match what a reader gets from numpy or pandas.
 Rates divide by the measurement window, not by the span of the samples, so a
-run that served nothing for half its time reports half the throughput.
+run that served nothing for half its time reports half the throughput; requests
+count when they finish and tokens when they arrive (see :func:`summarise`).
 """
 
 from __future__ import annotations
@@ -48,33 +49,59 @@ class Summary:
         return asdict(self)
 
 
+def chunk_arrivals(request: dict[str, Any]) -> list[float]:
+    """Unix times at which a request's token chunks arrived: send + TTFT, then each gap."""
+    if request.get("ttft") is None:
+        return []
+    times = [request["t"] + request["ttft"]]
+    for gap in request.get("itl", ()):
+        times.append(times[-1] + gap)
+    return times
+
+
 def summarise(requests: Iterable[dict[str, Any]], window_start: float, window_end: float,
               tenant: str | None = None) -> Summary:
-    """Summary of the requests sent inside [window_start, window_end) (unix seconds).
+    """Summary of the window [window_start, window_end) (unix seconds).
 
-    Requests sent before the window (warm-up) or after it are left out; ``tenant``
-    restricts to one tenant's requests.
+    Requests count when they finish and tokens when they arrive, so long requests
+    that straddle the window's edges are neither lost nor counted twice: one sent
+    during warm-up that ends inside counts, and one cut off by the end of the run
+    (``cut``) adds the tokens it received but no request. TTFT counts where the
+    first token arrived, each inter-token gap where its token arrived, end-to-end
+    where the request finished. ``tenant`` restricts to one tenant's requests.
     """
     window = window_end - window_start
     if window <= 0:
         raise ValueError(f"empty measurement window ({window:.3f} s)")
-    ok = errors = tokens = 0
+    ok = errors = 0
+    tokens = 0.0
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
+
+    def inside(t: float) -> bool:
+        return window_start <= t < window_end
+
     for r in requests:
-        if not window_start <= r["t"] < window_end or (tenant is not None and r["tenant"] != tenant):
+        if tenant is not None and r["tenant"] != tenant:
             continue
-        if not r["ok"]:
-            errors += 1
+        cut = bool(r.get("cut"))
+        finished = None if cut or r["e2e"] is None else r["t"] + r["e2e"]
+        if not r["ok"] and not cut:
+            errors += finished is not None and inside(finished)
             continue
-        ok += 1
-        tokens += r["tokens"]
-        if r["ttft"] is not None:
-            ttft.append(r["ttft"])
-        if r["e2e"] is not None:
+        if finished is not None and inside(finished):
+            ok += 1
             e2e.append(r["e2e"])
-        itl.extend(r["itl"])
+        arrivals = chunk_arrivals(r)
+        per_chunk = r["tokens"] / len(arrivals) if arrivals else 0.0  # servers may merge tokens
+        for i, at in enumerate(arrivals):
+            if inside(at):
+                tokens += per_chunk
+                if i == 0:
+                    ttft.append(r["ttft"])
+                else:
+                    itl.append(r["itl"][i - 1])
     total = ok + errors
     return Summary(
         requests=total, errors=errors, window_s=window,

@@ -26,6 +26,7 @@ import random
 import time
 from typing import Any, ClassVar
 
+from gevent import GreenletExit
 from locust import FastHttpUser, task
 
 from gpuscope.loadtest.options import Workload, user_seed
@@ -69,26 +70,36 @@ class CompletionsUser(FastHttpUser):
         sent_wall = time.time()
         timing = StreamTiming(sent=time.perf_counter())
         error: str | None = None
-        with self.client.post(COMPLETIONS_PATH, json=body, headers=headers, stream=True,
-                              catch_response=True, name="end_to_end") as response:
-            if response.status_code != 200:
-                error = _http_error(response)
-            else:
-                error = self._read_stream(response, timing)
-            timing.end(time.perf_counter())
-            response.request_meta["response_time"] = (timing.e2e or 0.0) * 1000.0
-            response.request_meta["response_length"] = timing.tokens
-            if error is None:
-                response.success()
-            else:
-                response.failure(error)
+        try:
+            with self.client.post(COMPLETIONS_PATH, json=body, headers=headers, stream=True,
+                                  catch_response=True, name="end_to_end") as response:
+                if response.status_code != 200:
+                    error = _http_error(response)
+                else:
+                    error = self._read_stream(response, timing)
+                timing.end(time.perf_counter())
+                response.request_meta["response_time"] = (timing.e2e or 0.0) * 1000.0
+                response.request_meta["response_length"] = timing.tokens
+                if error is None:
+                    response.success()
+                else:
+                    response.failure(error)
+        except GreenletExit:
+            # Locust stops users mid-stream when a run ends: keep what arrived, marked cut, so the
+            # tokens of long requests count where they arrived instead of vanishing.
+            self._record(sent_wall, timing, ok=False, error=None, cut=True)
+            raise
         self._last_failed = error is not None
         self._fire_token_entries(timing, ok=error is None)
+        self._record(sent_wall, timing, ok=error is None, error=error)
+        return timing
+
+    def _record(self, sent_wall: float, timing: StreamTiming, ok: bool, error: str | None,
+                cut: bool = False) -> None:
         recorder = getattr(self.environment, "gpuscope_recorder", None)
         if recorder is not None:
-            recorder.add(sent_wall, self.tenant, error is None, timing.ttft, timing.e2e, timing.tokens,
-                         timing.inter_token, error)
-        return timing
+            recorder.add(sent_wall, self.tenant, ok, timing.ttft, timing.e2e, timing.tokens,
+                         timing.inter_token, error, cut)
 
     def _read_stream(self, response: Any, timing: StreamTiming) -> str | None:
         # See the module docstring for why not iter_content. A stream abandoned on an error is
