@@ -138,11 +138,11 @@ TIMER_HOT_PATH_SECONDS = _m(
     "seconds", area=TIMING)
 TIMER_OVERHEAD_RATIO = _m(
     "gpuscope_timer_overhead_ratio", "gauge",
-    "Estimated share of wall time the timer spent on callers' threads and its resolver, last window.",
+    "Estimated share of busy time the timer spent on callers' threads and its resolver, last second.",
     "ratio", area=TIMING)
 TIMER_OVERHEAD_BUDGET_RATIO = _m(
     "gpuscope_timer_overhead_budget_ratio", "gauge",
-    "Configured overhead budget (share of wall time); 0 when a fixed sampling rate is used.",
+    "Configured overhead budget (share of busy time); 0 when a fixed sampling rate is used.",
     "ratio", area=TIMING)
 TIMER_BASELINE_SECONDS = _m(
     "gpuscope_timer_baseline_seconds", "gauge",

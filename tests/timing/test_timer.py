@@ -41,7 +41,7 @@ def test_decorator_and_handles_time_and_callback_gets_seconds(make_timer, regist
     assert work(21) == 42
     got = []
     handle = timer.start("explicit", on_elapsed=got.append)
-    time.sleep(0.005)
+    time.sleep(0.005)  # the workload being timed
     timer.stop(handle)
     timer.stop(handle)  # a second stop is a no-op
     assert timer.flush(5)
