@@ -24,6 +24,7 @@ log = logging.getLogger("gpuscope.timing")
 ADAPT_EVERY_S = 1.0
 MIN_SAMPLING_RATIO = 1 / 4096
 CALIBRATION_PAIRS = 15
+MAX_CONTEXT_FACTOR = 4.0
 
 
 class Resolver:
@@ -141,7 +142,7 @@ class Resolver:
                 last_of_stream[item[2]] = item[4]
         stream_done = {stream: query(end) for stream, end in last_of_stream.items()}
         taken = 0
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()  # CPU, not wall: waits for the GIL are not resolution cost
         for item in snapshot:
             op, device, stream, start, end, trace_id, callback, keep_end = item
             pool = free.get(device)
@@ -178,7 +179,7 @@ class Resolver:
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
         for _ in range(taken):
             ring.popleft()
-        self._busy_s += (time.perf_counter_ns() - t0) * 1e-9
+        self._busy_s += (time.thread_time_ns() - t0) * 1e-9
         self._update_lag(ring)
         return taken
 
@@ -273,10 +274,13 @@ class Resolver:
         route.destroy(event)
 
     def skip_cost_s(self) -> float:
-        """Estimated in-context cost of an unsampled region."""
+        """Estimated in-context cost of an unsampled region: the idle figure scaled by how much dearer
+        a sampled region is in context than idle, at most MAX_CONTEXT_FACTOR (LIMITS.md measured ~3×;
+        on the host route a "record" is a clock read, and the raw ratio means nothing)."""
         hot = self.timer.hot_path_s
         if hot and self._record_cost_idle_s:
-            return self._skip_cost_idle_s * max(1.0, hot / self._record_cost_idle_s)
+            factor = min(MAX_CONTEXT_FACTOR, max(1.0, hot / self._record_cost_idle_s))
+            return self._skip_cost_idle_s * factor
         return self._skip_cost_idle_s
 
     def _activity(self) -> int:
