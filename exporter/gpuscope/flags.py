@@ -10,13 +10,49 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 def env_name(flag: str) -> str:
     """``--collector.pcie`` → ``GPUSCOPE_COLLECTOR_PCIE``."""
     return "GPUSCOPE_" + flag.lstrip("-").replace(".", "_").replace("-", "_").upper()
+
+
+class FlagValueError(argparse.ArgumentTypeError, ValueError):
+    """A bad flag value: argparse shows its message as is (it hides plain ValueErrors' messages), and
+    the environment-variable path catches it as a ValueError."""
+
+
+def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type``: its ValueError messages reach the user's one error line."""
+
+    def flag_type(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise FlagValueError(str(exc)) from None
+
+    flag_type.__name__ = getattr(parse, "__name__", "value")
+    return flag_type
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+
+
+def parse_duration(text: str, *, allow_zero: bool = False) -> float:
+    """``"1s"``, ``"500ms"``, ``"2m"`` or bare seconds (``"1.5"``) → seconds (> 0 unless allow_zero)."""
+    match = _DURATION.match(text.lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a duration such as 1s, 500ms or 2m")
+    value = float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{text!r} must be greater than zero")
+    return value
 
 
 def parse_listen_address(value: str) -> tuple[str, int]:
@@ -55,7 +91,7 @@ class FlagParser(argparse.ArgumentParser):
         if action.type is not None:
             try:
                 return action.type(raw)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 self.error(f"{env}={raw!r}: {exc}")
         return raw
 

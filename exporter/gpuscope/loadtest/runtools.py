@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import platform
@@ -11,22 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpuscope.flags import checked, parse_duration
+
 #: The locustfile both commands run (``loadtest/locustfile.py`` re-exports it).
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
-def duration_arg(raw: str) -> float:
-    """``30``, ``30s``, ``2m`` → seconds."""
-    text = raw.strip().lower()
-    factor = 60.0 if text.endswith("m") else 1.0
-    number = text.rstrip("sm")
-    try:
-        value = float(number) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration (e.g. 30s, 2m)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is negative")
-    return value
+def _duration_or_zero(text: str) -> float:
+    return parse_duration(text, allow_zero=True)
+
+
+#: ``30``, ``30s``, ``500ms``, ``2m`` → seconds, as a flag type (0 allowed: no warm-up).
+duration_arg = checked(_duration_or_zero)
 
 
 def locust_available() -> bool:

@@ -6,12 +6,13 @@ Every flag is also an environment variable (``--sampling.interval`` ↔
 
 from __future__ import annotations
 
-import argparse
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.flags import FlagParser, parse_duration, parse_listen_address
+from gpuscope.flags import checked as _checked
+from gpuscope.ports import default_listen_address
+
+_DEFAULT_LISTEN = default_listen_address("exporter")
 
 #: Collector toggles and their defaults. Opt-in ones cost more (PCIe: 2 × 20 ms per GPU per
 #: round) or expose PIDs and container ids, which not every operator wants on /metrics.
@@ -25,33 +26,6 @@ COLLECTORS: dict[str, tuple[bool, str]] = {
     "pcie_throughput": (False, "PCIe TX/RX throughput (NVML samples 20 ms per direction; slow cadence)"),
     "processes": (False, "per-process GPU memory and SM utilization with pid, name, container id"),
 }
-
-class FlagValueError(argparse.ArgumentTypeError, ValueError):
-    """Argparse shows this message as is (it hides plain ValueErrors); the env path catches ValueError."""
-
-
-def _checked(fn: Callable[[str], object]) -> Callable[[str], object]:
-    def wrapper(text: str) -> object:
-        try:
-            return fn(text)
-        except ValueError as exc:
-            raise FlagValueError(str(exc)) from None
-    wrapper.__name__ = fn.__name__
-    return wrapper
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """``"1s"``, ``"500ms"``, ``"2m"`` or bare seconds (``"1.5"``) → seconds (> 0)."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration such as 1s, 500ms or 2m")
-    value = float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
-    if value <= 0:
-        raise ValueError(f"{text!r} must be greater than zero")
-    return value
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -69,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 @dataclass(frozen=True)
 class Config:
-    listen: tuple[str, int] = ("127.0.0.1", 9400)
+    listen: tuple[str, int] = parse_listen_address(_DEFAULT_LISTEN)
     collectors: frozenset[str] = frozenset(n for n, (on, _) in COLLECTORS.items() if on)
     interval: float = 1.0
     slow_interval: float = 10.0
@@ -86,8 +60,8 @@ _count = _checked(_positive_int)
 def build_parser() -> FlagParser:
     p = FlagParser(prog="gpuscope exporter",
                    description="NVML node exporter: GPU metrics on /metrics, sampled in the background.")
-    p.add_flag("--web.listen-address", dest="listen", type=_listen_flag, default=_listen("127.0.0.1:9400"),
-               metavar="HOST:PORT", help="where to serve /metrics (containers: 0.0.0.0:9400)")
+    p.add_flag("--web.listen-address", dest="listen", type=_listen_flag, default=_listen(_DEFAULT_LISTEN),
+               metavar="HOST:PORT", help="where to serve /metrics (containers: 0.0.0.0 and the same port)")
     p.add_flag("--sampling.interval", dest="interval", type=_duration, default=1.0,
                metavar="DURATION", help="fast sampling interval (default 1s)")
     p.add_flag("--sampling.slow-interval", dest="slow_interval", type=_duration, default=10.0,
