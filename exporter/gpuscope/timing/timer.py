@@ -180,7 +180,7 @@ class Timer:
         self._free: dict[int, list[Any]] = {}
         self._all_events: dict[int, list[Any]] = {}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
-        self.sampled = 0
+        self.sampled = 0  # pairs ended through _end: paces the in-context cost measurement
         self.closed = False
         self._warned_capture = False
         self._record = self.route.record
@@ -509,8 +509,6 @@ class Sequence:
         if len(ring) >= timer.ring_size:
             timer.dropped["ring_full"] += 1
             op = None
-        else:
-            timer.sampled += 1
         ring.append((op, self._device, self._stream, start, end, timer._trace_get(), None, not last))
         return not last
 
