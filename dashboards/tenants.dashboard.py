@@ -1,17 +1,17 @@
 """Tenants and scheduling: GPU-time share against quota, queue wait, starvation."""
 
 from common import (
-                    PromTarget,
-                    dashboard,
-                    heatmap,
-                    heatmap_expr,
-                    instance_var,
-                    quantile_expr,
-                    rate_expr,
-                    sel,
-                    table,
-                    tenant_var,
-                    timeseries,
+    PromTarget,
+    dashboard,
+    heatmap,
+    heatmap_expr,
+    instance_var,
+    quantile_expr,
+    rate_expr,
+    sel,
+    table,
+    tenant_var,
+    timeseries,
 )
 
 from gpuscope import catalogue as m
