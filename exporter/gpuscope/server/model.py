@@ -15,16 +15,25 @@ from __future__ import annotations
 
 import codecs
 import math
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelSpec
 
 BOS = 256
 EOS = 257
 VOCAB = 258
+
+# cuDNN attention (PyTorch's first choice on Hopper) builds an execution plan for every new
+# shape: ~58 ms per decode step on the H200, and serving makes a new shape nearly every step
+# (the attention span grows by one, the row count changes). Memory-efficient attention plans
+# nothing and runs within 7% of a cached cuDNN plan (benchmarks/results/step-profile-h200.json).
+# Flash takes no mask; math is the CPU fallback.
+ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def encode(text: str) -> list[int]:
@@ -127,6 +136,8 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(spec.dim)
         self.lm_head = nn.Linear(spec.dim, VOCAB, bias=False)
         self.slots = 0
+        # None lets PyTorch choose (benchmarks/step_profile.py compares the two).
+        self.attention_backends: list[SDPBackend] | None = ATTENTION_BACKENDS
 
     def allocate_cache(self, slots: int) -> None:
         p = next(self.parameters())
@@ -154,8 +165,9 @@ class TinyGPT(nn.Module):
         keys = torch.arange(span, device=tokens.device)
         mask = (keys[None, None, None, :] <= positions[:, None, :, None])
         x = self.embed(tokens, positions.clamp(max=self.spec.context - 1))
-        for block in self.blocks:
-            x = block(x, slots, start, mask)
+        with sdpa_kernel(self.attention_backends) if self.attention_backends else nullcontext():
+            for block in self.blocks:
+                x = block(x, slots, start, mask)
         x = self.ln_f(x[torch.arange(b, device=x.device), last])
         return self.lm_head(x)
 
