@@ -250,3 +250,29 @@ def test_resolver_lag_reported_while_gpu_is_behind(make_timer, registry):
     route.ready = True
     wait_for(lambda: registry.get_sample_value("gpuscope_timer_resolver_lag_seconds") == 0, 5,
              what="resolver lag to clear")
+
+
+def test_budget_leaves_to_sampled_regions_only_what_always_timed_regions_do_not_spend(make_timer, registry):
+    class SlowRoute(ScriptedRoute):
+        def record(self, event, stream):
+            end = time.perf_counter() + 50e-6
+            while time.perf_counter() < end:
+                pass
+            return super().record(event, stream)
+
+    timer = make_timer(route=SlowRoute(), budget=0.01, resolve_interval=0.02)
+    charged: list[float] = []
+    deadline = time.monotonic() + 20
+    # Each iteration: a step timed every time (on_elapsed, as the server charges tenants) whose two
+    # records alone cost ~4% of the loop, and one region sampling may thin. Counting the step as
+    # thinnable, the controller settled near period 9; it must see the budget already spent.
+    while timer._period < 256 and time.monotonic() < deadline:
+        handle = timer.start("step", on_elapsed=charged.append)
+        with timer.region("module"):
+            pass
+        time.sleep(0.002)  # the step's own work
+        timer.stop(handle)
+    assert timer._period >= 256, f"sampling period stayed at {timer._period}"
+    assert timer.flush(5)
+    assert len(charged) == timer.op_state("step").always  # every step still timed
+    assert registry.get_sample_value("gpuscope_timer_overhead_ratio") > 0.01  # the excess is shown

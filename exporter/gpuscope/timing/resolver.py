@@ -293,6 +293,7 @@ class Resolver:
             "now": now, "cpu": time.thread_time(), "busy": self._busy_s, "active": self._active_s,
             "wakes": self._wakes, "active_wakes": self._active_wakes, "resolved": self._resolved,
             "direct_entered": sum(op.entered for op in timer.ops() if op.owner is None),
+            "always": sum(op.always for op in timer.ops()),
         }
         for sampler in timer.samplers():
             counters[f"passes:{id(sampler)}"] = sampler.passes
@@ -306,7 +307,10 @@ class Resolver:
              + sampled passes × (their measured extra CPU)        [instrument(), per pass]
              + resolved samples × resolution cost + the resolver's wake-ups in busy intervals,
         against the wall time of the resolver intervals in which timed code ran (a server idle
-        half the time must not spend its whole budget in the busy half).
+        half the time must not spend its whole budget in the busy half). Regions started with
+        ``on_elapsed`` are timed every time: their cost comes off the allowance first, and only the
+        rest is shared among the regions sampling can thin (when they alone exceed the budget,
+        the rest is sampled at the floor rate and ``overhead_ratio`` shows the excess).
         """
         timer = self.timer
         before, after = self._last_adapt, self._counters(now)
@@ -336,10 +340,12 @@ class Resolver:
         spent = (direct_sampled * hot + max(0.0, direct_entered - direct_sampled) * skip + pass_spent
                  + delta["busy"] + fixed)
         self.overhead_ratio = spent / wall
-        full = direct_entered * (hot + per_resolved) + pass_full
+        always = delta["always"]
+        thinnable = max(0.0, direct_entered - always)
+        full = thinnable * (hot + per_resolved) + pass_full
         if timer._fixed_rate or full <= 0:
             return
-        allowance = timer.budget * wall - fixed - direct_entered * skip
+        allowance = timer.budget * wall - fixed - thinnable * skip - always * (hot + per_resolved)
         ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / full))
         target = max(1, round(1 / ratio))
         # Move at most 4× per second so one noisy window cannot swing the rate.

@@ -56,7 +56,7 @@ def current_trace_id() -> str | None:
 class OpState:
     """Per-op sampling state and histograms (one per device), owned by one timer."""
 
-    __slots__ = ("countdown", "entered", "fixed", "hists", "name", "owner", "period")
+    __slots__ = ("always", "countdown", "entered", "fixed", "hists", "name", "owner", "period")
 
     def __init__(self, name: str, period: int, fixed: bool) -> None:
         self.name = name
@@ -64,6 +64,7 @@ class OpState:
         self.period = period
         self.countdown = 0  # the first region of every op is timed
         self.entered = 0
+        self.always = 0  # regions started with on_elapsed: timed every time, outside the budget's reach
         self.fixed = fixed
         self.hists: dict[int, BucketHistogram] = {}
 
@@ -225,6 +226,7 @@ class Timer:
         if on_elapsed is None:
             return Handle(state, self._begin(state), None)
         state.entered += 1
+        state.always += 1
         return Handle(state, self._record_start(), on_elapsed)
 
     def stop(self, handle: Handle) -> None:
