@@ -95,7 +95,7 @@ def _gpu(name: str, severity: str, gpu: str) -> dict:
 
 @pytest.fixture
 def am(sink: Sink, tmp_path: Path) -> Iterator[Alertmanager]:
-    # The test profile's timing (group_wait 15 s), with the receiver swapped for the local sink.
+    # The test profile's timing (group_wait 10 s), with the receiver swapped for the local sink.
     yield from start_alertmanager(alertmanager.render(TEST, receiver_url=sink.url), tmp_path)
 
 
@@ -148,3 +148,12 @@ def test_inhibition_and_grouping_in_alertmanager(am: Alertmanager, sink: Sink) -
     ticket_gpus = [n["groupLabels"].get("gpu") for n in sink.received()
                    if n["receiver"] == "gpuscope-ticket" and n["groupLabels"].get("instance") == GPU_HOST]
     assert ticket_gpus == ["0"], sink.received()
+
+
+def test_the_load_runner_sees_alertmanager_groups_come_and_go(am: Alertmanager) -> None:
+    from gpuscope.loadtest.alertwatch import AlertSources
+
+    sources = AlertSources(receiver="", alertmanager=am.url, prometheus="")
+    assert sources.aggregation_groups() == 0
+    am.post([_server("GPUMemoryLeak", "warning", A, device="cuda:0")])
+    wait_for(lambda: sources.aggregation_groups() >= 1, timeout=15, what="a live aggregation group")

@@ -170,6 +170,7 @@ TEST = Profile(
     name="test",
     evaluation_interval=5,
     windows=Windows().compressed(TEST_COMPRESSION, TEST_MIN_WINDOW_S),
-    notify=Notify(group_wait=15, group_interval=30, repeat_interval=3600),
+    # group_wait at its floor (two evaluation intervals): every second of it is detection latency.
+    notify=Notify(group_wait=10, group_interval=30, repeat_interval=3600),
 )
 PROFILES: dict[str, Profile] = {p.name: p for p in (PRODUCTION, TEST)}

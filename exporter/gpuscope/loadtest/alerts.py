@@ -16,8 +16,13 @@ on the server with Locust (two tenants, so one can be starved), and then:
 
 Detection latency is fault start → first notification of the expected alert at
 the receiver. Alongside, the report gives when Alertmanager says the alert
-started firing, and the target: the rule's ``for`` plus two evaluation
-intervals (firing), plus Alertmanager's ``group_wait`` (receiver).
+started firing and two targets:
+
+- ``target_s``: the rule's ``for`` plus two evaluation intervals, as issue #7 states it;
+- ``target_with_window_s``: that, plus the rule's evidence window (the range its expression must
+  see the fault over before it can be true: 20 s without tokens for starvation, the 4 min
+  regression of the leak) plus Alertmanager's ``group_wait``. A windowed rule cannot beat its
+  window, and shortening windows is what the steady run's zero false alerts would pay for.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuscope.alerting.config import TEST
 from gpuscope.flags import FlagParser
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
 from gpuscope.loadtest.runtools import (
@@ -83,6 +89,17 @@ SCENARIOS: dict[str, Scenario] = {
     "memory_leak": Scenario("memory_leak", {"memory_leak": _LEAK}, ("GPUMemoryLeak", COMPOSITE)),
     "composite": Scenario("composite", {"latency_spike": {"extra_passes": 8}, "memory_leak": _LEAK},
                           (COMPOSITE,)),
+}
+#: Alert → the ``alerting.config.Windows`` field of the range its expression needs to see the fault
+#: over (an upper bound: a p99 window reacts as soon as 1% of its samples are slow). The composite
+#: needs two dimensions at once; the slowest it can combine is the leak's regression.
+EVIDENCE_WINDOW = {
+    "GPUKernelLatencySpike": "latency",
+    "GPUTenantStarved": "starvation",
+    "GPUTenantUnderServed": "starvation",
+    "GPUMemoryLeak": "leak",
+    "GPUServiceErrorBudgetBurn": "slo_long_fast",
+    COMPOSITE: "leak",
 }
 FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
 #: error_burst last: its slow-burn ticket (1× budget over the test profile's 24 min window) keeps
@@ -148,18 +165,23 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
     during = distinct(firing(poll(sources.notifications, 30) or [], started))
     for fault in scenario.faults:
         _request("DELETE", f"{server}/admin/faults/{fault}", token)
-    expected_for = (rule_for_s(rules, hit.alertname, hit.labels) if hit
-                    else rule_for_s(rules, scenario.alerts[0]))
-    target_firing = expected_for + 2 * interval
+    alertname = hit.alertname if hit else scenario.alerts[0]
+    expected_for = rule_for_s(rules, alertname, hit.labels if hit else None)
+    window = float(getattr(TEST.windows, EVIDENCE_WINDOW[alertname]))
+    target = expected_for + 2 * interval
+    target_with_window = window + target + group_wait
+    latency = round(hit.received_at - started, 1) if hit else None
     result = {
         "expected": list(scenario.alerts),
         "raised": hit.alertname if hit else None,
-        "detection_latency_s": round(hit.received_at - started, 1) if hit else None,
+        "detection_latency_s": latency,
         "firing_latency_s": round(hit.starts_at - started, 1) if hit and hit.starts_at else None,
         "rule_for_s": expected_for,
-        "target_firing_s": target_firing,
-        "target_receiver_s": target_firing + group_wait,
-        "within_target": bool(hit and hit.starts_at and hit.starts_at - started <= target_firing),
+        "evidence_window_s": window,
+        "target_s": target,
+        "within_target": latency is not None and latency <= target,
+        "target_with_window_s": target_with_window,
+        "within_target_with_window": latency is not None and latency <= target_with_window,
         "alerts_during": sorted({s.alertname for s in during}),
     }
     if hit:
