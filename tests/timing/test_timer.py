@@ -11,6 +11,16 @@ from tests.conftest import promtool_check_metrics, wait_for
 from tests.timing.conftest import ScriptedRoute
 
 
+class SlowRoute(ScriptedRoute):
+    """Records that cost 50 µs each: far over a 1% budget at any busy rate."""
+
+    def record(self, event, stream):
+        end = time.perf_counter() + 50e-6
+        while time.perf_counter() < end:
+            pass
+        return super().record(event, stream)
+
+
 def sample_count(registry, op, device="cpu"):
     return registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": device}) or 0
 
@@ -103,13 +113,6 @@ def test_empty_pool_drops_and_counts(make_timer, registry):
 
 
 def test_budget_mode_lowers_sampling_when_records_are_expensive(make_timer, registry):
-    class SlowRoute(ScriptedRoute):
-        def record(self, event, stream):
-            end = time.perf_counter() + 50e-6  # a 50 µs record: far over a 1% budget at this rate
-            while time.perf_counter() < end:
-                pass
-            return super().record(event, stream)
-
     timer = make_timer(route=SlowRoute(), budget=0.01, resolve_interval=0.02)
     deadline = time.monotonic() + 20
     while timer._period < 32 and time.monotonic() < deadline:
@@ -253,13 +256,6 @@ def test_resolver_lag_reported_while_gpu_is_behind(make_timer, registry):
 
 
 def test_budget_leaves_to_sampled_regions_only_what_always_timed_regions_do_not_spend(make_timer, registry):
-    class SlowRoute(ScriptedRoute):
-        def record(self, event, stream):
-            end = time.perf_counter() + 50e-6
-            while time.perf_counter() < end:
-                pass
-            return super().record(event, stream)
-
     timer = make_timer(route=SlowRoute(), budget=0.01, resolve_interval=0.02)
     charged: list[float] = []
     deadline = time.monotonic() + 20
