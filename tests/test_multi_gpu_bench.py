@@ -1,0 +1,69 @@
+"""benchmarks/multi_gpu_bench.py runs to the end anywhere and says what it could not measure.
+
+On a host without two CUDA devices (CI) the GPU parts must be recorded as skipped with the reason,
+not crash; with ``--cpu-stand-in`` the timer and server parts' code runs on CPU stand-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu_bench.py"
+TOP_LEVEL = {"gpu", "gpu_count", "date", "torch", "parts", "targets", "summary"}
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "x.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=240, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_quick_run_reports_what_it_could_not_do(tmp_path: Path) -> None:
+    proc, report = run_bench(tmp_path)
+    assert set(report) >= TOP_LEVEL
+    assert set(report["parts"]) == {"exporter", "timer", "server"}
+    assert report["gpu_count"] == GPUS
+    assert "written" in proc.stdout and "[multi_gpu_bench" in proc.stderr  # table last, progress on stderr
+    parts = report["parts"]
+    assert not any("error" in part for part in parts.values()), parts
+    exporter = parts["exporter"]
+    # The exporter runs without NVML (zero GPUs): its scrape latency is still measured.
+    assert "skipped" in exporter or exporter["scrape"]["scrapes"] > 0
+    if GPUS < 2:
+        for part in (parts["timer"], parts["server"]):
+            assert part["skipped"] == f"needs >= 2 CUDA devices (found {GPUS})"
+        if "skipped" not in exporter:
+            assert exporter["process_attribution"]["skipped"].startswith("needs >= 2 CUDA devices")
+            assert "skipped" in exporter["devices"]  # no nvidia-smi, or no GPU in the exporter
+        assert report["summary"]["process_on_both_gpus"] is None
+        assert report["summary"]["timer_device_labels_right"] is None
+        assert report["summary"]["share_error_points"] == {}
+
+
+def test_cpu_stand_ins_run_the_timer_and_server_parts(tmp_path: Path) -> None:
+    _, report = run_bench(tmp_path, "--cpu-stand-in", "2", "--parts", "timer,server")
+    assert set(report["parts"]) == {"timer", "server"}
+    timer = report["parts"]["timer"]
+    assert timer["device_labels_right"] and timer["counts_right"], timer["ops"]
+    assert timer["dropped_total"] == 0
+    assert set(timer["ops"]) == {"matmul_dev0", "matmul_dev1", "switch_dev0", "switch_dev1"}
+    rounds = report["parts"]["server"]["rounds"]
+    assert set(rounds) == {"as_served", "device_pinned"}
+    for gpus in rounds.values():
+        assert len(gpus) == 2
+        for gpu in gpus.values():
+            assert gpu["tokens_per_s"] > 0 and gpu["errors"] == 0
+            assert set(gpu["shares"]) == {"a", "b"} and gpu["share_error_points"] is not None
+    assert set(report["summary"]["share_error_points"]) == {"as_served", "device_pinned"}
+    probe = report["parts"]["server"]["separate_process"]  # a fresh serve-like process
+    assert "error" not in probe, probe
+    assert probe["tokens_per_s"] > 0 and probe["timed_region_device_labels"]
