@@ -14,9 +14,9 @@ and a part that cannot run here says ``{"skipped": reason}``:
    is compared with torch.cuda.Event timing of the same matmul on each device.
 3. ``server``: one engine + scheduler + model per GPU in this process (tenancy_bench's harness), tenants
    a:0.7 / b:0.3, all saturated at once; per GPU: decode batch rows, steps/s, tokens/s, measured
-   GPU-second shares and their error in points (target ≤ 2). Run twice: engine threads as ``gpuscope
-   serve`` starts them, and with each engine thread's current CUDA device pinned to its model's; then
-   one engine alone in a fresh process on the last GPU, built in ``gpuscope serve``'s order (what one
+   GPU-second shares and their error in points (target ≤ 2), and the device label each engine's steps
+   were timed under (the engine thread makes its model's device current); then one engine alone in a
+   fresh process on the last GPU, built in ``gpuscope serve``'s order (what one
    ``gpuscope serve --model.device cuda:N`` process does, without HTTP). Each engine's timer has its
    own registry, so the device label its steps are timed under is checked too.
 
@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
-from gpuscope.server.engine import Engine
 from gpuscope.server.model import build_model
 from gpuscope.server.timer_glue import build_timer, instrument_model
 from gpuscope.timing import Timer
@@ -483,26 +482,6 @@ def timer_part(args: argparse.Namespace, devices: list[torch.device]) -> dict:
 # --- part 3: server -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def engine_threads_on_model_device() -> Iterator[None]:
-    """Engine threads start on CUDA device 0 whatever their model's device is, so a timer in them
-    records its step events on device 0's stream; this sets each engine thread's current device to
-    its model's first, which is what a fix in Engine._run would do (the deployment equivalent today:
-    CUDA_VISIBLE_DEVICES=N with --model.device cuda:0 per process)."""
-    original = Engine._run
-
-    def pinned(self: Engine) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        original(self)
-
-    Engine._run = pinned
-    try:
-        yield
-    finally:
-        Engine._run = original
-
-
 def gpu_report(measured: dict, before: dict, after: dict, want: str | None) -> dict:
     """One engine's share window from tenancy_bench.measure_shares, plus where its steps were timed."""
     diag = measured["diagnostics"]
@@ -544,8 +523,8 @@ def server_size(args: argparse.Namespace, device: torch.device) -> Size:
 
 def probe_serve(args: argparse.Namespace) -> dict:
     """In a fresh process: what one `gpuscope serve --model.device cuda:N` process does (Service's
-    order: model, then timer, then per-module instrumentation), without HTTP. In-process rounds cannot
-    show this: there the main thread has already made a context on every device."""
+    order: model, then timer, then per-module instrumentation), without HTTP. The in-process engines
+    cannot show this: there the main thread has already made a context on every device."""
     device = torch.device(args.probe_serve)
     size = server_size(args, device)
     registry = CollectorRegistry()
@@ -601,20 +580,14 @@ def server_part(args: argparse.Namespace, devices: list[torch.device]) -> dict:
             f"batch {sizes[0].batch}: warm-up")
         with pool:
             built = list(pool.map(setup, range(len(devices))))
-            rounds = {}
-            for name, pinning in (("as_served", contextlib.nullcontext),
-                                  ("device_pinned", engine_threads_on_model_device)):
-                log(f"server: round {name}: {args.server_warmup:g}s + {args.server_window:g}s window, "
-                    "all engines at once")
-                before = [region_stats(r) for r in registries]
-                with pinning():
-                    measured = list(pool.map(lambda i: measure_shares(built[i][0], timers[i], sizes[i]),
-                                             range(len(devices))))
-                after = [region_stats(r) for r in registries]
-                rounds[name] = {f"{i}:{d}": gpu_report(measured[i], before[i], after[i], wants[i])
-                                for i, d in enumerate(devices)}
-                errs = {k: v["share_error_points"] for k, v in rounds[name].items()}
-                log(f"server: round {name}: share error points {errs}")
+            log(f"server: {args.server_warmup:g}s + {args.server_window:g}s window, all engines at once")
+            before = [region_stats(r) for r in registries]
+            measured = list(pool.map(lambda i: measure_shares(built[i][0], timers[i], sizes[i]),
+                                     range(len(devices))))
+            after = [region_stats(r) for r in registries]
+            per_gpu = {f"{i}:{d}": gpu_report(measured[i], before[i], after[i], wants[i])
+                       for i, d in enumerate(devices)}
+            log(f"server: share error points { {k: v['share_error_points'] for k, v in per_gpu.items()} }")
     finally:
         for timer in timers:
             timer.close()
@@ -626,16 +599,13 @@ def server_part(args: argparse.Namespace, devices: list[torch.device]) -> dict:
                       "registry) per GPU in this process, the same as one `gpuscope serve --model.device "
                       "cuda:N` process per GPU; the engines share this process's GIL, so tokens/s per GPU "
                       "here is a lower bound of separate processes'",
-        "rounds_explained": {
-            "as_served": "engine threads as gpuscope serve starts them (a new thread's CUDA device is 0)",
-            "device_pinned": "each engine thread's current CUDA device set to its model's first"},
         "devices": [str(d) for d in devices], "tenants": "a:0.7,b:0.3 (share mode)",
         "model": {k: getattr(model, k) for k in ("layers", "dim", "heads", "context")},
         "batch": sizes[0].batch, "closed_loop_outstanding_per_tenant": 2 * sizes[0].batch,
         "prompt_bytes": base.prompt_bytes, "max_tokens": base.max_tokens, "timing": args.server_timing,
         "warmup_s": args.server_warmup, "window_s": args.server_window,
         "engine_warm_up_excluded": {f"{i}:{d}": built[i][1] for i, d in enumerate(devices)},
-        "rounds": rounds, "separate_process": probe}
+        "per_gpu": per_gpu, "separate_process": probe}
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -661,8 +631,8 @@ def summarise(parts: dict) -> dict:
     devices = exp.get("devices", {})
     process = exp.get("process_attribution", {})
     per_gpu = devices.get("per_gpu", {})
-    rounds = srv.get("rounds", {})
-    errors = {r: {g: v["share_error_points"] for g, v in gpus.items()} for r, gpus in rounds.items()}
+    gpus = srv.get("per_gpu", {})
+    errors = {g: v["share_error_points"] for g, v in gpus.items()}
     summary = {
         "scrape_p99_ms": exp.get("scrape", {}).get("p99_ms"),
         "gpus_match_nvidia_smi": devices.get("gpu_set_equal"),
@@ -677,14 +647,13 @@ def summarise(parts: dict) -> dict:
         "timer_mean_over_event_mean": {k: v["timer_mean_over_event_mean"]
                                        for k, v in tim.get("vs_cuda_events", {}).items()},
         "share_error_points": errors,
-        "server_steps_timed_on_model_device": {r: all_or_none([v["steps_timed_on_model_device"]
-                                                                for v in gpus.values()])
-                                               for r, gpus in rounds.items()},
-        "tokens_per_s": {r: {g: v["tokens_per_s"] for g, v in gpus.items()} for r, gpus in rounds.items()},
+        "server_steps_timed_on_model_device": all_or_none([v["steps_timed_on_model_device"]
+                                                           for v in gpus.values()]) if gpus else None,
+        "tokens_per_s": {g: v["tokens_per_s"] for g, v in gpus.items()},
         "separate_process_steps_timed_on_model_device":
             srv.get("separate_process", {}).get("steps_timed_on_model_device"),
     }
-    worst = {r: max(e.values()) for r, e in errors.items() if e and None not in e.values()}
+    worst = max(errors.values()) if errors and None not in errors.values() else None
     p99 = summary["scrape_p99_ms"]
     summary["checks"] = {
         "scrape_p99_le_5ms": None if p99 is None else p99 <= TARGETS["scrape_p99_ms"],
@@ -692,9 +661,8 @@ def summarise(parts: dict) -> dict:
         "process_on_both_gpus": summary["process_on_both_gpus"],
         "timer_device_labels_right": summary["timer_device_labels_right"],
         "timer_no_drops": None if tim.get("dropped_total") is None else tim["dropped_total"] == 0,
-        **{f"share_error_le_2_points_{r}": w <= TARGETS["share_error_points"] for r, w in worst.items()},
-        **{f"server_steps_timed_on_model_device_{r}": v
-           for r, v in summary["server_steps_timed_on_model_device"].items()},
+        "share_error_le_2_points": None if worst is None else worst <= TARGETS["share_error_points"],
+        "server_steps_timed_on_model_device": summary["server_steps_timed_on_model_device"],
         "serve_like_process_timed_on_its_device": summary["separate_process_steps_timed_on_model_device"],
     }
     return summary
@@ -721,11 +689,9 @@ def table(report: dict) -> str:
                                                     f"{show(s['timer_counts_right'])}"),
              ("timer drops", show(s["timer_dropped_samples"])),
              ("timer mean / cuda event mean", show(s["timer_mean_over_event_mean"] or None))]
-    for name, errors in s["share_error_points"].items():
-        rows.append((f"share error points, {name} (≤ 2)", show(errors)))
-        rows.append((f"steps timed on model's device, {name}",
-                     show(s["server_steps_timed_on_model_device"][name])))
-        rows.append((f"tokens/s, {name}", show(s["tokens_per_s"][name])))
+    rows.append(("share error points per GPU (≤ 2)", show(s["share_error_points"] or None)))
+    rows.append(("steps timed on model's device", show(s["server_steps_timed_on_model_device"])))
+    rows.append(("tokens/s per GPU", show(s["tokens_per_s"] or None)))
     rows.append(("serve-like process on last GPU: timed on its device",
                  show(s["separate_process_steps_timed_on_model_device"])))
     rows.append(("written", report["out"]))
@@ -793,7 +759,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--server-size", choices=sorted(SIZES),
                    help="tenancy_bench size (h200 on CUDA, else cpu; quick cpu)")
     g.add_argument("--server-batch", type=int, default=0, help="batch slots per engine (0: the size's)")
-    g.add_argument("--server-window", type=float, help="measured seconds per round (20; quick 2)")
+    g.add_argument("--server-window", type=float, help="measured seconds of the share window (20; quick 2)")
     g.add_argument("--server-warmup", type=float, help="unmeasured seconds before each window (3; quick 0.5)")
     g.add_argument("--server-engine-warmup", type=float,
                    help="tenancy_bench warm-up run, once (4; quick 0.5)")

@@ -56,14 +56,12 @@ def test_cpu_stand_ins_run_the_timer_and_server_parts(tmp_path: Path) -> None:
     assert timer["device_labels_right"] and timer["counts_right"], timer["ops"]
     assert timer["dropped_total"] == 0
     assert set(timer["ops"]) == {"matmul_dev0", "matmul_dev1", "switch_dev0", "switch_dev1"}
-    rounds = report["parts"]["server"]["rounds"]
-    assert set(rounds) == {"as_served", "device_pinned"}
-    for gpus in rounds.values():
-        assert len(gpus) == 2
-        for gpu in gpus.values():
-            assert gpu["tokens_per_s"] > 0 and gpu["errors"] == 0
-            assert set(gpu["shares"]) == {"a", "b"} and gpu["share_error_points"] is not None
-    assert set(report["summary"]["share_error_points"]) == {"as_served", "device_pinned"}
+    gpus = report["parts"]["server"]["per_gpu"]
+    assert len(gpus) == 2
+    for gpu in gpus.values():
+        assert gpu["tokens_per_s"] > 0 and gpu["errors"] == 0
+        assert set(gpu["shares"]) == {"a", "b"} and gpu["share_error_points"] is not None
+    assert set(report["summary"]["share_error_points"]) == set(gpus)
     probe = report["parts"]["server"]["separate_process"]  # a fresh serve-like process
     assert "error" not in probe, probe
     assert probe["tokens_per_s"] > 0 and probe["timed_region_device_labels"]

@@ -76,3 +76,36 @@ def test_attention_never_takes_the_per_shape_planning_backend():
     names = {event.key for event in prof.key_averages()}
     assert any("scaled_dot_product" in name for name in names), sorted(names)
     assert not [name for name in names if "cudnn_attention" in name]
+
+
+def test_an_engine_on_the_second_gpu_times_its_steps_there():
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from gpuscope.server.config import ModelSpec, parse_tenants
+    from gpuscope.server.engine import Engine, Request
+    from gpuscope.server.model import build_model, encode
+    from gpuscope.server.scheduler import Scheduler
+    from gpuscope.server.timer_glue import build_timer
+
+    registry = CollectorRegistry()
+    model = build_model(ModelSpec(layers=2, dim=256, heads=4, context=256, device="cuda:1"))
+    timer = build_timer("all", registry)
+    scheduler = Scheduler(parse_tenants("a:1"), "share", 100)
+    engine = Engine(model, scheduler, timer, batch_size=4, max_wait_s=0.005, deliver=lambda events: None,
+                    log_requests=False)
+    engine.start()
+    try:
+        reqs = [Request("a", encode("second gpu"), 16, 0.0) for _ in range(4)]
+        for r in reqs:
+            engine.submit(r)
+        wait_for(lambda: all(r.outcome for r in reqs), timeout=60, what="4 requests on cuda:1")
+        timer.flush(10)
+        on_1 = registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": "decode", "device": "1"})
+        on_0 = registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": "decode", "device": "0"})
+        assert on_1 and on_1 > 0 and not on_0, (on_0, on_1)
+    finally:
+        engine.stop()
+        timer.close()

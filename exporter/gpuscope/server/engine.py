@@ -142,6 +142,10 @@ class Engine:
 
     # --- engine thread -----------------------------------------------------------
     def _run(self) -> None:
+        if self._device.type == "cuda":
+            # A new thread starts on CUDA device 0; the timer records on the current device's
+            # stream, so an engine on cuda:N must make N current or its steps are timed on GPU 0.
+            torch.cuda.set_device(self._device)
         with torch.inference_mode():
             self._warm_up()
             self.ready.set()
