@@ -4,7 +4,12 @@
   anything unmatched goes to ``gpuscope-receiver``); all three post to the project's alert receiver,
   which tells them apart by the ``receiver`` field of the webhook payload. The URL is written once
   (a YAML anchor), so a deployment rewrites one value.
-- Service picks the grouping: exporter alerts group per GPU, server alerts per instance.
+- Grouping: per alert name, and per GPU for exporter alerts or per instance for server alerts.
+  Prometheus re-sends a resolved alert for 15 minutes, which keeps its group alive, and an alert
+  that joins a live group waits for the group's next ``group_interval`` (5 m in production) instead
+  of ``group_wait``: measured under load, a starvation alert reached the receiver 29 s after it
+  fired because a leak had resolved on the same instance minutes before. A different problem must
+  not inherit that delay; the same alert coming back within 15 minutes still does (flapping).
 - ``group_wait`` is at least two rule evaluation intervals, so a composite evaluated in another rule
   group still arrives before its components' group is first sent, and inhibits them.
 - Inhibition: the composite silences its component alerts on the same instance; a critical alert
@@ -32,14 +37,14 @@ def config(p: Profile, receiver_url: str | None = None) -> dict:
     grouping = {s.exporter_service: ["instance", "gpu"], s.server_service: ["instance"]}
     routes = [
         {"receiver": receiver, "matchers": [f'severity="{severity}"'],
-         "routes": [{"matchers": [f'service="{service}"'], "group_by": list(group_by)}
+         "routes": [{"matchers": [f'service="{service}"'], "group_by": ["alertname", *group_by]}
                     for service, group_by in grouping.items()]}
         for severity, receiver in RECEIVERS.items()
     ]
     return {
         "route": {
             "receiver": DEFAULT_RECEIVER,
-            "group_by": ["instance", "gpu"],
+            "group_by": ["alertname", "instance", "gpu"],
             "group_wait": duration(n.group_wait),
             "group_interval": duration(n.group_interval),
             "repeat_interval": duration(n.repeat_interval),

@@ -123,19 +123,7 @@ class AlertSources:
         rules = [rule for group in groups for rule in group["rules"]]
         return rules, max((float(g.get("interval", 0)) for g in groups), default=0.0)
 
-    def aggregation_groups(self) -> float:
-        """Alertmanager's live aggregation groups (its own gauge). A resolved group lives on until
-        the dispatcher's next maintenance pass, and an alert that joins a live group waits for the
-        group's next ``group_interval`` tick instead of ``group_wait``."""
-        with urllib.request.urlopen(self.alertmanager + "/metrics", timeout=10) as response:
-            text = response.read().decode()
-        for line in text.splitlines():
-            if line.startswith("alertmanager_dispatcher_aggregation_groups "):
-                return float(line.split()[1])
-        return 0.0
-
     def quiet(self) -> bool:
-        """Nothing pending or firing anywhere, every group's last notification was resolved, and
-        Alertmanager holds no group, so the next fault's alert starts one (and waits group_wait)."""
+        """Nothing pending or firing anywhere, and every group's last notification was resolved."""
         return (not self.prometheus_alerts() and not self.alertmanager_alerts()
-                and groups_resolved(self.notifications()) and self.aggregation_groups() == 0)
+                and groups_resolved(self.notifications()))
