@@ -33,6 +33,9 @@ def _conditions(p: Profile) -> dict[str, str]:
 
 def groups(p: Profile) -> list[Group]:
     up = sel("up", p.selectors.server)
+    names_of_components = {name for alerts in COMPONENTS.values() for name in alerts}
+    component_alerts = [a for module in (latency, memory, scheduling) for g in module.groups(p)
+                        for a in g.alerts() if a.name in names_of_components]
     records = [
         Record(names.DEGRADATION,
                f"group by (job, instance) (\n  {cond.replace(chr(10), chr(10) + '  ')}\n)\n"
@@ -46,6 +49,8 @@ def groups(p: Profile) -> list[Group]:
     composite = Alert(
         name=COMPOSITE, expr=f"sum by (job, instance) ({names.DEGRADATION}) >= {MIN_DIMENSIONS}",
         for_s=p.windows.composite_for, severity="critical", service=p.selectors.server_service,
+        # Its dimensions are its components' conditions: two at once need the slower one's evidence.
+        evidence_s=max(a.evidence_s for a in component_alerts),
         dashboard="gpuscope-fleet",
         summary=f"{{{{ $labels.instance }}}} is degraded: {dims}",
         description=(f"{{{{ $value }}}} of {len(COMPONENTS)} degradation dimensions hold at once on "

@@ -77,6 +77,7 @@ def groups(p: Profile) -> list[Group]:
     alerts = [
         Alert(
             name="GPUKernelLatencySpike", expr=kernel_spike_condition(p), for_s=w.latency_for,
+            evidence_s=w.latency,
             severity="warning", service=p.selectors.server_service, dashboard="gpuscope-kernels",
             dashboard_vars=("instance", "op"),
             summary="GPU time of op {{ $labels.op }} spiked on {{ $labels.instance }}",

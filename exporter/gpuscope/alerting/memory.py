@@ -61,6 +61,7 @@ def groups(p: Profile) -> list[Group]:
     alerts = [
         Alert(
             name="GPUMemoryLeak", expr=leak_condition(p), for_s=w.leak_for, severity="warning",
+            evidence_s=w.leak,
             service=p.selectors.server_service, dashboard="gpuscope-fleet",
             summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) grows towards exhaustion",
             description=_description(m.DEVICE_MEMORY_ALLOCATED, m.DEVICE_MEMORY_TOTAL, SERVER_LABELS,

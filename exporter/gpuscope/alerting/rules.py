@@ -106,6 +106,10 @@ class Alert:
     dashboard_vars: tuple[str, ...] = ("instance",)
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+    #: Seconds its expression must see a fault before it can be true (a window of absence or a
+    #: trend; an upper bound for a p99 window, which turns as soon as 1% of its samples are slow).
+    #: Detection takes this + ``for`` + evaluation; the load-test runner holds alerts to it.
+    evidence_s: int = 0
 
     def __post_init__(self) -> None:
         if self.dashboard not in DASHBOARDS:

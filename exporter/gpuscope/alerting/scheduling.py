@@ -57,6 +57,7 @@ def groups(p: Profile) -> list[Group]:
         f"sum by (job, instance) (rate({spent}[{window}]))")
     alerts = [
         Alert(name="GPUTenantStarved", expr=starved_condition(p), for_s=w.starvation_for,
+              evidence_s=w.starvation,
               severity="warning", **common,
               summary="Tenant {{ $labels.tenant }} gets no service on {{ $labels.instance }}",
               description=(f"Tenant {{{{ $labels.tenant }}}} on {{{{ $labels.instance }}}} has had at least "
@@ -68,6 +69,7 @@ def groups(p: Profile) -> list[Group]:
                       why="Queued work and no tokens is starvation whatever the load; an idle tenant "
                           "has an empty queue and cannot match.")),
         Alert(name="GPUTenantUnderServed", expr=underserved_condition(p), for_s=w.starvation_for,
+              evidence_s=w.starvation,
               severity="warning", **common,
               summary=("Tenant {{ $labels.tenant }} gets far less than its GPU share on "
                        "{{ $labels.instance }}"),

@@ -75,7 +75,7 @@ def _alerts(p: Profile, name: str, record: str, objective: str) -> list[Alert]:
     common = {"name": name, "service": p.selectors.server_service, "dashboard": "gpuscope-slo",
               "dashboard_vars": ()}
     return [
-        Alert(**common, expr=page_expr, for_s=w.slo_page_for, severity="critical",
+        Alert(**common, expr=page_expr, for_s=w.slo_page_for, severity="critical", evidence_s=fast[0],
               summary=f"{{{{ $labels.job }}}} burns its {objective} error budget fast",
               description=(f"{{{{ $labels.job }}}} burns the error budget of its objective ({objective}) at "
                            f"{{{{ $value | humanize }}}}× the sustainable rate (pages at {page_rule})."),
@@ -83,7 +83,7 @@ def _alerts(p: Profile, name: str, record: str, objective: str) -> list[Alert]:
                       window=f"for {duration(w.slo_page_for)}",
                       why="SRE workbook: 2% of a 30-day budget in 1 h, or 5% in 6 h; the short window "
                           "lets the page resolve soon after the problem stops.")),
-        Alert(**common, expr=ticket_expr, for_s=w.slo_ticket_for, severity="warning",
+        Alert(**common, expr=ticket_expr, for_s=w.slo_ticket_for, severity="warning", evidence_s=ticket[0],
               summary=f"{{{{ $labels.job }}}} spends its {objective} error budget too fast",
               description=(f"{{{{ $labels.job }}}} burns the error budget of its objective ({objective}) at "
                            f"{{{{ $value | humanize }}}}× the sustainable rate ({ticket_rule}): the budget "

@@ -19,10 +19,11 @@ the receiver. Alongside, the report gives when Alertmanager says the alert
 started firing and two targets:
 
 - ``target_s``: the rule's ``for`` plus two evaluation intervals, as issue #7 states it;
-- ``target_with_window_s``: that, plus the rule's evidence window (the range its expression must
-  see the fault over before it can be true: 20 s without tokens for starvation, the 4 min
-  regression of the leak) plus Alertmanager's ``group_wait``. A windowed rule cannot beat its
-  window, and shortening windows is what the steady run's zero false alerts would pay for.
+- ``target_with_window_s``: that, plus the rule's evidence window (``Alert.evidence_s``: the range
+  its expression must see the fault over before it can be true, 20 s without tokens for
+  starvation, the 4 min regression of the leak) plus Alertmanager's ``group_wait``. A windowed
+  rule cannot beat its window, and shortening windows is what the steady run's zero false alerts
+  would pay for.
 """
 
 from __future__ import annotations
@@ -90,17 +91,18 @@ SCENARIOS: dict[str, Scenario] = {
     "composite": Scenario("composite", {"latency_spike": {"extra_passes": 8}, "memory_leak": _LEAK},
                           (COMPOSITE,)),
 }
-#: Alert → the ``alerting.config.Windows`` field of the range its expression needs to see the fault
-#: over (an upper bound: a p99 window reacts as soon as 1% of its samples are slow). The composite
-#: needs two dimensions at once; the slowest it can combine is the leak's regression.
-EVIDENCE_WINDOW = {
-    "GPUKernelLatencySpike": "latency",
-    "GPUTenantStarved": "starvation",
-    "GPUTenantUnderServed": "starvation",
-    "GPUMemoryLeak": "leak",
-    "GPUServiceErrorBudgetBurn": "slo_long_fast",
-    COMPOSITE: "leak",
-}
+
+
+def evidence_s(alertname: str, labels: dict[str, str] | None = None) -> float:
+    """The test profile's ``Alert.evidence_s`` of the rule that raised an alert (same name, and its
+    severity where the alert has one: a page and a ticket can share a name)."""
+    from gpuscope.alerting.generate import all_alerts
+
+    candidates = [a for a in all_alerts(TEST) if a.name == alertname
+                  and (labels or {}).get("severity", a.severity) == a.severity]
+    return float(min((a.evidence_s for a in candidates), default=0))
+
+
 FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
 #: error_burst last: its slow-burn ticket (1× budget over the test profile's 24 min window) keeps
 #: firing long after the burst, as an SLO alert should, and would hold up every later scenario.
@@ -167,7 +169,7 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
         _request("DELETE", f"{server}/admin/faults/{fault}", token)
     alertname = hit.alertname if hit else scenario.alerts[0]
     expected_for = rule_for_s(rules, alertname, hit.labels if hit else None)
-    window = float(getattr(TEST.windows, EVIDENCE_WINDOW[alertname]))
+    window = evidence_s(alertname, hit.labels if hit else None)
     target = expected_for + 2 * interval
     target_with_window = window + target + group_wait
     latency = round(hit.received_at - started, 1) if hit else None
