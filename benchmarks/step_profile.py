@@ -9,7 +9,8 @@
 - attention spans that grow by one each step (as in serving: every step a shape never seen), the
   same spans a second time (shapes seen before), and spans rounded up to ``--bucket``;
 - each SDPA backend PyTorch offers here, forced one at a time, PyTorch's default choice and
-  gpuscope's (``model.ATTENTION_BACKENDS``);
+  gpuscope's (what ``build_model`` leaves: cuDNN attention switched off, see
+  ``model.avoid_per_shape_attention_plans``);
 
 then profiles PyTorch's default choice with new spans with ``torch.profiler`` and prints its top operators.
 
@@ -24,24 +25,33 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
 
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpuscope.server.config import ModelSpec
-from gpuscope.server.model import ATTENTION_BACKENDS, build_model, sample
+from gpuscope.server.model import build_model, sample
+
+BACKEND_NAMES = ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION")
 
 
-def backends() -> dict[str, list | None]:
-    """Case name → the model's ``attention_backends`` (None: PyTorch chooses)."""
-    found: dict[str, list | None] = {"pytorch_default": None, "gpuscope": ATTENTION_BACKENDS}
-    for name in ("MATH", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
+def backends() -> dict[str, Callable[[], AbstractContextManager]]:
+    """Case name → a context choosing the SDPA backends (this script is single-threaded, so
+    PyTorch's process-wide switches are safe to flip per case)."""
+    every = [getattr(SDPBackend, name) for name in BACKEND_NAMES if hasattr(SDPBackend, name)]
+    found: dict[str, Callable[[], AbstractContextManager]] = {
+        "pytorch_default": lambda: sdpa_kernel(every),  # cuDNN back in, PyTorch's own priority
+        "gpuscope": nullcontext,  # as build_model left it
+    }
+    for name in BACKEND_NAMES:
         member = getattr(SDPBackend, name, None)
         if member is not None:
-            found[name.lower()] = [member]
+            found[name.lower()] = lambda member=member: sdpa_kernel([member])
     return found
 
 
@@ -91,14 +101,14 @@ def main() -> int:
     with torch.inference_mode():
         decode_steps(model, 1, [8], device)  # first CUDA launch, cuBLAS handles
         for index, (backend, chosen) in enumerate(backends().items()):
-            model.attention_backends = chosen
             # Plan caches key on the row count too, so a span range per backend keeps "new" unseen.
             spans = [min(args.context, s + index * args.steps) for s in growing]
             for rows in (1, 2, 32):
                 try:
-                    new = decode_steps(model, rows, spans, device)
-                    seen = decode_steps(model, rows, spans, device)
-                    bucket = decode_steps(model, rows, bucketed, device)
+                    with chosen():
+                        new = decode_steps(model, rows, spans, device)
+                        seen = decode_steps(model, rows, spans, device)
+                        bucket = decode_steps(model, rows, bucketed, device)
                 except RuntimeError as exc:  # a backend that cannot run this shape or mask
                     results.append({"backend": backend, "rows": rows, "error": str(exc).splitlines()[0]})
                     print(f"{backend:>20} rows {rows:>2}: {str(exc).splitlines()[0][:90]}", flush=True)
@@ -114,9 +124,10 @@ def main() -> int:
         if device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
-            model.attention_backends = None  # PyTorch's choice: the slow case this was written for
             spans = [min(args.context, s + len(backends()) * args.steps) for s in growing[:12]]
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            # PyTorch's choice: the slow case this was written for.
+            with backends()["pytorch_default"](), \
+                    profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 decode_steps(model, 1, spans, device)
             profile_text = prof.key_averages().table(sort_by="cpu_time_total", row_limit=18)
             print(profile_text)

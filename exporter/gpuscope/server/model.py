@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import codecs
 import math
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelSpec
 
 BOS = 256
 EOS = 257
 VOCAB = 258
-
-# cuDNN attention (PyTorch's first choice on Hopper) builds an execution plan for every new
-# shape: ~58 ms per decode step on the H200, and serving makes a new shape nearly every step
-# (the attention span grows by one, the row count changes). Memory-efficient attention plans
-# nothing and runs within 7% of a cached cuDNN plan (benchmarks/results/step-profile-h200.json).
-# Flash takes no mask; math is the CPU fallback.
-ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def encode(text: str) -> list[int]:
@@ -136,8 +127,6 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(spec.dim)
         self.lm_head = nn.Linear(spec.dim, VOCAB, bias=False)
         self.slots = 0
-        # None lets PyTorch choose (benchmarks/step_profile.py compares the two).
-        self.attention_backends: list[SDPBackend] | None = ATTENTION_BACKENDS
 
     def allocate_cache(self, slots: int) -> None:
         p = next(self.parameters())
@@ -165,9 +154,8 @@ class TinyGPT(nn.Module):
         keys = torch.arange(span, device=tokens.device)
         mask = (keys[None, None, None, :] <= positions[:, None, :, None])
         x = self.embed(tokens, positions.clamp(max=self.spec.context - 1))
-        with sdpa_kernel(self.attention_backends) if self.attention_backends else nullcontext():
-            for block in self.blocks:
-                x = block(x, slots, start, mask)
+        for block in self.blocks:
+            x = block(x, slots, start, mask)
         x = self.ln_f(x[torch.arange(b, device=x.device), last])
         return self.lm_head(x)
 
@@ -184,9 +172,24 @@ def pick_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     return getattr(torch, spec.dtype)
 
 
+def avoid_per_shape_attention_plans() -> None:
+    """Take cuDNN attention out of PyTorch's choice, for the whole process.
+
+    cuDNN attention (PyTorch's first choice on Hopper) builds an execution plan for every new shape:
+    ~60 ms a decode step on the H200, and serving makes a new shape nearly every step (the span grows
+    by one, the row count changes). Without it PyTorch takes memory-efficient attention (flash takes
+    no mask), which plans nothing and runs within 7% of a cached cuDNN plan
+    (benchmarks/results/step-profile-h200.json). The switch is process-wide because PyTorch's SDPA
+    switches are: a per-forward ``sdpa_kernel`` context would race between engines on several GPUs.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def build_model(spec: ModelSpec) -> TinyGPT:
     """Model on its device, in eval mode: seeded random weights, or a local state-dict checkpoint."""
     device = pick_device(spec)
+    if device.type == "cuda":
+        avoid_per_shape_attention_plans()
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(spec.seed)
     model = TinyGPT(spec)
