@@ -157,4 +157,3 @@ def test_inhibition_and_grouping_in_alertmanager(am: Alertmanager, sink: Sink) -
     ticket_gpus = [n["groupLabels"].get("gpu") for n in sink.received()
                    if n["receiver"] == "gpuscope-ticket" and n["groupLabels"].get("instance") == GPU_HOST]
     assert ticket_gpus == ["0"], sink.received()
-

@@ -9,6 +9,7 @@ Units are converted to base units here: MHz → Hz, mW → W, mJ → J, KiB → 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,7 +61,7 @@ def _field_value(field: Any) -> float | None:
     }.get(kind, lambda: v.ullVal)())
 
 
-class Collector:
+class Collector(ABC):
     """Base: a named source with a cadence; subclasses implement :meth:`sample`."""
 
     name = ""
@@ -75,8 +76,9 @@ class Collector:
     def applies(self, device: Device) -> bool:
         return self.on_mig or not device.is_mig
 
+    @abstractmethod
     def sample(self, device: Device) -> list[Sample]:
-        raise NotImplementedError
+        """This collector's readings of one device."""
 
 
 class DeviceCollector(Collector):

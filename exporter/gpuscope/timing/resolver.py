@@ -292,9 +292,10 @@ class Resolver:
         counters = {
             "now": now, "cpu": time.thread_time(), "busy": self._busy_s, "active": self._active_s,
             "wakes": self._wakes, "active_wakes": self._active_wakes, "resolved": self._resolved,
-            "direct_entered": sum(op.entered for op in timer.ops() if op.owner is None),
-            "always": sum(op.always for op in timer.ops()),
         }
+        direct = [op for op in timer.ops() if op.owner is None]
+        counters["direct_entered"] = sum(op.entered for op in direct)
+        counters["always"] = sum(op.always for op in direct)  # a subset of direct_entered
         for sampler in timer.samplers():
             counters[f"passes:{id(sampler)}"] = sampler.passes
             counters[f"sampled:{id(sampler)}"] = sampler.sampled_passes
