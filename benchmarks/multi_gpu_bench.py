@@ -63,6 +63,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
+from gpuscope import catalogue as cat
 from gpuscope.server.model import build_model
 from gpuscope.server.timer_glue import build_timer, instrument_model
 from gpuscope.timing import Timer
@@ -183,7 +184,7 @@ def wait_for_round(scraper: Scraper, collector: str, after_unix: float, timeout:
 def exporter_gpus(samples: list) -> dict[str, str]:
     """gpu label → normalised uuid, from gpuscope_gpu_info."""
     return {labels["gpu"]: norm_uuid(labels.get("uuid", "")) for name, labels, _ in samples
-            if name == "gpuscope_gpu_info" and "gpu" in labels}
+            if name == cat.GPU_INFO.name and "gpu" in labels}
 
 
 def query_smi() -> list[dict] | None:
@@ -216,8 +217,8 @@ def compare_with_smi(scraper: Scraper, since_unix: float, tolerance_mib: float) 
     _, after = scraper.scrape()
     gpus = exporter_gpus(series(body))
     readings = [series(b) for b in (body, after)]
-    used = [by_label(s, "gpuscope_gpu_memory_used_bytes", "gpu") for s in readings]
-    reserved = [by_label(s, "gpuscope_gpu_memory_reserved_bytes", "gpu") for s in readings]
+    used = [by_label(s, cat.GPU_MEMORY_USED.name, "gpu") for s in readings]
+    reserved = [by_label(s, cat.GPU_MEMORY_RESERVED.name, "gpu") for s in readings]
     label_of = {uuid: label for label, uuid in gpus.items()}
     per_gpu = {}
     for row in smi:
@@ -259,7 +260,7 @@ def poll_processes(scraper: Scraper, child: dict, mib: int, deadline_s: float) -
     while matched_by is None and time.monotonic() - started < deadline_s:
         seen = {}
         for name, labels, value in series(body):
-            if name == "gpuscope_gpu_process_memory_bytes":
+            if name == cat.GPU_PROCESS_MEMORY.name:
                 seen.setdefault(labels["gpu"], {})[labels["pid"]] = (labels.get("process", ""), value)
         if all(pid in seen.get(g, {}) for g in expected):
             matched_by = "pid"
@@ -296,9 +297,9 @@ def scrape_latency(scraper: Scraper, scrapes: int, window_s: float) -> dict:
     return {"scrapes": len(times), "window_s": window_s, "p50_ms": rnd(statistics.median(times) * 1e3),
             "p99_ms": rnd(percentile(times, 99) * 1e3), "max_ms": rnd(max(times) * 1e3),
             "exposition_bytes": len(body), "series": len(samples),
-            "collection_duration_s": by_label(samples, "gpuscope_exporter_collection_duration_seconds",
+            "collection_duration_s": by_label(samples, cat.EXPORTER_COLLECTION_SECONDS.name,
                                               "collector"),
-            "gpu_up": by_label(samples, "gpuscope_exporter_gpu_up", "gpu")}
+            "gpu_up": by_label(samples, cat.EXPORTER_GPU_UP.name, "gpu")}
 
 
 def exporter_part(args: argparse.Namespace, cuda_count: int) -> dict:
@@ -311,9 +312,9 @@ def exporter_part(args: argparse.Namespace, cuda_count: int) -> dict:
     _children.append(proc)
     try:
         body = wait_ready(proc, port)
-        result["gpus"] = int(sample_value(body, "gpuscope_exporter_gpus") or 0)
+        result["gpus"] = int(sample_value(body, cat.EXPORTER_GPUS.name) or 0)
         result["gpu_name"] = next((labels.get("name") for name, labels, _ in series(body)
-                                   if name == "gpuscope_gpu_info"), None)
+                                   if name == cat.GPU_INFO.name), None)
         log(f"exporter: ready, {result['gpus']} GPU(s)")
         scraper = Scraper(port)
         ready = {"unix": 0.0}  # memory is compared on exporter readings newer than the child's allocation
@@ -366,7 +367,7 @@ def region_stats(registry: CollectorRegistry) -> dict[tuple[str, str], list[floa
     stats: dict[tuple[str, str], list[float]] = {}
     for family in registry.collect():
         for s in family.samples:
-            if s.name in ("gpuscope_region_gpu_seconds_count", "gpuscope_region_gpu_seconds_sum"):
+            if s.name in (cat.REGION_GPU_SECONDS.series("_count"), cat.REGION_GPU_SECONDS.series("_sum")):
                 slot = 0 if s.name.endswith("_count") else 1
                 stats.setdefault((s.labels["op"], s.labels["device"]), [0.0, 0.0])[slot] = s.value
     return stats
@@ -374,7 +375,7 @@ def region_stats(registry: CollectorRegistry) -> dict[tuple[str, str], list[floa
 
 def dropped_samples(registry: CollectorRegistry) -> dict[str, float]:
     return {s.labels["reason"]: s.value for family in registry.collect() for s in family.samples
-            if s.name == "gpuscope_timer_dropped_samples_total"}
+            if s.name == cat.TIMER_DROPPED.name}
 
 
 def reference_times(device: torch.device, a: torch.Tensor, out: torch.Tensor, n: int) -> list[float]:

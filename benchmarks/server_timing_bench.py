@@ -32,12 +32,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from tenancy_bench import Harness, Size
 
+from gpuscope import catalogue as cat
 from gpuscope.server.config import ModelSpec
 from gpuscope.server.model import build_model
 from gpuscope.server.timer_glue import build_timer, instrument_model
 
 MODES = ("off", "budget", "all")
-TIMER_GAUGES = ("gpuscope_timer_sampling_ratio", "gpuscope_timer_overhead_ratio")
+TIMER_GAUGES = (cat.TIMER_SAMPLING_RATIO.name, cat.TIMER_OVERHEAD_RATIO.name)
 
 
 def size_for(model: ModelSpec, batch: int) -> Size:
@@ -64,7 +65,7 @@ def one_run(model, spec: ModelSpec, mode: str, batch: int, warm_s: float, window
         gauges = {name: [s.value for m in registry.collect() for s in m.samples if s.name == name]
                   for name in TIMER_GAUGES}
         dropped = [s.value for m in registry.collect() for s in m.samples
-                   if s.name == "gpuscope_timer_dropped_samples_total"]
+                   if s.name == cat.TIMER_DROPPED.name]
         timer.close()
     return {"tok_s": tokens / window_s, "errors": harness.errors,
             "timer": {"sampling_ratio_max": max(gauges[TIMER_GAUGES[0]], default=None),
