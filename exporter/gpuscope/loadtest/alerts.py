@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gpuscope.alerting.config import TEST
+from gpuscope.alerting.generate import all_alerts
 from gpuscope.flags import FlagParser
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
 from gpuscope.loadtest.runtools import (
@@ -96,8 +97,6 @@ SCENARIOS: dict[str, Scenario] = {
 def evidence_s(alertname: str, labels: dict[str, str] | None = None) -> float:
     """The test profile's ``Alert.evidence_s`` of the rule that raised an alert (same name, and its
     severity where the alert has one: a page and a ticket can share a name)."""
-    from gpuscope.alerting.generate import all_alerts
-
     candidates = [a for a in all_alerts(TEST) if a.name == alertname
                   and (labels or {}).get("severity", a.severity) == a.severity]
     return float(min((a.evidence_s for a in candidates), default=0))
