@@ -40,7 +40,7 @@ from typing import Literal
 
 import yaml
 
-from gpuscope.flags import FlagParser
+from gpuscope.flags import FlagParser, env_name
 from gpuscope.ports import LOCAL_HOST, PORTS
 
 Profile = Literal["production", "test"]
@@ -66,6 +66,12 @@ HEALTH_PATHS: dict[str, str] = {
     "prometheus": "/-/ready",
     "alertmanager": "/-/ready",
 }
+
+#: Tenants the stack's server serves: the compose file's server command lists the same ones
+#: (tests/test_readme_quickstart.py keeps them in step). ``default`` comes first, so requests without
+#: ``X-Tenant`` and the load tests' default tenant are served; ``alpha`` and ``beta`` are the tenants of
+#: README's quick start and the docs' examples. ``-- --tenants ...`` (or ``GPUSCOPE_TENANTS``) replaces them.
+SERVER_TENANTS = "default:0.5:normal,alpha:0.3:high,beta:0.2:low"
 
 #: Rule evaluation interval of the test profile: its compressed `for:` windows need a quick clock.
 TEST_EVALUATION_INTERVAL = "1s"
@@ -315,7 +321,9 @@ class Stack:
         run = self.run_dir
         gpuscope = [sys.executable, "-m", "gpuscope"]
         if name == "server":
-            argv = [*gpuscope, "serve", "--web.listen-address", listen, *self.options.server_args]
+            # An explicit flag beats the environment, so GPUSCOPE_TENANTS, when set, keeps its say.
+            tenants = [] if env_name("--tenants") in os.environ else ["--tenants", SERVER_TENANTS]
+            argv = [*gpuscope, "serve", "--web.listen-address", listen, *tenants, *self.options.server_args]
         elif name == "exporter":
             argv = [*gpuscope, "exporter", "--web.listen-address", listen, *self.options.exporter_args]
         elif name == "receiver":
