@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Issue #8 on a host with two or more GPUs: exporter, timer and reference server across devices.
+"""On a host with two or more GPUs: exporter, timer and reference server across devices.
 
-Three parts, each a JSON section; a part that fails records ``{"error": ...}`` and the others still run,
+Four parts, each a JSON section; a part that fails records ``{"error": ...}`` and the others still run,
 and a part that cannot run here says ``{"skipped": reason}``:
 
 1. ``exporter``: ``gpuscope exporter --collector.processes`` as a subprocess, plus a child process that
@@ -19,13 +19,18 @@ and a part that cannot run here says ``{"skipped": reason}``:
    fresh process on the last GPU, built in ``gpuscope serve``'s order (what one
    ``gpuscope serve --model.device cuda:N`` process does, without HTTP). Each engine's timer has its
    own registry, so the device label its steps are timed under is checked too.
+4. ``serve``: ``gpuscope serve --model.device cuda:N`` on the last GPU as a child process: one
+   completion over HTTP, then its prefill and decode steps must appear on its /metrics under
+   ``device="N"`` and nowhere else.
 
 Imports only the standard library, torch, pynvml (through the exporter), prometheus_client and gpuscope
 (from ``exporter/`` by path). Without two CUDA devices the GPU parts are skipped with the reason;
 ``--cpu-stand-in 2`` runs them on CPU stand-ins instead (a code-path check: the numbers mean nothing).
-Writes ``$OUT/multi-gpu-h200.json`` (or ``--out``), progress on stderr, a table last. About 3 min
-with defaults on 2×H200 (``--deadline`` stops it, writing what it has, at 330 s); exit status 1 when
-a part failed.
+Writes ``--out`` (default ``benchmarks/results/multi-gpu.json``), progress on stderr, a table last.
+About 4 min with defaults on 2×H200 (``--deadline`` stops it, writing what it has, at 420 s); exit
+status 1 when
+a part, or a section of one, failed or could not measure what it exists to measure (each is
+named on stderr, in the table and under ``failures`` in the JSON).
 
     python benchmarks/multi_gpu_bench.py                               # on the GPU host
     python benchmarks/multi_gpu_bench.py --quick --out /tmp/x.json     # CPU smoke, ~20 s
@@ -49,6 +54,7 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,7 +75,7 @@ from gpuscope.server.timer_glue import build_timer, instrument_model
 from gpuscope.timing import Timer
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("exporter", "timer", "server")
+PARTS = ("exporter", "timer", "server", "serve")
 TARGETS = {"scrape_p99_ms": 5.0, "memory_used_diff_mib": 256, "process_on_both_gpus": True,
            "timer_device_labels_right": True, "timer_dropped_samples": 0, "share_error_points": 2.0}
 MIB = 1 << 20
@@ -609,6 +615,44 @@ def server_part(args: argparse.Namespace, devices: list[torch.device]) -> dict:
         "per_gpu": per_gpu, "separate_process": probe}
 
 
+def serve_part(args: argparse.Namespace, devices: list[torch.device]) -> dict:
+    """``gpuscope serve --model.device cuda:N`` on the last GPU, as a user starts it: one completion
+    over HTTP, then its steps must be timed under ``device="N"`` on its own /metrics."""
+    from gpuscope.loadtest.serverproc import ServerProcess
+
+    device = devices[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(["--model.device", str(device), "--timing", args.server_timing],
+                               log_path=Path(tmp) / "serve.log")
+        log(f"serve: `gpuscope serve --model.device {device}` over HTTP")
+        with server:
+            body = json.dumps({"prompt": "Hello", "max_tokens": 16}).encode()
+            request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as response:
+                completion = json.loads(response.read())
+            deadline = time.monotonic() + 30
+            while True:  # the step samples reach /metrics when the resolver has taken them
+                with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+                    samples = series(response.read())
+                steps = {(labels["op"], labels["device"]): value for name, labels, value in samples
+                         if name == cat.REGION_GPU_SECONDS.name + "_count"
+                         and labels.get("op") in ("prefill", "decode")}
+                if args.server_timing == "off" or {"prefill", "decode"} <= {op for op, _ in steps} \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            log_tail = (Path(tmp) / "serve.log").read_text(errors="replace")[-2000:]
+    want = device_label(device)
+    return {"command": f"gpuscope serve --model.device {device} --timing {args.server_timing}",
+            "completion_tokens": completion.get("usage", {}).get("completion_tokens"),
+            "step_counts_by_op_at_device": {f"{op}@{dev}": int(v) for (op, dev), v in sorted(steps.items())},
+            "steps_timed_on_model_device": None if args.server_timing == "off" else
+            bool(steps) and {dev for _, dev in steps} == {want},
+            "warnings_in_log": [line for line in log_tail.splitlines()
+                                if " ERROR " in line or " WARNING " in line]}
+
+
 # --- driver -------------------------------------------------------------------------------------------
 
 
@@ -628,7 +672,7 @@ def all_or_none(values: list[bool | None]) -> bool | None:
 
 
 def summarise(parts: dict) -> dict:
-    exp, tim, srv = (parts.get(p, {}) for p in PARTS)
+    exp, tim, srv, http = (parts.get(p, {}) for p in PARTS)
     devices = exp.get("devices", {})
     process = exp.get("process_attribution", {})
     per_gpu = devices.get("per_gpu", {})
@@ -653,6 +697,7 @@ def summarise(parts: dict) -> dict:
         "tokens_per_s": {g: v["tokens_per_s"] for g, v in gpus.items()},
         "separate_process_steps_timed_on_model_device":
             srv.get("separate_process", {}).get("steps_timed_on_model_device"),
+        "serve_steps_timed_on_model_device": http.get("steps_timed_on_model_device"),
     }
     worst = max(errors.values()) if errors and None not in errors.values() else None
     p99 = summary["scrape_p99_ms"]
@@ -665,8 +710,51 @@ def summarise(parts: dict) -> dict:
         "share_error_le_2_points": None if worst is None else worst <= TARGETS["share_error_points"],
         "server_steps_timed_on_model_device": summary["server_steps_timed_on_model_device"],
         "serve_like_process_timed_on_its_device": summary["separate_process_steps_timed_on_model_device"],
+        "serve_over_http_timed_on_its_device": summary["serve_steps_timed_on_model_device"],
     }
     return summary
+
+
+#: where each check's figure comes from: (part, section inside the part or None)
+CHECK_SOURCES = {
+    "scrape_p99_le_5ms": ("exporter", "scrape"),
+    "memory_used_agrees": ("exporter", "devices"),
+    "process_on_both_gpus": ("exporter", "process_attribution"),
+    "timer_device_labels_right": ("timer", None),
+    "timer_no_drops": ("timer", None),
+    "share_error_le_2_points": ("server", None),
+    "server_steps_timed_on_model_device": ("server", None),
+    "serve_like_process_timed_on_its_device": ("server", "separate_process"),
+    "serve_over_http_timed_on_its_device": ("serve", None),
+}
+
+
+def errors_in(section: Any, path: str) -> list[str]:
+    """Every ``error`` recorded anywhere under ``section``, named by its path."""
+    if not isinstance(section, dict):
+        return []
+    error = section.get("error")  # a string; drop counters have an "error" reason too (a number)
+    found = [f"{path}: {error.splitlines()[0]}"] if isinstance(error, str) else []
+    for key, value in section.items():
+        found += errors_in(value, f"{path}.{key}")
+    return found
+
+
+def failures(report: dict) -> list[str]:
+    """Why the bench failed: a part or section that crashed, or a check whose part ran but which
+    has no value (it could not measure what it exists to measure). Missed targets are results,
+    reported beside their checks, not failures of the bench."""
+    found = [e for name, part in report["parts"].items() for e in errors_in(part, name)]
+    for check, value in report["summary"]["checks"].items():
+        part_name, section_name = CHECK_SOURCES[check]
+        part = report["parts"].get(part_name)
+        if value is not None or part is None or "skipped" in part or "error" in part:
+            continue
+        section = part.get(section_name, {}) if section_name else part
+        if "skipped" in section or "error" in section:
+            continue
+        found.append(f"{part_name}: check {check} has no value (nothing measured)")
+    return found
 
 
 def table(report: dict) -> str:
@@ -674,7 +762,7 @@ def table(report: dict) -> str:
 
     def show(value: Any) -> str:
         if value is None:
-            return "n/a"
+            return "-"  # a skipped part; an unmeasured check of a part that ran is listed as FAILED
         return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
     rows = [("GPU", f"{report['gpu']} ({report['gpu_count']} CUDA device(s))")]
@@ -695,6 +783,11 @@ def table(report: dict) -> str:
     rows.append(("tokens/s per GPU", show(s["tokens_per_s"] or None)))
     rows.append(("serve-like process on last GPU: timed on its device",
                  show(s["separate_process_steps_timed_on_model_device"])))
+    rows.append(("`gpuscope serve` on last GPU over HTTP: timed on its device",
+                 show(s["serve_steps_timed_on_model_device"])))
+    missed = [check for check, ok in s["checks"].items() if ok is False]
+    rows.append(("targets missed", ", ".join(missed) or "none"))
+    rows += [("FAILED", failure) for failure in report["failures"]]
     rows.append(("written", report["out"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -712,6 +805,7 @@ def start_watchdog(report: dict, seconds: float) -> threading.Timer:
     def fire() -> None:
         log(f"deadline of {seconds:.0f}s reached: writing partial results and exiting")
         report["deadline_reached"] = True
+        report["failures"] = [f"{report.get('in_progress')}: cut short by the {seconds:.0f}s deadline"]
         with contextlib.suppress(Exception):
             report["summary"] = summarise(report["parts"])
         for proc in _children:
@@ -734,14 +828,12 @@ def start_watchdog(report: dict, seconds: float) -> threading.Timer:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (~20 s): a smoke test")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", str(ROOT / "benchmarks/results")),
-                                                 "multi-gpu-h200.json"),
-                   help="JSON path (default $OUT/multi-gpu-h200.json, else benchmarks/results/)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/multi-gpu.json"), help="JSON path")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     p.add_argument("--gpus", type=int, default=0, help="CUDA devices for the timer and server parts (0: all)")
     p.add_argument("--cpu-stand-in", type=int, default=0, metavar="N",
                    help="without 2 CUDA devices, run timer and server on N CPU stand-ins (code-path check)")
-    p.add_argument("--deadline", type=float, default=330.0, help="seconds before partial results are written")
+    p.add_argument("--deadline", type=float, default=420.0, help="seconds before partial results are written")
     g = p.add_argument_group("exporter part")
     g.add_argument("--scrapes", type=int, help="scrapes for the latency figure (300; quick 20)")
     g.add_argument("--scrape-window", type=float, help="seconds the scrapes are spread over (30; quick 2)")
@@ -795,6 +887,8 @@ def main(argv: list[str] | None = None) -> int:
     if count < 2 and args.cpu_stand_in:
         devices = [torch.device("cpu")] * args.cpu_stand_in
     skip = None if len(devices) >= 2 else f"needs >= 2 CUDA devices (found {count})"
+    serve_skip = {"skipped": skip or "needs CUDA devices (stand-ins are in-process)"} \
+        if skip or devices[-1].type != "cuda" else None
     report: dict[str, Any] = {"gpu": None, "gpu_count": cuda_count,
                               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                               "torch": torch.__version__, "quick": args.quick, "out": args.out,
@@ -806,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     # The exporter goes first: its process check must not see this process holding GPU memory.
     runs = {"exporter": lambda: exporter_part(args, cuda_count),
             "timer": lambda: {"skipped": skip} if skip else timer_part(args, devices),
-            "server": lambda: {"skipped": skip} if skip else server_part(args, devices)}
+            "server": lambda: {"skipped": skip} if skip else server_part(args, devices),
+            "serve": lambda: serve_skip or serve_part(args, devices)}
     for name in wanted:
         log(f"part {name}")
         report["in_progress"] = name  # what a deadline cut short, if it fires
@@ -816,9 +911,12 @@ def main(argv: list[str] | None = None) -> int:
     report["gpu"] = torch.cuda.get_device_name(0) if cuda_count else "none (cpu)"
     report["wall_s"] = round(time.monotonic() - started, 1)
     report["summary"] = summarise(report["parts"])
+    report["failures"] = failures(report)
     write(report)
     print(table(report))
-    return 1 if any("error" in part for part in report["parts"].values()) else 0
+    for failure in report["failures"]:
+        log(f"FAILED {failure}")
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ It wakes every ``resolve_interval`` (tens of ms): LIMITS.md measured that a thre
 waking every 0.5 ms costs the inference thread up to 18% through the GIL, and one
 waking every 50 ms ≤ 1%. It never blocks on the GPU: completion is tested with
 non-blocking queries, one per stream per wake-up, since events on one stream
-complete in order.
+complete in order. Every CUDA call it makes runs with the events' device current
+(``routes.on_device``): the resolver thread starts on device 0 and serves all devices.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import statistics
 import threading
 import time
 from typing import TYPE_CHECKING, Any
+
+from gpuscope.timing.routes import on_device
 
 if TYPE_CHECKING:
     from gpuscope.timing.timer import Timer
@@ -57,7 +60,7 @@ class Resolver:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._measure_idle_costs()
+        self._measure_skip_cost()
         self._thread = threading.Thread(target=self._run, name="gpuscope-timing-resolver", daemon=True)
         self._thread.start()
 
@@ -68,12 +71,10 @@ class Resolver:
         self.flush(timeout)
 
     def add_device(self, device: int) -> None:
-        """Called under the timer's lock when a device's pool is created; calibrated by the thread."""
+        """Called under the timer's lock when a device's pool is created. The device is calibrated
+        before any of its samples is resolved (``drain``), so no sample goes uncorrected."""
         self.baseline_s.setdefault(device, 0.0)
         self._pending_devices.append(device)
-        if self._thread is None:  # the first device: calibrate now so early samples are corrected
-            self._calibrate(device)
-            self._pending_devices.remove(device)
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -106,8 +107,6 @@ class Resolver:
                     self._active_s += now - last_wake
                     self._active_wakes += 1
                 last_wake, last_entered = now, entered
-                while self._pending_devices:
-                    self._calibrate(self._pending_devices.pop())
                 if now - self._last_adapt["now"] >= ADAPT_EVERY_S:
                     self._adapt(now)
                 if self.timer.calibrate_every and now >= self._next_calibration:
@@ -125,6 +124,8 @@ class Resolver:
         # flush() may drain from a caller's thread while the resolver drains too; the lock (never
         # taken on the hot path) keeps one pair from being observed twice.
         with self._drain_lock:
+            while self._pending_devices:
+                self._calibrate(self._pending_devices.pop(0))
             return self._drain()
 
     def _drain(self) -> int:
@@ -134,15 +135,38 @@ class Resolver:
             self.lag_s = 0.0
             return 0
         snapshot = list(ring)  # one C-level copy: atomic under the GIL, appends go to the right
-        route, free, baseline = timer.route, timer._free, self.baseline_s
-        query, elapsed = route.query, route.elapsed_s
-        last_of_stream: dict[int, Any] = {}
+        query, use_device = timer.route.query, timer.route.use_device
+        t0 = time.thread_time_ns()  # CPU, not wall: waits for the GIL are not resolution cost
+        # Streams are per device, so a stream handle (0 is every device's default stream) names
+        # its queue only together with its device.
+        last_of_stream: dict[tuple[int, int], Any] = {}
         for item in snapshot:
             if item[0] is not None:
-                last_of_stream[item[2]] = item[4]
-        stream_done = {stream: query(end) for stream, end in last_of_stream.items()}
+                last_of_stream[(item[1], item[2])] = item[4]
+        current = snapshot[0][1]
+        restore = use_device(current)
+        try:
+            stream_done = {}
+            for (device, stream), end in last_of_stream.items():
+                if device != current:
+                    current = device
+                    use_device(device)
+                stream_done[(device, stream)] = query(end)
+            taken = self._resolve(snapshot, stream_done, current)
+        finally:
+            use_device(restore)
+        for _ in range(taken):
+            ring.popleft()
+        self._busy_s += (time.thread_time_ns() - t0) * 1e-9
+        self._update_lag(ring)
+        return taken
+
+    def _resolve(self, snapshot: list, stream_done: dict, current: int) -> int:
+        """Observe the finished pairs at the head of ``snapshot``; return how many were taken."""
+        timer = self.timer
+        route, free, baseline = timer.route, timer._free, self.baseline_s
+        query, elapsed, use_device = route.query, route.elapsed_s, route.use_device
         taken = 0
-        t0 = time.thread_time_ns()  # CPU, not wall: waits for the GIL are not resolution cost
         for item in snapshot:
             op, device, stream, start, end, trace_id, callback, keep_end = item
             pool = free.get(device)
@@ -153,7 +177,10 @@ class Resolver:
                         pool.append(end)
                 taken += 1
                 continue
-            if not stream_done[stream] and not query(end):
+            if device != current:
+                current = device
+                use_device(device)
+            if not stream_done[(device, stream)] and not query(end):
                 break
             try:
                 seconds = elapsed(start, end) - baseline.get(device, 0.0)
@@ -177,10 +204,6 @@ class Resolver:
                 except Exception as exc:  # a user's callback must not stop timing
                     self.callback_errors += 1
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
-        for _ in range(taken):
-            ring.popleft()
-        self._busy_s += (time.thread_time_ns() - t0) * 1e-9
-        self._update_lag(ring)
         return taken
 
     def _update_lag(self, ring: Any) -> None:
@@ -200,54 +223,67 @@ class Resolver:
     def _calibrate(self, device: int) -> None:
         """Median elapsed time of an empty pair recorded behind queued work (a busy stream).
 
-        With an idle GPU an empty pair measures the CPU's submit gap (~11 µs on the H200,
-        LIMITS.md) rather than the GPU's own cost (~1.3 µs), so each pair waits behind a
-        short sleep kernel on a private stream.
+        With an idle GPU an empty pair measures the CPU's submit gap (~11 µs on the H200) rather
+        than the GPU's own cost (~1.3 µs), so each pair waits behind a short sleep kernel on a
+        private stream of ``device``. The first calibration of a device also measures what a
+        record costs on an idle thread (see ``skip_cost_s``).
         """
         timer, route = self.timer, self.timer.route
-        start, end = route.create(), route.create()
-        samples = []
         try:
-            if not route.gpu_queue:
-                for _ in range(CALIBRATION_PAIRS):
-                    route.record(start, 0)
-                    route.record(end, 0)
-                    samples.append(route.elapsed_s(start, end))
-            else:
-                import torch
-
-                stream = self._calibration_streams.get(device)
-                if stream is None:
-                    stream = self._calibration_streams[device] = torch.cuda.Stream(device=device)
-                with torch.cuda.device(device), torch.cuda.stream(stream):
+            with on_device(route, device):
+                start, end = route.create(), route.create()
+                try:
+                    stream, queue_work = self._calibration_stream(device)
+                    if not self._record_cost_idle_s:
+                        self._measure_record_cost(start, stream)
+                    samples = []
                     for _ in range(CALIBRATION_PAIRS):
-                        # ~0.1 ms of GPU work ahead of the pair, far longer than the CPU needs to
-                        # queue both records, so the pair is timed back to back on the GPU.
-                        torch.cuda._sleep(200_000)
-                        route.record(start, stream.cuda_stream)
-                        route.record(end, stream.cuda_stream)
+                        queue_work()
+                        route.use_device(device)  # torch's guards may have moved the runtime's
+                        if route.record(start, stream) or route.record(end, stream):
+                            route.clear_error()
+                            raise RuntimeError(f"cannot record calibration events on device {device}")
                         deadline = time.monotonic() + 1.0
-                        while not route.query(end):
+                        while route.gpu_queue and not route.query(end):
                             if time.monotonic() > deadline:
                                 raise TimeoutError("calibration pair did not complete within 1 s")
                             time.sleep(0.0002)
                         samples.append(route.elapsed_s(start, end))
+                finally:
+                    route.destroy(start)
+                    route.destroy(end)
             self.baseline_s[device] = statistics.median(samples)
         except Exception as exc:  # keep the last baseline; count and go on
             timer.dropped["error"] += 1
-            self._warn_once("calibration", f"gpuscope: baseline calibration failed (counted): {exc!r}")
-        finally:
-            route.destroy(start)
-            route.destroy(end)
+            route.clear_error()
+            self._warn_once("calibration", f"gpuscope: baseline calibration failed on device {device} "
+                                           f"(counted): {exc!r}")
 
-    # --- sampling budget ------------------------------------------------------------------------
+    def _calibration_stream(self, device: int) -> tuple[int, Any]:
+        """A stream of ``device`` to calibrate on, and what queues work ahead of a pair on it."""
+        if not self.timer.route.gpu_queue:
+            return self.timer._stream(device), lambda: None
+        import torch
 
-    def _measure_idle_costs(self) -> None:
-        """CPU cost of an unsampled and of a sampled region on an idle thread (once, at start).
+        stream = self._calibration_streams.get(device)
+        if stream is None:
+            stream = self._calibration_streams[device] = torch.cuda.Stream(device=device)
+
+        def queue_work() -> None:
+            # ~0.1 ms of GPU work ahead of the pair, far longer than the CPU needs to queue both
+            # records, so the pair is timed back to back on the GPU. The device guard first, so
+            # the stream switch does not move this thread's device on its own.
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000)
+
+        return stream.cuda_stream, queue_work
+
+    def _measure_skip_cost(self) -> None:
+        """CPU cost of an unsampled region on an idle thread (once, at start).
 
         The in-context cost of a sampled region is measured continuously on the hot path; the
-        ratio of the two scales the unsampled cost to its in-context value (LIMITS.md: records
-        cost about 3× more inside a forward pass than in a microbenchmark).
+        ratio of that to the idle cost of a record scales the unsampled cost to its in-context
+        value (records cost about 3× more inside a forward pass than in a microbenchmark).
         """
         from gpuscope.timing.timer import OpState
 
@@ -259,19 +295,18 @@ class Resolver:
         for _ in range(n):
             timer._begin(probe)
         self._skip_cost_idle_s = (time.perf_counter_ns() - t0) * 1e-9 / n
-        route = timer.route
-        event = route.create()
-        stream = timer._stream(timer._device())
+
+    def _measure_record_cost(self, event: Any, stream: int) -> None:
+        """CPU cost of a sampled region's two records on an idle thread (``event``'s device current)."""
+        route = self.timer.route
         n = 200
         t0 = time.perf_counter_ns()
         for _ in range(n):
             route.record(event, stream)
         self._record_cost_idle_s = 2 * (time.perf_counter_ns() - t0) * 1e-9 / n
-        if route.gpu_queue:
-            import torch
-
-            torch.cuda.synchronize()
-        route.destroy(event)
+        deadline = time.monotonic() + 1.0
+        while not route.query(event) and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
     def skip_cost_s(self) -> float:
         """Estimated in-context cost of an unsampled region: the idle figure scaled by how much dearer

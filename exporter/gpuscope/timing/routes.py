@@ -1,7 +1,7 @@
 """Ways to create, record, query and time events: the only code that talks to CUDA.
 
-Each route offers the same five operations on opaque event handles. The timer
-picks the cheapest route that works (``pick_route``):
+Each route offers the same operations on opaque event handles. The timer picks
+the cheapest route that works (``pick_route``):
 
 =================  ==========================================================
 ``cudart-ctypes``  ``cudaEventRecord`` through ctypes on the libcudart torch
@@ -14,10 +14,22 @@ picks the cheapest route that works (``pick_route``):
 ``host``           ``perf_counter_ns`` stamps for CPU-only machines, where torch
                    runs ops synchronously so wall time is the op's time.
 =================  ==========================================================
+
+Events belong to the device that was current when they were created, and the
+current device is per thread (a new thread starts on device 0, and PyTorch may
+leave the runtime's current device different from ``torch.cuda.current_device()``).
+So every call off the hot path runs under ``on_device(route, device)``, which
+makes the events' device current for the calling thread and restores it after;
+the hot path records on the current device's pool and stream, which match by
+construction. A failed call clears the thread's last-error slot before it
+returns or raises: CUDA keeps the last error per thread, and torch checks it
+after its next kernel launch, so a timer failure left there would surface as an
+exception in the caller's own code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -41,6 +53,14 @@ class Route(Protocol):
     def current_stream(self, device: int) -> int: ...
     def is_capturing(self) -> bool: ...
 
+    def use_device(self, device: int) -> int:
+        """Make ``device`` current for this thread; return the device that was current."""
+        ...
+
+    def has_context(self, device: int) -> bool:
+        """Whether ``device`` already has its CUDA context (making it current would create one)."""
+        ...
+
     def create(self) -> Any: ...
     def record(self, event: Any, stream: int) -> int: ...
     def query(self, event: Any) -> bool: ...
@@ -48,6 +68,19 @@ class Route(Protocol):
     def destroy(self, event: Any) -> None: ...
     def relax_capture_mode(self) -> None: ...
     def clear_error(self) -> None: ...
+
+
+@contextlib.contextmanager
+def on_device(route: Route, device: int) -> Any:
+    """Run the block with ``device`` current on this thread (and the previous one restored after)."""
+    previous = route.use_device(device)
+    try:
+        yield
+    finally:
+        # A thread's default device is 0 even when it never used it; switching back to a device
+        # without a context would create one (hundreds of MiB on a GPU the program does not use).
+        if previous != device and route.has_context(previous):
+            route.use_device(previous)
 
 
 class HostRoute:
@@ -65,6 +98,12 @@ class HostRoute:
 
     def is_capturing(self) -> bool:
         return False
+
+    def use_device(self, device: int) -> int:
+        return 0
+
+    def has_context(self, device: int) -> bool:
+        return True
 
     def create(self) -> list[int]:
         return [0]
@@ -124,6 +163,10 @@ class _TorchCurrent:
         self.current_device = torch._C._cuda_getDevice
         self.current_stream = torch._C._cuda_getCurrentRawStream
         self.is_capturing = torch._C._cuda_isCurrentStreamCapturing
+        self._has_primary_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+
+    def has_context(self, device: int) -> bool:
+        return self._has_primary_context is None or bool(self._has_primary_context(device))
 
 
 class CudartCtypesRoute(_TorchCurrent):
@@ -156,26 +199,46 @@ class CudartCtypesRoute(_TorchCurrent):
         self._destroy.argtypes = [ctypes.c_void_p]
         self._exchange_mode = lib.cudaThreadExchangeStreamCaptureMode
         self._exchange_mode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self._get_device = keep_gil.cudaGetDevice
+        self._get_device.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self._set_device = keep_gil.cudaSetDevice
+        self._set_device.argtypes = [ctypes.c_int]
         self.clear_error = keep_gil.cudaGetLastError
+
+    def _check(self, err: int, call: str) -> None:
+        if err != CUDA_SUCCESS:
+            self.clear_error()
+            raise RuntimeError(f"{call} failed with CUDA error {err}")
+
+    def use_device(self, device: int) -> int:
+        # The runtime's own current device, not torch's: torch may set it lazily (c10's
+        # MaybeSetDevice), and the runtime's is what event calls are checked against.
+        current = ctypes.c_int()
+        self._check(self._get_device(ctypes.byref(current)), "cudaGetDevice")
+        if current.value != device:
+            self._check(self._set_device(device), f"cudaSetDevice({device})")
+        return current.value
 
     def create(self) -> int:
         handle = ctypes.c_void_p()
-        err = self._create(ctypes.byref(handle))
-        if err != CUDA_SUCCESS:
-            raise RuntimeError(f"cudaEventCreate failed with CUDA error {err}")
+        self._check(self._create(ctypes.byref(handle)), "cudaEventCreate")
         return handle.value
 
     def query(self, event: int) -> bool:
-        return self._query(event) == CUDA_SUCCESS
+        err = self._query(event)
+        if err == CUDA_SUCCESS:
+            return True
+        if err != CUDA_ERROR_NOT_READY:
+            self.clear_error()
+        return False
 
     def elapsed_s(self, start: int, end: int) -> float:
-        err = self._elapsed(self._ms_ref, start, end)
-        if err != CUDA_SUCCESS:
-            raise RuntimeError(f"cudaEventElapsedTime failed with CUDA error {err}")
+        self._check(self._elapsed(self._ms_ref, start, end), "cudaEventElapsedTime")
         return self._ms.value * 1e-3
 
     def destroy(self, event: int) -> None:
-        self._destroy(event)
+        if self._destroy(event) != CUDA_SUCCESS:
+            self.clear_error()
 
     def relax_capture_mode(self) -> None:
         # The resolver queries events while an inference thread may be capturing a CUDA graph in
@@ -198,23 +261,37 @@ class CudaBindingsRoute(_TorchCurrent):
         record = runtime.cudaEventRecord
         self.record = lambda event, stream: record(event, stream)[0]
 
+    def _check(self, err: Any, call: str) -> None:
+        if int(err) != CUDA_SUCCESS:
+            self.clear_error()
+            raise RuntimeError(f"{call} failed: {err}")
+
+    def use_device(self, device: int) -> int:
+        err, current = self._rt.cudaGetDevice()
+        self._check(err, "cudaGetDevice")
+        if current != device:
+            self._check(self._rt.cudaSetDevice(device)[0], f"cudaSetDevice({device})")
+        return current
+
     def create(self) -> Any:
         err, event = self._rt.cudaEventCreate()
-        if err != 0:
-            raise RuntimeError(f"cudaEventCreate failed: {err}")
+        self._check(err, "cudaEventCreate")
         return event
 
     def query(self, event: Any) -> bool:
-        return self._rt.cudaEventQuery(event)[0] == 0
+        err = int(self._rt.cudaEventQuery(event)[0])
+        if err not in (CUDA_SUCCESS, CUDA_ERROR_NOT_READY):
+            self.clear_error()
+        return err == CUDA_SUCCESS
 
     def elapsed_s(self, start: Any, end: Any) -> float:
         err, ms = self._rt.cudaEventElapsedTime(start, end)
-        if err != 0:
-            raise RuntimeError(f"cudaEventElapsedTime failed: {err}")
+        self._check(err, "cudaEventElapsedTime")
         return ms * 1e-3
 
     def destroy(self, event: Any) -> None:
-        self._rt.cudaEventDestroy(event)
+        if int(self._rt.cudaEventDestroy(event)[0]) != CUDA_SUCCESS:
+            self.clear_error()
 
     def clear_error(self) -> None:
         self._rt.cudaGetLastError()
@@ -233,6 +310,13 @@ class TorchRoute(_TorchCurrent):
 
         self._bind_torch()
         self._torch = torch
+
+    def use_device(self, device: int) -> int:
+        # torch's events carry their device and switch to it themselves; only creation needs it.
+        current = self._torch.cuda.current_device()
+        if current != device:
+            self._torch.cuda.set_device(device)
+        return current
 
     def create(self) -> Any:
         return self._torch.cuda.Event(enable_timing=True)

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from gpuscope.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing import capture
 from gpuscope.timing.histogram import BucketHistogram
-from gpuscope.timing.routes import Route, pick_route
+from gpuscope.timing.routes import Route, on_device, pick_route
 
 log = logging.getLogger("gpuscope.timing")
 
@@ -199,8 +199,10 @@ class Timer:
 
         from gpuscope.timing.resolver import Resolver  # resolver imports this module
 
+        # No pool yet: a device's events are made where it is first used. A server picks its
+        # device after creating the timer, and making events on whatever device is current here
+        # would open a CUDA context (hundreds of MiB) on a GPU the program never uses.
         self._resolver = Resolver(self)
-        self._add_device(self._device())
         self._resolver.start()
         if registry is not None:
             from gpuscope.timing.collector import TimerCollector
@@ -266,11 +268,7 @@ class Timer:
         self._resolver.stop(timeout)
         for device, events in self._all_events.items():
             self._free[device] = []
-            for event in events:
-                try:
-                    self.route.destroy(event)
-                except Exception:  # CUDA may already be torn down at exit
-                    break
+            self._destroy(device, events)
         self._all_events.clear()
 
     def __enter__(self) -> Timer:
@@ -311,16 +309,39 @@ class Timer:
         return "cpu" if self.is_host else str(device)
 
     def _add_device(self, device: int) -> list[Any]:
-        """Preallocate a device's events (once per device; never on the steady-state hot path)."""
+        """Preallocate a device's events (once per device; never on the steady-state hot path).
+
+        The events are made with ``device`` current, whatever this thread's current device is
+        in the runtime (torch may set it lazily). If that fails, the device keeps an empty pool:
+        its regions are dropped as ``pool_empty`` after one counted ``error``, never retried."""
         with self._ops_lock:
             if self.closed:
                 return []
             if device not in self._free:
-                events = [self.route.create() for _ in range(self.pool_size)]
+                events: list[Any] = []
+                try:
+                    with on_device(self.route, device):
+                        for _ in range(self.pool_size):
+                            events.append(self.route.create())
+                except Exception as exc:
+                    self.dropped["error"] += 1
+                    log.warning("gpuscope: cannot create timing events on device %s; its regions "
+                                "are not timed (counted): %r", device, exc)
+                    self._destroy(device, events)
+                    events = []
+                else:
+                    self._resolver.add_device(device)
                 self._all_events[device] = events
                 self._free[device] = list(events)
-                self._resolver.add_device(device)
         return self._free[device]
+
+    def _destroy(self, device: int, events: list[Any]) -> None:
+        try:
+            with on_device(self.route, device):
+                for event in events:
+                    self.route.destroy(event)
+        except Exception:  # CUDA may already be torn down at exit
+            pass
 
     def _record_failed(self) -> None:
         """Count a failed record and clear CUDA's last-error slot, which torch checks after its next
