@@ -309,6 +309,12 @@ PREEMPTIONS = _m("gpuscope_request_preemptions_total", "counter",
 FAULT_ACTIVE = _m("gpuscope_fault_active", "gauge",
                   "1 while an injected fault is active (latency_spike, memory_leak, starvation, error_burst)",
                   "boolean", ("fault",), area=SERVER)
+HTTP_CLIENT_ERRORS = _m("gpuscope_http_client_errors_total", "counter",
+                        "HTTP requests that failed on the client's side, by reason: malformed (request "
+                        "line or headers unparseable or over the limits; answered 400, 414 or 431), "
+                        "bad_body (broken body framing or encoding; 400), disconnect (the client hung up "
+                        "while its body was read or its stream written).", "requests", ("reason",),
+                        area=SERVER)
 
 # --- Loki log shipping (gpuscope.loki) -----------------------------------------
 LOGS = "Loki log shipping (`gpuscope.loki`)"

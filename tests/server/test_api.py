@@ -128,6 +128,23 @@ def test_metrics_openmetrics_carries_trace_id_exemplars(server):
                if ln.startswith(("gpuscope_request_", "gpuscope_region_gpu_seconds")))
 
 
+def test_metrics_openmetrics_passes_a_strict_openmetrics_parser(server):
+    """promtool check metrics (2.42) parses the Prometheus text format only (exemplars, `_total` after
+    `# TYPE x counter` are OpenMetrics syntax it rejects): the OpenMetrics answer goes through
+    prometheus_client's OpenMetrics parser, which is strict; the text answer through promtool above."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    tid = server.complete("strict", max_tokens=3).headers["X-Trace-Id"]
+    om = requests.get(server.url + "/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=5)
+    families = {f.name: f for f in text_string_to_metric_families(om.text)}
+    for metric in c.all_metrics():
+        if metric.area == c.SERVER:
+            assert metric.base_name in families, metric.name
+            assert families[metric.base_name].type == metric.type, metric.name
+    exemplars = [s.exemplar for s in families[c.REQUEST_E2E.name].samples if s.exemplar is not None]
+    assert any(e.labels == {"trace_id": tid} for e in exemplars), exemplars
+
+
 def test_request_metrics_count_tokens(server):
     labels = {"tenant": "beta"}
     prompt_before = server.metric("gpuscope_prompt_tokens_total", labels) or 0
@@ -143,6 +160,7 @@ def test_request_metrics_count_tokens(server):
 
 def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(server):
     before = server.metric("gpuscope_requests_total", {"tenant": "alpha", "outcome": "abort"}) or 0
+    disconnects = server.metric(c.HTTP_CLIENT_ERRORS.name, {"reason": "disconnect"})
     payload = json.dumps({"prompt": "bye", "max_tokens": 64, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -153,6 +171,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_the_slot(server):
     wait_for(lambda: server.metric("gpuscope_requests_running", {"tenant": "alpha"}) == 0,
              what="slot freed")
     assert server.complete("still fine", max_tokens=2).status_code == 200
+    assert server.metric(c.HTTP_CLIENT_ERRORS.name, {"reason": "disconnect"}) == disconnects + 1
 
 
 def test_full_queue_answers_429_with_retry_after():

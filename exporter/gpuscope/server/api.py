@@ -2,8 +2,13 @@
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx status for anything the client got wrong; the middleware turns
-aiohttp's own errors (404, 405, 413) into the same shape. Engine events arrive
-from the engine thread through ``loop.call_soon_threadsafe``, one call per step.
+aiohttp's own errors (404, 405, 413) into the same shape, and :class:`AppRunner`
+does the same for what aiohttp's HTTP parser rejects before any route runs
+(oversized request line or headers, malformed HTTP). Client mistakes and clients
+that hang up are counted in ``gpuscope_http_client_errors_total{reason}`` and
+never logged at ERROR: the Loki error-burst rule counts ERROR lines. Engine
+events arrive from the engine thread through ``loop.call_soon_threadsafe``, one
+call per step.
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 import time
 import uuid
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from prometheus_client import Counter
 from prometheus_client.exposition import choose_encoder
+
+from gpuscope import catalogue as c
 
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError
@@ -34,12 +46,50 @@ from .service import Service
 
 log = logging.getLogger("gpuscope.server")
 SERVICE = web.AppKey("service", Service)
+CLIENT_ERRORS = web.AppKey("client_errors", Counter)
+CLIENT_ERROR_REASONS = ("malformed", "bad_body", "disconnect")
+
+#: Limits of aiohttp's HTTP parser. The two line limits differ so that a ``LineTooLong`` says, by its
+#: limit, which one was exceeded: the request line (414) or a header field (431).
+MAX_REQUEST_LINE = 8190  # method, target and version (aiohttp's default)
+MAX_HEADER_FIELD = 8192  # one header field, name and value
+MAX_HEADERS = 128  # header fields per request (aiohttp's default)
 
 
 def error_response(status: int, message: str, code: str = "invalid_request_error", param: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": code, "param": param, "code": status}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return text.strip().splitlines()[0].rstrip(":")[:limit] if text.strip() else type(exc).__name__
+
+
+def malformed_request(exc: HttpProcessingError) -> tuple[int, str]:
+    """(status, message) for what aiohttp's HTTP parser rejected: 414, 431, else 400."""
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else None
+        if limit == MAX_REQUEST_LINE:
+            return 414, f"request line is longer than {MAX_REQUEST_LINE} bytes"
+        if limit == MAX_HEADER_FIELD:
+            return 431, f"a header field is longer than {MAX_HEADER_FIELD} bytes"
+    elif _first_line(exc) == "Too many headers received":
+        return 431, f"more than {MAX_HEADERS} header fields"
+    return 400, f"malformed HTTP request: {_first_line(exc)}"
+
+
+def client_gone(request: web.BaseRequest) -> bool:
+    """Whether the client's connection is closed (or closing): nobody is left to answer."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _count(request: web.Request, reason: str) -> None:
+    counter = request.app.get(CLIENT_ERRORS)
+    if counter is not None:
+        counter.labels(reason).inc()
 
 
 @web.middleware
@@ -53,7 +103,25 @@ async def json_errors(request: web.Request, handler):
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         return error_response(exc.status, message, headers=headers)
     except asyncio.CancelledError:
+        if client_gone(request):  # cancelled because the client went away (not a shutdown)
+            _count(request, "disconnect")
         raise
+    except (ConnectionError, RequestPayloadError) as exc:
+        # Reading the body or writing the answer failed: a client that hung up (ConnectionResetError,
+        # aiohttp's ClientConnectionResetError, a payload cut short) or sent a broken body. Its fault.
+        if client_gone(request):
+            _count(request, "disconnect")
+            log.debug("client went away during %s %s: %s", request.method, request.path, _first_line(exc))
+            return error_response(400, "client disconnected")  # nobody reads it; aiohttp drops it
+        if isinstance(exc, RequestPayloadError):
+            _count(request, "bad_body")
+            message = f"request body is malformed: {_first_line(exc.__cause__ or exc)}"
+            log.info("%s %s: %s", request.method, request.path, message)
+            response = error_response(400, message)
+            response.force_close()  # the body's framing is lost: nothing after it can be parsed
+            return response
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error", "server_error")
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", "server_error")
@@ -169,6 +237,7 @@ class Handlers:
         except ConnectionResetError:
             # The client went away mid-stream: the engine drops the request at its next step.
             self.service.engine.cancel(req)
+            _count(request, "disconnect")
             return response
 
     # --- metadata, health, metrics -----------------------------------------------
@@ -241,9 +310,20 @@ class Handlers:
 
 
 def build_app(service: Service) -> web.Application:
-    """The aiohttp application; the engine starts with the app and stops at its cleanup."""
-    app = web.Application(client_max_size=service.config.max_body_bytes, middlewares=[json_errors])
+    """The aiohttp application; the engine starts with the app and stops at its cleanup.
+
+    Serve it with :class:`AppRunner` (or :func:`run`): a plain ``web.AppRunner`` answers what the
+    HTTP parser rejects in aiohttp's text/plain and logs it at ERROR.
+    """
+    limits = {"max_line_size": MAX_REQUEST_LINE, "max_field_size": MAX_HEADER_FIELD,
+              "max_headers": MAX_HEADERS}
+    app = web.Application(client_max_size=service.config.max_body_bytes, middlewares=[json_errors],
+                          handler_args=limits)
     app[SERVICE] = service
+    client_errors = c.HTTP_CLIENT_ERRORS.create(service.registry)
+    for reason in CLIENT_ERROR_REASONS:
+        client_errors.labels(reason)
+    app[CLIENT_ERRORS] = client_errors
     h = Handlers(service)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
@@ -256,3 +336,89 @@ def build_app(service: Service) -> web.Application:
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
+
+
+# --- serving: aiohttp's runner, with JSON answers to what its HTTP parser rejects -----------------
+
+
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's per-connection protocol; errors raised before any route runs get the API's JSON shape.
+
+    aiohttp answers a request its parser rejects (``HttpProcessingError``: request line or a header
+    over the limits, too many headers, bad syntax) through ``handle_error``, in text/plain, after
+    logging it at ERROR with a traceback. Those are the client's mistakes: here they are a 4xx JSON
+    error, one INFO line and a count. Server-side failures (500, 504) keep aiohttp's ERROR log.
+    """
+
+    client_errors: Counter | None = None
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp does: the answer has begun, the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response "
+                                  "with the error message")
+        if isinstance(exc, HttpProcessingError) and status < 500:
+            status, text = malformed_request(exc)
+            if self.client_errors is not None:
+                self.client_errors.labels("malformed").inc()
+            log.info("malformed HTTP request from %s, answered %d: %s", request.remote, status, text)
+            response = error_response(status, text)
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            phrase = HTTPStatus(status).phrase.lower() if status in HTTPStatus._value2member_map_ else "error"
+            response = error_response(status, phrase, "server_error")
+        response.force_close()
+        return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        # After answering, aiohttp reads what is left of an unread body ("lingering"); a body that
+        # turns out broken (bad Content-Encoding, say) raises there and aiohttp logs it at ERROR.
+        # The client's fault, already answered: debug only.
+        if isinstance(kw.get("exc_info"), (RequestPayloadError, ConnectionError)):
+            log.debug("after the answer: %s", _first_line(kw["exc_info"]))
+            return
+        super().log_exception(*args, **kw)
+
+
+class _JsonErrorServer(web.Server):
+    """aiohttp's low-level server, making :class:`_JsonErrorRequestHandler` connections."""
+
+    client_errors: Counter | None = None
+
+    def __call__(self) -> RequestHandler:
+        handler = _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.client_errors = self.client_errors
+        return handler
+
+
+class AppRunner(web.AppRunner):
+    """``web.AppRunner`` for :func:`build_app`'s app, whose connections answer parser errors in JSON."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # The server aiohttp built for this app; only the connection protocol it makes differs.
+        server.__class__ = _JsonErrorServer
+        server.client_errors = self.app.get(CLIENT_ERRORS)
+        return server
+
+
+def run(app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (like ``web.run_app``).
+
+    Raises OSError when the address cannot be bound (the app's cleanup has run by then).
+    """
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        runner = AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            await stop.wait()
+        finally:
+            await runner.cleanup()  # in-flight requests get up to shutdown_timeout, then the engine stops
+
+    asyncio.run(serve())

@@ -123,13 +123,18 @@ class _ListenerStopper(logging.Handler):
 
     def __init__(self, listener: logging.handlers.QueueListener) -> None:
         super().__init__()
-        self._listener = listener
+        self._listener: logging.handlers.QueueListener | None = listener
 
     def emit(self, record: logging.LogRecord) -> None:
         pass
 
     def close(self) -> None:
-        self._listener.stop()
+        # Runs twice: main's finally, then logging's atexit shutdown (which closes every handler ever
+        # made). QueueListener.stop() is not idempotent, so only the first close stops it.
+        with self.lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
         super().close()
 
 
@@ -142,9 +147,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
-    from aiohttp import web
-
-    from .api import build_app
+    from .api import build_app, run
     from .service import Service
 
     log = logging.getLogger("gpuscope.server")
@@ -156,8 +159,7 @@ def main(argv: list[str]) -> int:
     log.info("listening on http://%s:%d (model %s on %s, scheduler %s, timing %s)", config.host, config.port,
              config.model_name, service.device, config.scheduler, config.timing)
     try:
-        web.run_app(build_app(service), host=config.host, port=config.port, print=None, access_log=None,
-                    shutdown_timeout=5.0)
+        run(build_app(service), config.host, config.port, shutdown_timeout=5.0)
     except OSError as exc:
         sys.stderr.write(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror}\n")
         service.close()
