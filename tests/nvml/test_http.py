@@ -27,7 +27,7 @@ def served(start_exporter) -> Iterator[tuple[str, Exporter]]:
                            nvlink_kib=(1, 2)), FakeGpu()])
     ex = start_exporter(nv, collectors=frozenset({"device", "clock_events", "energy", "remapped_rows",
                                                   "nvlink", "xid", "pcie_throughput", "processes"}))
-    server = ExporterServer(("127.0.0.1", 0), ex.registry, ex.healthz)
+    server = ExporterServer(("127.0.0.1", 0), ex.metrics, ex.healthz)
     server.serve_in_thread()
     wait_first_rounds(ex)
     wait_for(lambda: value(ex, cat.GPU_XID_ERRORS.name, gpu="1", xid="79") is not None, what="xid thread")

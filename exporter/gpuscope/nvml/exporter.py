@@ -1,4 +1,5 @@
-"""The exporter assembled: NVML start-up, discovery, one sampler per collector, XID watcher, registry.
+"""The exporter assembled: NVML start-up, discovery, one sampler per collector, XID watcher, registry,
+and the exposition rendered in the background (``exposition``: what /metrics serves).
 
 ``Exporter(config, nv=fake)`` runs the same code on a fake NVML as on the real one.
 """
@@ -25,8 +26,9 @@ from gpuscope.nvml.collectors import (
 )
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.devices import Device, discover
-from gpuscope.nvml.exposition import ExporterCollector
+from gpuscope.nvml.exposition import ExporterCollector, PinnedSnapshot, StalenessCollector
 from gpuscope.nvml.health import Health
+from gpuscope.nvml.rendered import RenderedExposition
 from gpuscope.nvml.sampler import Sampler
 from gpuscope.nvml.store import Store
 from gpuscope.nvml.xid import XidWatcher
@@ -51,15 +53,21 @@ class Exporter:
         self.xid: XidWatcher | None = None
         self.nvml_ok = False
         self.driver_version = ""
-        self.registry = CollectorRegistry()
-        self._collector: ExporterCollector | None = None
+        self.registry = CollectorRegistry()  # everything, rendered on demand (tests, in-process use)
+        self.exposition: RenderedExposition | None = None
 
     def start(self) -> Exporter:
         self._init_nvml()
-        self._collector = ExporterCollector(self.store, self.health, self.devices, self.driver_version)
-        self.registry.register(self._collector)
-        ProcessCollector(registry=self.registry)  # the exporter's own CPU and memory
         cfg = self.config
+        state = ExporterCollector(self.store, self.health, self.devices, self.driver_version)
+        own_process = ProcessCollector(registry=None)  # the exporter's own CPU and memory
+        for collector in (state, StalenessCollector(self.store), own_process):
+            self.registry.register(collector)
+        pinned = PinnedSnapshot(state)
+        # At most two renders per sampling interval: the rounds of every collector in one render.
+        self.exposition = RenderedExposition(
+            [pinned], [StalenessCollector(self.store, snapshot=pinned.served), own_process],
+            self.store.changed, min_period=cfg.interval / 2, on_error=self._render_failed).start()
         for collector in self._collectors():
             interval = cfg.slow_interval if collector.slow else cfg.interval
             sampler = Sampler(collector, self.devices, interval, cfg.call_timeout, self.store, self.health,
@@ -104,6 +112,18 @@ class Exporter:
         ]
         return [c for c in all_collectors if c.name in cfg.collectors]
 
+    def _render_failed(self, exc: BaseException) -> None:
+        self.health.count_error("render")
+        self.health.log_once(("render", type(exc).__name__), logging.ERROR,
+                             "rendering the exposition failed (counted as call=\"render\"; the last "
+                             "good one is served): %r", exc)
+
+    def metrics(self, accept: str) -> tuple[bytes, str]:
+        """The /metrics body and content type for an ``Accept`` header (cached, see rendered.py)."""
+        if self.exposition is None:
+            raise RuntimeError("Exporter.metrics() before start()")
+        return self.exposition.body(accept)
+
     def healthz(self) -> dict:
         """Body of ``/healthz``: always 200 while serving; says what is degraded."""
         now = time.time()
@@ -119,6 +139,8 @@ class Exporter:
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop every thread; NVML is shut down only if no call is still wedged inside it."""
+        if self.exposition is not None:
+            self.exposition.stop(timeout)
         for sampler in self.samplers:
             sampler.stop()
         if self.xid is not None:

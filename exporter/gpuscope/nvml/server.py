@@ -1,7 +1,8 @@
 """HTTP endpoints: ``/metrics`` (Prometheus text, or OpenMetrics when asked), ``/`` and ``/healthz``.
 
-A threaded server, so a slow client never holds up Prometheus. Anything else answers 404 or
-405 with a JSON body saying what exists.
+A threaded server, so a slow client never holds up Prometheus. ``/metrics`` serves bytes the
+exporter rendered in the background (``rendered.py``), so a scrape costs the same at 1 or 64
+GPUs. Anything else answers 404 or 405 with a JSON body saying what exists.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ import logging
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger("gpuscope.exporter")
 
@@ -29,9 +27,9 @@ class ExporterServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry,
+    def __init__(self, address: tuple[str, int], metrics: Callable[[str], tuple[bytes, str]],
                  health: Callable[[], dict]) -> None:
-        self.registry = registry
+        self.metrics = metrics  # Accept header → (body, content type)
         self.health = health
         super().__init__(address, _Handler)
 
@@ -56,8 +54,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._send(200, encoder(self.server.registry), content_type)
+            body, content_type = self.server.metrics(self.headers.get("Accept", ""))
+            self._send(200, body, content_type)
         elif path == "/healthz":
             self._json(200, self.server.health())
         elif path == "/":

@@ -1,7 +1,9 @@
 """Cached device state: what samplers publish and what a scrape reads.
 
-Samplers replace a device's sample list whole; a scrape takes a shallow copy under a lock
-that is never held across an NVML call, so its cost does not depend on NVML.
+Samplers replace a device's sample list whole; a reader takes a shallow copy under a lock
+that is never held across an NVML call, so its cost does not depend on NVML. The end of every
+round sets ``changed``, which tells the renderer (``rendered.py``) that the exposition is out of
+date: a round's per-device changes are rendered together.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ class Store:
         self.started = clock()
         self._lock = threading.Lock()
         self._state: dict[str, CollectorState] = {}
+        self.changed = threading.Event()
 
     def register(self, collector: str) -> None:
         with self._lock:
             self._state.setdefault(collector, CollectorState())
+        self.changed.set()
 
     def unregister(self, collector: str) -> None:
         with self._lock:
             self._state.pop(collector, None)
+        self.changed.set()
 
     def publish(self, collector: str, gpu: str, samples: Sequence[Sample], up: bool = True) -> None:
         data = DeviceData(tuple(samples), self.clock(), up)
@@ -73,6 +78,7 @@ class Store:
             state.duration, state.last_round = duration, now
             if ok:
                 state.last_success = now
+        self.changed.set()
 
     def snapshot(self) -> dict[str, CollectorState]:
         with self._lock:
