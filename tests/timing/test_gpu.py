@@ -1,6 +1,11 @@
-"""The timer on a real GPU (run through the device tool; skipped without CUDA)."""
+"""The timer on a real GPU (skipped without CUDA; the last test needs two)."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +142,48 @@ def test_close_destroys_events_and_frees_pool(registry):
     assert timer._free[0] == []
     with timer.region("after-close"):
         torch.ones(1, device="cuda").add_(1)
+
+
+# What `gpuscope serve --model.device cuda:1` does, in a fresh process: the model is built on cuda:1 from
+# the main thread (torch then keeps the runtime on device 1 but reports device 0, lazily), the timer
+# is made there too, and an engine thread makes device 1 current and times its steps.
+SERVE_ORDER = """
+import json, threading, torch
+from prometheus_client import CollectorRegistry
+from gpuscope.timing import Timer
+x = torch.randn(2048, 2048, device="cuda:1")
+registry = CollectorRegistry()
+timer = Timer(registry, sample_rate=1.0)
+y = x @ x  # raises if the timer left a CUDA error in this thread's last-error slot
+def engine():
+    torch.cuda.set_device(1)
+    for _ in range(20):
+        with timer.region("mm"):
+            torch.matmul(x, x)
+thread = threading.Thread(target=engine)
+thread.start()
+thread.join()
+flushed = timer.flush(30)
+value = registry.get_sample_value
+print(json.dumps({
+    "flushed": flushed, "errors": timer.dropped["error"],
+    "on_1": value("gpuscope_region_gpu_seconds_count", {"op": "mm", "device": "1"}),
+    "on_0": value("gpuscope_region_gpu_seconds_count", {"op": "mm", "device": "0"}),
+    "baseline_1": value("gpuscope_timer_baseline_seconds", {"device": "1"}),
+    "context_on_0": torch._C._cuda_hasPrimaryContext(0),
+}))
+timer.close()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_timer_made_before_the_device_is_chosen_times_the_second_gpu():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "exporter")}
+    proc = subprocess.run([sys.executable, "-c", SERVE_ORDER], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["flushed"] and got["errors"] == 0, (got, proc.stderr[-2000:])
+    assert (got["on_1"], got["on_0"]) == (20, None)
+    assert 0 < got["baseline_1"] < 5e-6
+    assert got["context_on_0"] is False, "the timer opened a CUDA context on a GPU the program never used"
