@@ -65,8 +65,10 @@ class Exporter:
             self.registry.register(collector)
         pinned = PinnedSnapshot(state)
         # At most two renders per sampling interval: the rounds of every collector in one render.
+        # The exporter's own process metrics go with them (reading /proc costs more than the rest
+        # of a scrape; its CPU figure is then as fresh as the sampling interval).
         self.exposition = RenderedExposition(
-            [pinned], [StalenessCollector(self.store, snapshot=pinned.served), own_process],
+            [pinned, own_process], [StalenessCollector(self.store, snapshot=pinned.served)],
             self.store.changed, min_period=cfg.interval / 2, on_error=self._render_failed).start()
         for collector in self._collectors():
             interval = cfg.slow_interval if collector.slow else cfg.interval

@@ -5,8 +5,8 @@ per-process attribution), so a scrape that renders grows with the GPU count. Her
 thread re-renders after sampling rounds end (waiting ``coalesce_s`` so rounds that end together
 are one render, and at most once per ``min_period``) and a scrape serves the last bytes. Only
 what changes between rounds is rendered per scrape: the age of the values served
-(``gpuscope_exporter_staleness_seconds``, which grows until the next render) and the exporter's
-own process metrics. Both are a handful of series, whatever the number of GPUs.
+(``gpuscope_exporter_staleness_seconds``, which grows until the next render), one series per
+collector whatever the number of GPUs.
 
 The rendering cost does not go away, it leaves the scrape path: on a host with 64 GPUs a full
 render takes tens of milliseconds of CPU, paid once or twice per sampling interval in the
