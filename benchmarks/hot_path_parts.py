@@ -76,7 +76,7 @@ def main() -> int:
     op = timer.op_state("b")
 
     def begin_end():
-        timer._end(op, timer._begin(op), None)
+        timer.core.end(op, timer.core.begin(op), None)
 
     out["gpuscope_begin_end"] = per_call_us(begin_end, n=10000, reps=3)
     timer.flush(30)

@@ -312,12 +312,12 @@ def throughput(cuda: bool, label: str, bs: int, seq: int, iters: int, rounds: in
         timer = cfgs[name].timer
         if timer is not None:
             timer.flush(10)
-            entry["sampling_ratio_final"] = 1 / timer._period
+            entry["sampling_ratio_final"] = 1 / timer.sampling_period()
             entry["sampled_pass_fraction_median"] = statistics.median(sampled_fraction[name])
             cost = cfgs[name].inst.cost.per_sampled_pass_s()
             entry["measured_cost_us_per_sampled_pass"] = None if cost is None else cost * 1e6
-            entry["overhead_ratio_estimate"] = timer._resolver.overhead_ratio
-            entry["hot_path_us_in_context"] = timer.hot_path_s * 1e6
+            entry["overhead_ratio_estimate"] = timer.budget_controller.overhead_ratio
+            entry["hot_path_us_in_context"] = timer.core.hot_path_s * 1e6
             entry["dropped"] = dict(timer.dropped)
             entry["samples"] = sum(h.count for op in timer.ops() for h in op.hists.values())
         result["configs"][name] = entry
@@ -381,7 +381,7 @@ def accuracy(n_ms: int, n_short: int) -> dict:
         "short_region_events_us": statistics.mean(short) * 1e6,
         "short_region_cupti_us": short_cupti,
         "accuracy_us_short_region": statistics.mean(short) * 1e6 - short_cupti,
-        "baseline_us": timer._resolver.baseline_s.get(0, 0.0) * 1e6,
+        "baseline_us": timer.resolver.baseline_s.get(0, 0.0) * 1e6,
         "n_ms": len(got), "n_short": len(short),
     }
     timer.close()

@@ -97,7 +97,7 @@ def test_one_thread_per_device(make_timer, registry):
     assert route.wrong_device == 0
     assert sum(timer.dropped.values()) == 0
     assert (count(registry, "op", "0"), count(registry, "op", "1")) == (1000, 2000)
-    assert sorted(timer._free) == [0, 1]
+    assert sorted(timer.core.pools) == [0, 1]
     assert registry.get_sample_value("gpuscope_timer_baseline_seconds", {"device": "1"}) is not None
 
 

@@ -139,7 +139,7 @@ def test_close_destroys_events_and_frees_pool(registry):
     timer = Timer(registry, sample_rate=1.0, pool_size=64)
     matmul_times(timer, n=3, size=512)
     timer.close()
-    assert timer._free[0] == []
+    assert timer.core.pools[0] == []
     with timer.region("after-close"):
         torch.ones(1, device="cuda").add_(1)
 

@@ -117,22 +117,13 @@ def test_empty_pool_drops_and_counts(make_timer, registry):
 def test_budget_mode_lowers_sampling_when_records_are_expensive(make_timer, registry):
     timer = make_timer(route=SlowRoute(), budget=0.01, resolve_interval=0.02)
     deadline = time.monotonic() + 20
-    while timer._period < 32 and time.monotonic() < deadline:
+    while timer.sampling_period() < 32 and time.monotonic() < deadline:
         for _ in range(200):
             with timer.region("op"):
                 pass
-    assert timer._period >= 32, f"sampling period stayed at {timer._period}"
+    assert timer.sampling_period() >= 32, f"sampling period stayed at {timer.sampling_period()}"
     assert registry.get_sample_value("gpuscope_timer_sampling_ratio", {"op": "op"}) <= 1 / 32
     assert registry.get_sample_value("gpuscope_timer_hot_path_seconds") > 50e-6
-
-
-def test_budget_mode_times_everything_when_cheap_and_rare(make_timer, registry):
-    timer = make_timer(budget=0.01)
-    deadline = time.monotonic() + 20
-    while timer._period > 1 and time.monotonic() < deadline:
-        with timer.region("rare"):
-            time.sleep(0.002)  # a sparse workload: one region every 2 ms
-    assert timer._period == 1
 
 
 def test_exemplars_carry_the_active_trace_id(make_timer, registry):
@@ -146,8 +137,8 @@ def test_exemplars_carry_the_active_trace_id(make_timer, registry):
 
 def test_graph_capture_skips_with_one_warning(make_timer, registry, caplog):
     timer = make_timer(sample_rate=1.0)
-    timer._captures = [1]  # a capture is in progress somewhere...
-    timer._capturing = lambda: True  # ...and it is on this thread's stream
+    timer.core._captures = [1]  # a capture is in progress somewhere...
+    timer.core._capturing = lambda: True  # ...and it is on this thread's stream
     with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
         for _ in range(3):
             with timer.region("captured"):
@@ -184,7 +175,7 @@ def test_close_frees_every_event_and_later_regions_are_harmless(registry):
     assert route.destroyed >= 8
     with timer.region("op"):  # after close: nothing recorded, nothing raised
         pass
-    assert not timer._resolver._thread.is_alive()
+    assert not timer.resolver.running
 
 
 def test_close_returns_within_timeout_when_gpu_never_finishes(registry):
@@ -206,7 +197,7 @@ def test_resolver_survives_a_failing_callback(make_timer, registry):
 
     timer.stop(timer.start("op", on_elapsed=boom))
     assert timer.flush(5)
-    assert timer._resolver.callback_errors == 1
+    assert timer.resolver.callback_errors == 1
     with timer.region("op"):
         pass
     assert timer.flush(5)
@@ -224,7 +215,7 @@ def test_sequence_shares_boundaries(make_timer, registry):
     assert route.records - before == 4  # N + 1 records for N regions
     assert timer.flush(5)
     assert [sample_count(registry, op) for op in "abc"] == [1, 1, 1]
-    assert len(timer._free[0]) == timer.pool_size  # every event back in the pool
+    assert len(timer.core.pools[0]) == timer.core.pool_size  # every event back in the pool
 
 
 def test_exposition_passes_promtool(make_timer, registry):
@@ -264,13 +255,13 @@ def test_budget_leaves_to_sampled_regions_only_what_always_timed_regions_do_not_
     # Each iteration: a step timed every time (on_elapsed, as the server charges tenants) whose two
     # records alone cost ~4% of the loop, and one region sampling may thin. Counting the step as
     # thinnable, the controller settled near period 9; it must see the budget already spent.
-    while timer._period < 256 and time.monotonic() < deadline:
+    while timer.sampling_period() < 256 and time.monotonic() < deadline:
         handle = timer.start("step", on_elapsed=charged.append)
         with timer.region("module"):
             pass
         time.sleep(0.002)  # the step's own work
         timer.stop(handle)
-    assert timer._period >= 256, f"sampling period stayed at {timer._period}"
+    assert timer.sampling_period() >= 256, f"sampling period stayed at {timer.sampling_period()}"
     assert timer.flush(5)
     assert len(charged) == timer.op_state("step").always  # every step still timed
     assert registry.get_sample_value("gpuscope_timer_overhead_ratio") > 0.01  # the excess is shown

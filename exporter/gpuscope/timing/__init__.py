@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import threading
 
+from gpuscope.timing.core import current_trace_id, trace
 from gpuscope.timing.instrument import DEFAULT_NAMES, Instrumentation, instrument
-from gpuscope.timing.timer import Handle, Region, Sequence, Timer, current_trace_id, trace
+from gpuscope.timing.sequence import Sequence
+from gpuscope.timing.timer import Handle, Region, Timer
 
 _default: Timer | None = None
 _default_lock = threading.Lock()

@@ -26,19 +26,23 @@ from prometheus_client.samples import Exemplar
 from gpuscope import catalogue as c
 
 if TYPE_CHECKING:
-    from gpuscope.timing.timer import Timer
+    from gpuscope.timing.budget import BudgetController
+    from gpuscope.timing.core import TimerCore
+    from gpuscope.timing.resolver import Resolver
 
 
 class TimerCollector(Collector):
-    def __init__(self, timer: Timer) -> None:
-        self.timer = timer
+    def __init__(self, core: TimerCore, resolver: Resolver, budget: BudgetController) -> None:
+        self.core = core
+        self.resolver = resolver
+        self.budget = budget
 
     def describe(self) -> Iterator:
         return iter(())  # collect() is cheap, but registration must not depend on timer state
 
     def collect(self) -> Iterator:
-        timer, resolver = self.timer, self.timer._resolver
-        ops = timer.ops()
+        core, resolver = self.core, self.resolver
+        ops = core.ops()
         hist = c.REGION_GPU_SECONDS.family()
         entered = c.REGIONS_ENTERED.family()
         ratio = c.TIMER_SAMPLING_RATIO.family()
@@ -58,28 +62,28 @@ class TimerCollector(Collector):
                     else:
                         trace_id, value, ts = exemplar
                         buckets.append((le, count, Exemplar({"trace_id": trace_id}, value, ts)))
-                hist.add_metric([op.name, timer.device_label(device)], buckets, h.sum)
+                hist.add_metric([op.name, core.device_label(device)], buckets, h.sum)
         yield hist
         yield entered
         yield ratio
         dropped = c.TIMER_DROPPED.family()
-        for reason, n in timer.dropped.items():
+        for reason, n in core.dropped.items():
             dropped.add_metric([reason], n)
         yield dropped
         for metric, value in (
-            (c.TIMER_HOT_PATH_SECONDS, timer.hot_path_s),
-            (c.TIMER_OVERHEAD_RATIO, resolver.overhead_ratio),
-            (c.TIMER_OVERHEAD_BUDGET_RATIO, timer.budget),
+            (c.TIMER_HOT_PATH_SECONDS, core.hot_path_s),
+            (c.TIMER_OVERHEAD_RATIO, self.budget.overhead_ratio),
+            (c.TIMER_OVERHEAD_BUDGET_RATIO, core.budget),
             (c.TIMER_RESOLVER_LAG_SECONDS, resolver.lag_s),
-            (c.TIMER_PENDING, len(timer._ring)),
+            (c.TIMER_PENDING, len(core.ring)),
         ):
             family = metric.family()
             family.add_metric([], value)
             yield family
         baseline = c.TIMER_BASELINE_SECONDS.family()
         for device, seconds in list(resolver.baseline_s.items()):
-            baseline.add_metric([timer.device_label(device)], seconds)
+            baseline.add_metric([core.device_label(device)], seconds)
         yield baseline
         info = c.TIMER_BACKEND.family()
-        info.add_metric([], {"backend": timer.route.name})
+        info.add_metric([], {"backend": core.route.name})
         yield info

@@ -4,8 +4,8 @@ Sampling is decided once per forward pass, by a wrapper on the model's own
 ``forward``. Only a sampled pass puts the per-module wrappers in place (as
 instance attributes, set in ``module.__dict__`` directly) and takes them out
 after, so an unsampled pass costs one Python call, not one per module.
-Per-module wrappers replace ``forward`` rather than hook it: LIMITS.md measured
-that empty forward hooks on 24 modules cost 160–410 µs per forward (3–7%),
+Per-module wrappers replace ``forward`` rather than hook it: empty forward hooks
+on 24 modules cost 160–410 µs per forward (3–7%) on the H200 (docs/design.md),
 because a module with hooks leaves torch's fast call path.
 
 The wrapper also measures what timing costs where it matters, inside the
@@ -31,10 +31,13 @@ import fnmatch
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuscope.timing.timer import OpState, Timer
-from gpuscope.timing.timer import Sequence as RegionSequence
+from gpuscope.timing.core import OpState, TimerCore
+from gpuscope.timing.sequence import Sequence as RegionSequence
+
+if TYPE_CHECKING:
+    from gpuscope.timing.timer import Timer
 
 #: Module names timed when ``include`` is not given: the usual per-block breakdown.
 DEFAULT_NAMES = frozenset({
@@ -99,14 +102,14 @@ class PassCost:
 class Instrumentation:
     """What ``instrument`` installed; ``remove()`` restores the model."""
 
-    def __init__(self, timer: Timer, mode: str, name: str) -> None:
-        self.timer = timer
+    def __init__(self, core: TimerCore, mode: str, name: str) -> None:
+        self.core = core
         self.mode = mode
         self.ops: list[str] = []
         self.op_states: list[OpState] = []
         self.passes = 0
         self.sampled_passes = 0
-        self.pass_state = OpState(name, timer._period, timer._fixed_rate)
+        self.pass_state = core.new_pass_state(name)
         self.cost = PassCost()
         self.wrappers: list[tuple[Any, Callable]] = []
         self._model: Any = None
@@ -118,7 +121,7 @@ class Instrumentation:
         try:
             return self._local.seq
         except AttributeError:
-            seq = self._local.seq = RegionSequence(self.timer, "forward")
+            seq = self._local.seq = RegionSequence(self.core, "forward")
             return seq
 
     def entered_scale(self) -> float:
@@ -144,11 +147,11 @@ class Instrumentation:
             self._model = None
         for module, _ in self.wrappers:
             module.__dict__.pop("forward", None)
-        self.timer._unregister_sampler(self)
+        self.core.unregister_sampler(self)
 
 
-def _exact_forward(timer: Timer, original: Callable, op: OpState) -> Callable:
-    record_start, end = timer._record_start, timer._end
+def _exact_forward(core: TimerCore, original: Callable, op: OpState) -> Callable:
+    record_start, end = core.record_start, core.end
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         op.entered += 1
@@ -178,7 +181,7 @@ def _split_forward(inst: Instrumentation, original: Callable, op: OpState) -> Ca
 
 
 def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
-    timer, state, cost, wrappers = inst.timer, inst.pass_state, inst.cost, inst.wrappers
+    core, state, cost, wrappers = inst.core, inst.pass_state, inst.cost, inst.wrappers
     partition = inst.mode == "partition"
     clock = time.thread_time_ns
 
@@ -197,8 +200,8 @@ def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
         if countdown:
             state.countdown = countdown - 1
             return unsampled(args, kwargs)
-        if timer._captures[0] and timer._capturing():
-            timer._note_capture()
+        if core.capture_in_progress():
+            core.note_capture()
             return original(*args, **kwargs)
         state.countdown = state.period - 1
         inst.sampled_passes += 1
@@ -247,19 +250,20 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
         chosen.append((path, module))
     if not chosen:
         raise ValueError("instrument(): no submodule matched include=" + repr(include))
-    inst = Instrumentation(timer, mode, f"pass:{type(model).__name__}")
+    core = timer.core
+    inst = Instrumentation(core, mode, f"pass:{type(model).__name__}")
     for path, module in chosen:
-        op = timer.op_state(name_of(path))
+        op = core.op_state(name_of(path))
         op.owner = inst
         inst.ops.append(op.name)
         inst.op_states.append(op)
-        wrapper = (_exact_forward(timer, module.forward, op) if mode == "exact"
+        wrapper = (_exact_forward(core, module.forward, op) if mode == "exact"
                    else _split_forward(inst, module.forward, op))
         inst.wrappers.append((module, wrapper))
     inst._pass_wrapper = _pass_forward(inst, model.forward)
     inst._model = model
     inst.attach()
-    timer._register_sampler(inst)
+    core.register_sampler(inst)
     return inst
 
 

@@ -1,0 +1,296 @@
+"""The timer's shared state and its hot path: the one module every other timing module talks to.
+
+``TimerCore`` holds what the timing modules share, under public names:
+
+- ``pools``: per-device free lists of preallocated events (``add_device`` fills one);
+- ``ring``: sampled pairs waiting for the GPU, as ``Pending`` tuples, in record order;
+- ``dropped``: samples lost, by reason (``DROP_REASONS``);
+- ``period``: the sampling period the budget controller sets (1 = every region);
+- the op states (``op_state``, ``ops``) and the per-pass samplers (``samplers``).
+
+and the hot path: ``begin``/``end`` (a sampled region costs two event records, one pop from a
+free list and one append to the bounded ring; an unsampled one a counter decrement),
+``record_start``, ``record_failed`` and ``capture_in_progress``. The hot path takes no lock,
+does no I/O and allocates no CUDA resource; everything else (waiting for the GPU, elapsed times,
+baselines, histograms, sampling adaptation) happens on the resolver thread.
+
+Counters are plain attributes bumped under the GIL; with several inference threads an increment
+can very rarely be lost to a thread switch, which is the price of taking no lock.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from gpuscope.catalogue import REGION_SECONDS_BUCKETS
+from gpuscope.timing import capture
+from gpuscope.timing.histogram import BucketHistogram
+from gpuscope.timing.routes import Route, on_device
+
+log = logging.getLogger("gpuscope.timing")
+
+DROP_REASONS = ("ring_full", "pool_empty", "graph_capture", "error", "closed")
+
+_trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpuscope_trace_id", default=None)
+
+
+@contextmanager
+def trace(trace_id: str | None) -> Iterator[None]:
+    """Make ``trace_id`` the active trace: regions ending inside carry it as their exemplar."""
+    token = _trace_id.set(trace_id)
+    try:
+        yield
+    finally:
+        _trace_id.reset(token)
+
+
+def current_trace_id() -> str | None:
+    """The active trace id, if any."""
+    return _trace_id.get()
+
+
+class Pending(NamedTuple):
+    """A recorded pair in the ring. ``op`` None: a dropped pair kept only to release its events in
+    order; ``keep_end``: the end event starts the next region of a sequence (released later)."""
+
+    op: OpState | None
+    device: int
+    stream: int
+    start: Any
+    end: Any
+    trace_id: str | None
+    callback: Callable[[float], None] | None
+    keep_end: bool
+
+
+class OpState:
+    """Per-op sampling state and histograms (one per device), owned by one timer."""
+
+    __slots__ = ("always", "countdown", "entered", "fixed", "hists", "name", "owner", "period")
+
+    def __init__(self, name: str, period: int, fixed: bool) -> None:
+        self.name = name
+        self.owner: Any = None  # the Instrumentation whose sampled passes count this op, if any
+        self.period = period
+        self.countdown = 0  # the first region of every op is timed
+        self.entered = 0
+        self.always = 0  # regions started with on_elapsed: timed every time, outside the budget's reach
+        self.fixed = fixed
+        self.hists: dict[int, BucketHistogram] = {}
+
+    def histogram(self, device: int) -> BucketHistogram:
+        hist = self.hists.get(device)
+        if hist is None:
+            hist = self.hists[device] = BucketHistogram(REGION_SECONDS_BUCKETS)
+        return hist
+
+
+class TimerCore:
+    """Shared state and hot path of one timer (module docstring)."""
+
+    def __init__(self, route: Route, *, pool_size: int, ring_size: int, period: int, fixed_rate: bool,
+                 budget: float) -> None:
+        self.route = route
+        self.is_host = bool(getattr(route, "on_host", False))
+        self.pool_size = pool_size
+        self.ring_size = ring_size
+        self.budget = budget
+        self.period = period
+        self.fixed_rate = fixed_rate
+        self.pools: dict[int, list[Any]] = {}
+        self.ring: deque[Pending] = deque()
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.sampled = 0  # pairs ended through end(): paces the in-context cost measurement
+        self.hot_path_s = 0.0  # cost of a sampled region, measured in context (see end)
+        self.closed = False
+        #: called (under the ops lock) with a device whose pool was just made; the resolver calibrates it
+        self.on_new_device: Callable[[int], None] = lambda device: None
+        self._ops: dict[str, OpState] = {}
+        self._samplers: list[Any] = []
+        self._all_events: dict[int, list[Any]] = {}
+        self._ops_lock = threading.Lock()  # only taken when a new op, sampler or device appears
+        self._warned_capture = False
+        self._measure_every = 16
+        # The hot path's calls, bound once (sequence.py uses them too).
+        self.record_event = route.record
+        self.current_device = route.current_device
+        self.current_stream = route.current_stream
+        self.active_trace_id = _trace_id.get
+        self._captures = capture.in_progress
+        self._capturing = route.is_capturing  # asked only while some capture is in progress
+        if route.gpu_queue:
+            capture.install()
+
+    # --- ops and samplers ---------------------------------------------------------------------
+
+    def op_state(self, op: str) -> OpState:
+        state = self._ops.get(op)
+        if state is None:
+            with self._ops_lock:
+                state = self._ops.get(op)
+                if state is None:
+                    state = self._ops[op] = OpState(op, self.period, self.fixed_rate)
+        return state
+
+    def new_pass_state(self, name: str) -> OpState:
+        """Sampling state for a pass (instrument(), sequences), outside the op table."""
+        return OpState(name, self.period, self.fixed_rate)
+
+    def ops(self) -> list[OpState]:
+        return list(self._ops.values())
+
+    def samplers(self) -> list[Any]:
+        return list(self._samplers)
+
+    def register_sampler(self, sampler: Any) -> None:
+        with self._ops_lock:
+            self._samplers.append(sampler)
+
+    def unregister_sampler(self, sampler: Any) -> None:
+        with self._ops_lock:
+            if sampler in self._samplers:
+                self._samplers.remove(sampler)
+            for op in sampler.op_states:
+                op.owner = None if op.owner is sampler else op.owner
+
+    def set_period(self, period: int) -> None:
+        """The budget controller's decision: every op and pass that is not fixed follows it."""
+        self.period = period
+        for op in self.ops():
+            if not op.fixed:
+                op.period = period
+        for sampler in self.samplers():
+            sampler.pass_state.period = period
+
+    def device_label(self, device: int) -> str:
+        return "cpu" if self.is_host else str(device)
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def add_device(self, device: int) -> list[Any]:
+        """Preallocate a device's events (once per device; never on the steady-state hot path).
+
+        The events are made with ``device`` current, whatever this thread's current device is
+        in the runtime (torch may set it lazily). If that fails, the device keeps an empty pool:
+        its regions are dropped as ``pool_empty`` after one counted ``error``, never retried."""
+        with self._ops_lock:
+            if self.closed:
+                return []
+            if device not in self.pools:
+                events: list[Any] = []
+                try:
+                    with on_device(self.route, device):
+                        for _ in range(self.pool_size):
+                            events.append(self.route.create())
+                except Exception as exc:
+                    self.dropped["error"] += 1
+                    log.warning("gpuscope: cannot create timing events on device %s; its regions "
+                                "are not timed (counted): %r", device, exc)
+                    self._destroy(device, events)
+                    events = []
+                else:
+                    self.on_new_device(device)
+                self._all_events[device] = events
+                self.pools[device] = list(events)
+        return self.pools[device]
+
+    def close_pools(self) -> None:
+        """Destroy every event (after the resolver has stopped); later regions find no pool."""
+        self.closed = True
+        for device, events in self._all_events.items():
+            self.pools[device] = []
+            self._destroy(device, events)
+        self._all_events.clear()
+
+    def _destroy(self, device: int, events: list[Any]) -> None:
+        try:
+            with on_device(self.route, device):
+                for event in events:
+                    self.route.destroy(event)
+        except Exception:  # CUDA may already be torn down at exit
+            pass
+
+    def record_failed(self) -> None:
+        """Count a failed record and clear CUDA's last-error slot, which torch checks after its next
+        kernel launch: our failure must not surface as an exception in the caller's code."""
+        self.dropped["error"] += 1
+        self.route.clear_error()
+
+    def capture_in_progress(self) -> bool:
+        """True while the current stream is capturing a CUDA graph (cheap when none is, anywhere)."""
+        return bool(self._captures[0]) and self._capturing()
+
+    def note_capture(self) -> None:
+        self.dropped["graph_capture"] += 1
+        if not self._warned_capture:
+            self._warned_capture = True
+            log.warning("gpuscope: regions inside CUDA graph capture are not timed (capture left intact)")
+
+    # --- hot path -----------------------------------------------------------------------------
+
+    def begin(self, op: OpState) -> Any:
+        """Count the region; if it is sampled, record its start event and return the token."""
+        op.entered += 1
+        countdown = op.countdown
+        if countdown:
+            op.countdown = countdown - 1
+            return None
+        op.countdown = op.period - 1
+        return self.record_start()
+
+    def record_start(self) -> Any:
+        # No "closed" test here: close_pools() empties the pools, so a late region finds none.
+        # Sequence.split repeats these few lines rather than call a shared helper: one Python
+        # frame more per region costs about as much as a record does in context.
+        device = self.current_device()
+        if self._captures[0] and self._capturing():
+            self.note_capture()
+            return None
+        try:
+            free = self.pools[device]
+        except KeyError:
+            free = self.add_device(device)
+        if not free:
+            self.dropped["pool_empty"] += 1
+            return None
+        event = free.pop()
+        stream = self.current_stream(device)
+        if self.record_event(event, stream):
+            free.append(event)
+            self.record_failed()
+            return None
+        return (event, device, stream)
+
+    def end(self, op: OpState, token: tuple, callback: Callable[[float], None] | None) -> None:
+        start, device, stream = token
+        free = self.pools[device]
+        self.sampled = sampled = self.sampled + 1
+        measure = not sampled % self._measure_every
+        if measure:
+            t0 = time.perf_counter_ns()
+        if not free:
+            free.append(start)
+            self.dropped["pool_empty"] += 1
+            return
+        if len(self.ring) >= self.ring_size:
+            free.append(start)
+            self.dropped["ring_full"] += 1
+            return
+        end = free.pop()
+        if self.record_event(end, stream):
+            free.append(end)
+            free.append(start)
+            self.record_failed()
+            return
+        self.ring.append(Pending(op, device, stream, start, end, self.active_trace_id(), callback, False))
+        if measure:
+            # One end costs about what one start costs (a record and a container op each).
+            cost = 2e-9 * (time.perf_counter_ns() - t0)
+            self.hot_path_s = cost if not self.hot_path_s else 0.9 * self.hot_path_s + 0.1 * cost
