@@ -20,6 +20,7 @@ from gpuscope.nvml.api import INVALID_ID, NOT_FOUND
 from gpuscope.nvml.calls import Calls
 from gpuscope.nvml.devices import Device
 from gpuscope.nvml.procinfo import ProcessNames
+from gpuscope.nvml.registry import register_collector
 
 
 class Sample(NamedTuple):
@@ -73,6 +74,11 @@ class Collector(ABC):
     def __init__(self, calls: Calls) -> None:
         self.calls = calls
 
+    @classmethod
+    def build(cls, calls: Calls, config: Any, proc_root: str) -> Collector:
+        """The collector for an exporter's ``config`` (a ``nvml.config.Config``)."""
+        return cls(calls)
+
     def applies(self, device: Device) -> bool:
         return self.on_mig or not device.is_mig
 
@@ -81,6 +87,8 @@ class Collector(ABC):
         """This collector's readings of one device."""
 
 
+@register_collector("device", default=True,
+                    help="utilization, memory, clocks, temperatures, power, P-state, PCIe replays, ECC")
 class DeviceCollector(Collector):
     """Cheap per-GPU readings (1–9 µs each on the H200), every fast interval.
 
@@ -91,7 +99,6 @@ class DeviceCollector(Collector):
         gpuscope_gpu_power_watts{gpu="0"} 412.3
     """
 
-    name = "device"
     on_mig = True  # memory info answers per MIG instance; the rest drop out as NOT_SUPPORTED
 
     def sample(self, device: Device) -> list[Sample]:
@@ -148,6 +155,8 @@ class DeviceCollector(Collector):
         return out
 
 
+@register_collector("clock_events", default=True,
+                    help="clock event (throttle) reasons, 0/1 and seconds active")
 class ClockEventCollector(Collector):
     """Clock event (throttle) reasons: a 0/1 series per reason, and seconds active per reason.
 
@@ -159,7 +168,11 @@ class ClockEventCollector(Collector):
         gpuscope_gpu_clock_event_seconds_total{gpu="0",reason="sw_thermal_slowdown"} 10.0
     """
 
-    name = "clock_events"
+
+    @classmethod
+    def build(cls, calls: Calls, config: Any, proc_root: str) -> Collector:
+        # Throttle seconds are credited only across gaps up to 2.5 intervals (see the docstring).
+        return cls(calls, max_gap=2.5 * config.interval)
 
     def __init__(self, calls: Calls, max_gap: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(calls)
@@ -188,13 +201,14 @@ class ClockEventCollector(Collector):
         return out
 
 
+@register_collector("energy", default=True,
+                    help="total energy counter (3.4 ms per call: slow cadence)")
 class EnergyCollector(Collector):
     """Total energy since the driver loaded (3.4 ms a call on the H200: slow cadence)::
 
         gpuscope_gpu_energy_joules_total{gpu="0"} 1.2e+06
     """
 
-    name = "energy"
     slow = True
 
     def sample(self, device: Device) -> list[Sample]:
@@ -202,13 +216,14 @@ class EnergyCollector(Collector):
         return [] if millijoules is None else [Sample(cat.GPU_ENERGY, (device.label,), millijoules / 1000.0)]
 
 
+@register_collector("remapped_rows", default=True,
+                    help="HBM row remapping state (slow cadence)")
 class RemappedRowsCollector(Collector):
     """Row remapping (HBM repair) state; changes rarely, so slow cadence::
 
         gpuscope_gpu_remapped_rows{cause="uncorrectable",gpu="0"} 0
     """
 
-    name = "remapped_rows"
     slow = True
 
     def sample(self, device: Device) -> list[Sample]:
@@ -220,13 +235,14 @@ class RemappedRowsCollector(Collector):
                 for cause, v in zip(causes, rows, strict=False)]
 
 
+@register_collector("nvlink", default=True,
+                    help="NVLink bytes, where present (slow cadence)")
 class NvlinkCollector(Collector):
     """NVLink data bytes summed over all links (field values, scope UINT_MAX = all links)::
 
         gpuscope_gpu_nvlink_bytes_total{direction="tx",gpu="0"} 3.2e+12
     """
 
-    name = "nvlink"
     slow = True
     _FIELDS = (("tx", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX),
                ("rx", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX))
@@ -246,13 +262,14 @@ class NvlinkCollector(Collector):
         return out
 
 
+@register_collector("pcie_throughput", default=False,
+                    help="PCIe TX/RX throughput (NVML samples 20 ms per direction; slow cadence)")
 class PcieThroughputCollector(Collector):
     """PCIe throughput, which NVML measures by sampling 20 ms per direction: opt-in, slow cadence::
 
         gpuscope_gpu_pcie_throughput_bytes_per_second{direction="rx",gpu="0"} 1.5e+09
     """
 
-    name = "pcie_throughput"
     slow = True
 
     def sample(self, device: Device) -> list[Sample]:
@@ -266,6 +283,8 @@ class PcieThroughputCollector(Collector):
         return out
 
 
+@register_collector("processes", default=False,
+                    help="per-process GPU memory and SM utilization with pid, name, container id")
 class GpuProcessCollector(Collector):
     """Per-process memory and SM utilization (opt-in), each from the process's own NVML record.
 
@@ -278,9 +297,12 @@ class GpuProcessCollector(Collector):
         gpuscope_gpu_process_sm_utilization_ratio{container_id="3f2a…",gpu="0",pid="42",process="python"} 0.93
     """
 
-    name = "processes"
     slow = True
     on_mig = True
+
+    @classmethod
+    def build(cls, calls: Calls, config: Any, proc_root: str) -> Collector:
+        return cls(calls, config.processes_max, proc_root)
 
     def __init__(self, calls: Calls, max_processes: int, proc_root: str = "/proc") -> None:
         super().__init__(calls)

@@ -10,22 +10,15 @@ from dataclasses import dataclass
 
 from gpuscope.flags import FlagParser, parse_duration, parse_listen_address
 from gpuscope.flags import checked as _checked
+from gpuscope.nvml.registry import registered
 from gpuscope.ports import default_listen_address
 
 _DEFAULT_LISTEN = default_listen_address("exporter")
 
-#: Collector toggles and their defaults. Opt-in ones cost more (PCIe: 2 × 20 ms per GPU per
-#: round) or expose PIDs and container ids, which not every operator wants on /metrics.
-COLLECTORS: dict[str, tuple[bool, str]] = {
-    "device": (True, "utilization, memory, clocks, temperatures, power, P-state, PCIe replays, ECC"),
-    "clock_events": (True, "clock event (throttle) reasons, 0/1 and seconds active"),
-    "energy": (True, "total energy counter (3.4 ms per call: slow cadence)"),
-    "remapped_rows": (True, "HBM row remapping state (slow cadence)"),
-    "nvlink": (True, "NVLink bytes, where present (slow cadence)"),
-    "xid": (True, "XID error events"),
-    "pcie_throughput": (False, "PCIe TX/RX throughput (NVML samples 20 ms per direction; slow cadence)"),
-    "processes": (False, "per-process GPU memory and SM utilization with pid, name, container id"),
-}
+#: Collector toggles and their defaults, from the collectors' own registrations. Opt-in ones cost
+#: more (PCIe: 2 × 20 ms per GPU per round) or expose PIDs and container ids, which not every
+#: operator wants on /metrics.
+COLLECTORS: dict[str, tuple[bool, str]] = {name: (r.default, r.help) for name, r in registered().items()}
 
 
 def _listen(text: str) -> tuple[str, int]:

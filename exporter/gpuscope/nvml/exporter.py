@@ -14,20 +14,12 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpuscope.nvml.api import NVMLError, error_text, real_nvml, text
 from gpuscope.nvml.calls import Calls
-from gpuscope.nvml.collectors import (
-    ClockEventCollector,
-    Collector,
-    DeviceCollector,
-    EnergyCollector,
-    GpuProcessCollector,
-    NvlinkCollector,
-    PcieThroughputCollector,
-    RemappedRowsCollector,
-)
+from gpuscope.nvml.collectors import Collector
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.devices import Device, discover
 from gpuscope.nvml.exposition import ExporterCollector, PinnedSnapshot, StalenessCollector
 from gpuscope.nvml.health import Health
+from gpuscope.nvml.registry import registered
 from gpuscope.nvml.rendered import RenderedExposition
 from gpuscope.nvml.sampler import Sampler
 from gpuscope.nvml.store import Store
@@ -76,7 +68,7 @@ class Exporter:
                               self.calls)
             self.samplers.append(sampler)
             sampler.start()
-        if "xid" in cfg.collectors and self.devices:
+        if XidWatcher.name in cfg.collectors and self.devices:
             self.xid = XidWatcher(self.nv, self.devices, self.store, self.health, self.xid_wait_ms)
             self.xid.start()
         return self
@@ -99,20 +91,11 @@ class Exporter:
                  self.driver_version or "?", len(self.devices), names)
 
     def _collectors(self) -> list[Collector]:
+        """The enabled sampling collectors, built from their registrations (XID has its own thread)."""
         if not self.nvml_ok:
             return []
-        cfg, calls = self.config, self.calls
-        # Throttle seconds are credited only across gaps up to 2.5 intervals (see ClockEventCollector).
-        all_collectors: list[Collector] = [
-            DeviceCollector(calls),
-            ClockEventCollector(calls, max_gap=2.5 * cfg.interval),
-            EnergyCollector(calls),
-            RemappedRowsCollector(calls),
-            NvlinkCollector(calls),
-            PcieThroughputCollector(calls),
-            GpuProcessCollector(calls, cfg.processes_max, self.proc_root),
-        ]
-        return [c for c in all_collectors if c.name in cfg.collectors]
+        return [r.cls.build(self.calls, self.config, self.proc_root) for r in registered().values()
+                if r.name in self.config.collectors and issubclass(r.cls, Collector)]
 
     def _render_failed(self, exc: BaseException) -> None:
         self.health.count_error("render")

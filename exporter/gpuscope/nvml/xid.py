@@ -25,6 +25,7 @@ from gpuscope.nvml.api import INVALID_ID, TIMEOUT, NVMLError, error_code, error_
 from gpuscope.nvml.collectors import Sample
 from gpuscope.nvml.devices import Device
 from gpuscope.nvml.health import Health
+from gpuscope.nvml.registry import register_collector
 from gpuscope.nvml.store import Store
 
 #: XIDs worth alerting on (NVIDIA's XID catalogue), exported at 0 from the start.
@@ -32,6 +33,7 @@ WELL_KNOWN_XIDS = (13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 9
 NAME = "xid"
 
 
+@register_collector(NAME, default=True, help="XID error events")
 class XidWatcher:
     """Owns the event set and the XID counters; publishes them to the store after each wait."""
 
