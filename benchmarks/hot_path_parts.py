@@ -1,6 +1,6 @@
 """What one timed region's CPU cost is made of: each call on the hot path, timed alone (idle thread).
 
-    python benchmarks/hot_path_parts.py --out $OUT/hot-path-parts.json
+    python benchmarks/hot_path_parts.py --out benchmarks/results/hot-path-parts.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def per_call_us(fn, n: int = 20000, reps: int = 5) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hot-path-parts.json"))
+    parser.add_argument("--out", default="hot-path-parts.json")
     args = parser.parse_args()
     torch.cuda.init()
     route = CudartCtypesRoute()

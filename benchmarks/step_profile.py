@@ -14,7 +14,7 @@
 
 then profiles PyTorch's default choice with new spans with ``torch.profiler`` and prints its top operators.
 
-    python benchmarks/step_profile.py --out "$OUT/step-profile-h200.json"
+    python benchmarks/step_profile.py --out benchmarks/results/step-profile-h200.json
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Imports only torch, prometheus_client, the standard library and gpuscope (from
 ``exporter/`` next to this file), so it runs where aiohttp is not installed.
 
     python benchmarks/tenancy_bench.py --size cpu            # CI-sized smoke, ~1 min on 2 cores
-    python benchmarks/tenancy_bench.py --size h200 --out "$OUT/tenancy-h200.json"
+    python benchmarks/tenancy_bench.py --size h200 --out benchmarks/results/tenancy-h200.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import random
 import statistics
 import sys
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES),
                         default="h200" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None,
-                        help="JSON path (default $OUT/tenancy-<size>.json, else stdout only)")
+                        help="JSON path (default: the JSON goes to stdout only)")
     parser.add_argument("--timing", choices=("budget", "all", "off"), default="budget")
     parser.add_argument("--join-every", type=int, default=None,
                         help="scheduler's lower-class join pacing (default: the scheduler's own; 1 = none)")
@@ -361,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], f"tenancy-{args.size}.json")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")

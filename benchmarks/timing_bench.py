@@ -1,11 +1,11 @@
 """Timing benchmark: hot-path cost, throughput loss on an eager transformer, accuracy against CUPTI.
 
 Runs on the GPU (the numbers that count) or, with --quick on a CPU-only machine, as a smoke test.
-Method (LIMITS.md): every configuration is compared with the untimed model in interleaved paired
+Method (docs/design.md): every configuration is compared with the untimed model in interleaved paired
 rounds (base, config, base, config, ...), reported as the median of the paired ratios with
 quartiles, beside the main thread's CPU time per forward.
 
-    python benchmarks/timing_bench.py --out $OUT/timing-h200.json          # H200, ~6 min
+    python benchmarks/timing_bench.py --out benchmarks/results/timing-h200.json          # H200, ~6 min
     python benchmarks/timing_bench.py --quick --out /tmp/timing-cpu.json  # smoke
 
 Configurations (24 timed regions a forward: attention and MLP of 12 blocks):
@@ -391,7 +391,7 @@ def accuracy(n_ms: int, n_short: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "timing-h200.json"))
+    parser.add_argument("--out", default="timing-h200.json")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
@@ -403,7 +403,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(0) if cuda else "none (CPU)",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "method": "medians of interleaved paired rounds (base, config) with quartiles; LIMITS.md",
+        "method": "medians of interleaved paired rounds (base, config) with quartiles; docs/design.md",
     }
     progress("idle microbenchmark")
     out["idle"] = idle_costs(cuda, n=2000 if quick else 20000, reps=3 if quick else 5)

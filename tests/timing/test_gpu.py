@@ -41,7 +41,7 @@ def test_auto_picks_the_ctypes_route_and_times_a_matmul(registry):
         assert len(got) == 10
         assert min(got) > 20e-6 and max(got) < 0.1
         baseline = registry.get_sample_value("gpuscope_timer_baseline_seconds", {"device": "0"})
-        assert 0 < baseline < 5e-6, "a queued empty pair costs ~1.3 µs on the GPU (LIMITS.md)"
+        assert 0 < baseline < 5e-6, "a queued empty pair costs ~1.3 µs on the GPU (docs/design.md)"
 
 
 def test_fast_route_agrees_with_torch_events(registry):

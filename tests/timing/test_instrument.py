@@ -39,7 +39,7 @@ def test_exact_mode_times_default_modules_by_path_and_keeps_outputs(make_timer, 
     assert timer.flush(5)
     assert set(counts(registry, inst.ops).values()) == {3}
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), \
-        "instrument() must not use forward hooks (they cost even when empty, LIMITS.md)"
+        "instrument() must not use forward hooks (they cost even when empty, docs/design.md)"
     inst.remove()
     assert all("forward" not in mod.__dict__ for mod in m.modules())
     m(x)

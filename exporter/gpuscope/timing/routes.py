@@ -5,7 +5,7 @@ the cheapest route that works (``pick_route``):
 
 =================  ==========================================================
 ``cudart-ctypes``  ``cudaEventRecord`` through ctypes on the libcudart torch
-                   already loaded: 1.7 µs a record on the H200 (LIMITS.md), the
+                   already loaded: 1.7 µs a record on the H200 (docs/design.md), the
                    cheapest measured. Records go through ``PyDLL`` so the call
                    keeps the GIL: releasing and re-taking it costs more than
                    the record and invites the resolver thread in mid-forward.
