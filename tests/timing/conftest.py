@@ -65,3 +65,11 @@ def make_timer(registry):
     yield make
     for timer in timers:
         timer.close(timeout=1.0)
+
+
+def prepared(timer: Timer) -> Timer:
+    """The timer with the current device's pool made and its baseline calibrated, as after a first
+    region: a test that counts records must not count the calibration's."""
+    timer.core.add_device(timer.core.current_device())
+    assert timer.flush(5)
+    return timer

@@ -187,3 +187,31 @@ def test_a_timer_made_before_the_device_is_chosen_times_the_second_gpu():
     assert (got["on_1"], got["on_0"]) == (20, None)
     assert 0 < got["baseline_1"] < 5e-6
     assert got["context_on_0"] is False, "the timer opened a CUDA context on a GPU the program never used"
+
+
+def test_regions_inside_a_cuda_graph_are_timed_on_sampled_replays(registry):
+    """A captured step with instrumented modules: replays give per-module samples, the output is the
+    eager one, and back-to-back replays never mix two replays' events (busy copies are skipped)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    model = model.cuda().to(torch.bfloat16).eval()
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    with Timer(registry, sample_rate=1.0, calibrate_every=0) as timer, torch.no_grad():
+        inst = timer.instrument(model, include=("0", "2"))
+        expected = model(x)
+        assert timer.flush(30)
+        graph = timer.graph(lambda: model(x), period=2, copies=2)
+        assert graph.regions == 2 and graph.baseline_s is not None
+        counts = {op: registry.get_sample_value("gpuscope_region_gpu_seconds_count",
+                                                {"op": op, "device": "0"}) for op in ("0", "2")}
+        outputs = [graph.replay() for _ in range(40)]  # back to back
+        torch.cuda.synchronize()
+        assert timer.flush(30)
+        assert all(torch.equal(out, expected) for out in outputs)
+        for op in ("0", "2"):
+            labels = {"op": op, "device": "0"}
+            timed = registry.get_sample_value("gpuscope_region_gpu_seconds_count", labels) - counts[op]
+            assert 1 <= timed == graph.timed_replays <= 20
+        assert graph.timed_replays + timer.dropped["graph_busy"] == 20  # every 2nd replay: timed or busy
+        inst.remove()
+        graph.close()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gpuscope.timing import instrument
-from tests.timing.conftest import ScriptedRoute
+from tests.timing.conftest import ScriptedRoute, prepared
 
 
 class Block(torch.nn.Module):
@@ -49,7 +49,7 @@ def test_exact_mode_times_default_modules_by_path_and_keeps_outputs(make_timer, 
 
 def test_partition_mode_uses_n_plus_one_records_per_forward(make_timer, registry):
     route = ScriptedRoute()
-    timer = make_timer(route=route, sample_rate=1.0)
+    timer = prepared(make_timer(route=route, sample_rate=1.0))
     m = model()
     inst = timer.instrument(m, include=("attn", "mlp"), mode="partition")
     assert inst.ops == ["1.attn", "1.mlp", "2.attn", "2.mlp"]

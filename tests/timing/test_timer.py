@@ -8,7 +8,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 
 from gpuscope.timing import Timer, trace
 from tests.conftest import promtool_check_metrics, wait_for
-from tests.timing.conftest import ScriptedRoute
+from tests.timing.conftest import ScriptedRoute, prepared
 
 
 class SlowRoute(ScriptedRoute):
@@ -206,7 +206,7 @@ def test_resolver_survives_a_failing_callback(make_timer, registry):
 
 def test_sequence_shares_boundaries(make_timer, registry):
     route = ScriptedRoute()
-    timer = make_timer(route=route, sample_rate=1.0)
+    timer = prepared(make_timer(route=route, sample_rate=1.0))
     before = route.records
     seq = timer.sequence()
     with seq:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 
 from gpuscope.timing.core import current_trace_id, trace
+from gpuscope.timing.graphs import TimedGraph
 from gpuscope.timing.instrument import DEFAULT_NAMES, Instrumentation, instrument
 from gpuscope.timing.sequence import Sequence
 from gpuscope.timing.timer import Handle, Region, Timer
@@ -47,6 +48,7 @@ __all__ = [
     "Instrumentation",
     "Region",
     "Sequence",
+    "TimedGraph",
     "Timer",
     "current_trace_id",
     "default_timer",

@@ -36,7 +36,7 @@ from gpuscope.timing.routes import Route, on_device
 
 log = logging.getLogger("gpuscope.timing")
 
-DROP_REASONS = ("ring_full", "pool_empty", "graph_capture", "error", "closed")
+DROP_REASONS = ("ring_full", "pool_empty", "graph_capture", "graph_busy", "error", "closed")
 
 _trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("gpuscope_trace_id", default=None)
 
@@ -68,6 +68,15 @@ class Pending(NamedTuple):
     trace_id: str | None
     callback: Callable[[float], None] | None
     keep_end: bool
+
+
+class GraphToken(NamedTuple):
+    """A region's start recorded as a node of a CUDA graph being captured (see ``graphs.py``)."""
+
+    event: Any
+    device: int
+    stream: int
+    recorder: Any  # the GraphRecorder of the capture
 
 
 class OpState:
@@ -118,6 +127,7 @@ class TimerCore:
         self._ops_lock = threading.Lock()  # only taken when a new op, sampler or device appears
         self._warned_capture = False
         self._measure_every = 16
+        self._graph_local = threading.local()  # .recorder while this thread captures a timed graph
         # The hot path's calls, bound once (sequence.py uses them too).
         self.record_event = route.record
         self.current_device = route.current_device
@@ -227,6 +237,19 @@ class TimerCore:
         """True while the current stream is capturing a CUDA graph (cheap when none is, anywhere)."""
         return bool(self._captures[0]) and self._capturing()
 
+    def graph_recorder(self) -> Any:
+        """The recorder of the timed graph this thread is capturing, if any (``graphs.py``)."""
+        return getattr(self._graph_local, "recorder", None)
+
+    @contextmanager
+    def recording_graph(self, recorder: Any) -> Iterator[None]:
+        """Regions this thread enters while capturing become event nodes owned by ``recorder``."""
+        self._graph_local.recorder = recorder
+        try:
+            yield
+        finally:
+            self._graph_local.recorder = None
+
     def note_capture(self) -> None:
         self.dropped["graph_capture"] += 1
         if not self._warned_capture:
@@ -251,8 +274,11 @@ class TimerCore:
         # frame more per region costs about as much as a record does in context.
         device = self.current_device()
         if self._captures[0] and self._capturing():
-            self.note_capture()
-            return None
+            recorder = getattr(self._graph_local, "recorder", None)
+            if recorder is None:
+                self.note_capture()
+                return None
+            return recorder.start(device, self.current_stream(device))
         try:
             free = self.pools[device]
         except KeyError:
@@ -269,6 +295,9 @@ class TimerCore:
         return (event, device, stream)
 
     def end(self, op: OpState, token: tuple, callback: Callable[[float], None] | None) -> None:
+        if token.__class__ is GraphToken:
+            token.recorder.end(op, token)
+            return
         start, device, stream = token
         free = self.pools[device]
         self.sampled = sampled = self.sampled + 1

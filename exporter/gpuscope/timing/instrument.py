@@ -194,18 +194,7 @@ def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
         finally:
             cost.add(False, clock() - t0)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        inst.passes += 1
-        countdown = state.countdown
-        if countdown:
-            state.countdown = countdown - 1
-            return unsampled(args, kwargs)
-        if core.capture_in_progress():
-            core.note_capture()
-            return original(*args, **kwargs)
-        state.countdown = state.period - 1
-        inst.sampled_passes += 1
-        t0 = clock()
+    def timed(args: tuple, kwargs: dict) -> Any:
         for module, wrapper in wrappers:
             module.__dict__["forward"] = wrapper
         seq = inst.sequence() if partition else None
@@ -218,6 +207,30 @@ def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
                 seq.end()
             for module, _ in wrappers:
                 module.__dict__.pop("forward", None)
+
+    def captured(args: tuple, kwargs: dict) -> Any:
+        # A pass captured into a CUDA graph: timed when a TimedGraph is capturing a timed copy
+        # (its regions become event nodes, see graphs.py), else left out of the graph.
+        recorder = core.graph_recorder()
+        if recorder is None:
+            core.note_capture()
+            return original(*args, **kwargs)
+        return timed(args, kwargs) if recorder.times_regions else original(*args, **kwargs)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if core.capture_in_progress():  # not a pass that runs now: it is being recorded
+            return captured(args, kwargs)
+        inst.passes += 1
+        countdown = state.countdown
+        if countdown:
+            state.countdown = countdown - 1
+            return unsampled(args, kwargs)
+        state.countdown = state.period - 1
+        inst.sampled_passes += 1
+        t0 = clock()
+        try:
+            return timed(args, kwargs)
+        finally:
             cost.add(True, clock() - t0)
 
     return forward

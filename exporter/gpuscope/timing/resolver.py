@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuscope.timing.budget import BudgetController
 from gpuscope.timing.core import TimerCore
+from gpuscope.timing.graphs import GraphReplay
 from gpuscope.timing.routes import on_device
 
 log = logging.getLogger("gpuscope.timing")
@@ -189,6 +190,12 @@ class Resolver:
                 use_device(device)
             if not stream_done[(device, stream)] and not query(end):
                 break
+            if op.__class__ is GraphReplay:  # a timed graph replay: ``end`` is the fence after it
+                self._resolved += op.read(elapsed, baseline.get(device, 0.0), trace_id)
+                if pool is not None:
+                    pool.append(end)
+                taken += 1
+                continue
             try:
                 seconds = elapsed(start, end) - baseline.get(device, 0.0)
             except Exception:  # e.g. an event recorded under graph capture

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_NOT_SUPPORTED = 801
 CUDA_EVENT_RECORD_EXTERNAL = 1
 CUDA_STREAM_CAPTURE_MODE_RELAXED = 2
 
@@ -63,6 +64,11 @@ class Route(Protocol):
 
     def create(self) -> Any: ...
     def record(self, event: Any, stream: int) -> int: ...
+
+    def record_external(self, event: Any, stream: int) -> int:
+        """Record ``event`` as a node of the graph ``stream`` is capturing (re-recorded on every replay)."""
+        ...
+
     def query(self, event: Any) -> bool: ...
     def elapsed_s(self, start: Any, end: Any) -> float: ...
     def destroy(self, event: Any) -> None: ...
@@ -111,6 +117,8 @@ class HostRoute:
     def record(self, event: list[int], stream: int, _now=time.perf_counter_ns) -> int:
         event[0] = _now()
         return 0
+
+    record_external = record
 
     def query(self, event: list[int]) -> bool:
         return True
@@ -185,6 +193,9 @@ class CudartCtypesRoute(_TorchCurrent):
         self.record = keep_gil.cudaEventRecord
         self.record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.record.restype = ctypes.c_int
+        self._record_with_flags = keep_gil.cudaEventRecordWithFlags
+        self._record_with_flags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        self._record_with_flags.restype = ctypes.c_int
         self._query = keep_gil.cudaEventQuery
         self._query.argtypes = [ctypes.c_void_p]
         self._query.restype = ctypes.c_int
@@ -224,6 +235,9 @@ class CudartCtypesRoute(_TorchCurrent):
         self._check(self._create(ctypes.byref(handle)), "cudaEventCreate")
         return handle.value
 
+    def record_external(self, event: int, stream: int) -> int:
+        return self._record_with_flags(event, stream, CUDA_EVENT_RECORD_EXTERNAL)
+
     def query(self, event: int) -> bool:
         err = self._query(event)
         if err == CUDA_SUCCESS:
@@ -260,6 +274,8 @@ class CudaBindingsRoute(_TorchCurrent):
         self._rt = runtime
         record = runtime.cudaEventRecord
         self.record = lambda event, stream: record(event, stream)[0]
+        with_flags = runtime.cudaEventRecordWithFlags
+        self.record_external = lambda event, stream: with_flags(event, stream, CUDA_EVENT_RECORD_EXTERNAL)[0]
 
     def _check(self, err: Any, call: str) -> None:
         if int(err) != CUDA_SUCCESS:
@@ -325,6 +341,10 @@ class TorchRoute(_TorchCurrent):
         # torch records on the current stream, which is the stream the caller passed.
         event.record()
         return 0
+
+    def record_external(self, event: Any, stream: int) -> int:
+        # torch's events are not made for graph nodes here; TimedGraph refuses this route up front.
+        return CUDA_ERROR_NOT_SUPPORTED
 
     def query(self, event: Any) -> bool:
         return event.query()

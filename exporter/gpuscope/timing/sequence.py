@@ -14,7 +14,7 @@ from gpuscope.timing.core import OpState, Pending, TimerCore
 class Sequence:
     """One pass of contiguous regions; one sequence per thread at a time."""
 
-    __slots__ = ("_core", "_device", "_event", "_op", "_pass", "_shared", "_stream", "active")
+    __slots__ = ("_core", "_device", "_event", "_op", "_pass", "_recorder", "_shared", "_stream", "active")
 
     def __init__(self, core: TimerCore, name: str = "sequence") -> None:
         self._core = core
@@ -24,6 +24,7 @@ class Sequence:
         self._device = 0
         self._stream = 0
         self._shared = False
+        self._recorder: Any = None  # the timed graph copy being captured, if any (graphs.py)
         self.active = False
 
     def begin(self, sampled: bool | None = None) -> bool:
@@ -42,10 +43,15 @@ class Sequence:
         if not sampled and sampled is not None:
             self.active = False
             return False
+        self._recorder = None
         if core.capture_in_progress():
-            core.note_capture()
-            self.active = False
-            return False
+            recorder = core.graph_recorder()
+            if recorder is None or not recorder.times_regions:
+                if recorder is None:
+                    core.note_capture()
+                self.active = False
+                return False
+            self._recorder = recorder
         self.active = True
         self._op = None
         self._shared = False
@@ -60,6 +66,9 @@ class Sequence:
         if not self.active:
             return
         device = core.current_device()
+        if self._recorder is not None:
+            self._split_captured(op, device)
+            return
         try:
             free = core.pools[device]
         except KeyError:
@@ -86,6 +95,12 @@ class Sequence:
         if self._op is None:
             return
         core = self._core
+        if self._recorder is not None:
+            event = self._recorder.take(self._stream)
+            if event is not None:
+                self._recorder.add_pair(self._op, self._event, event)
+            self._op = None
+            return
         free = core.pools[self._device]
         if not free:
             core.dropped["pool_empty"] += 1
@@ -99,6 +114,17 @@ class Sequence:
             return
         self._close_open(event, last=True)
         self._op = None
+
+    def _split_captured(self, op: OpState, device: int) -> None:
+        """``split`` while a timed graph copy is captured: the boundary becomes an event node."""
+        stream = self._core.current_stream(device)
+        event = self._recorder.take(stream)
+        if event is None:
+            self._op = None
+            return
+        if self._op is not None:
+            self._recorder.add_pair(self._op, self._event, event)
+        self._op, self._event, self._device, self._stream = op, event, device, stream
 
     def _close_open(self, end: Any, last: bool = False) -> bool:
         """Queue (open start → end); True when ``end`` is now shared with a queued pair.

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from gpuscope.timing.budget import BudgetController
 from gpuscope.timing.core import DROP_REASONS, OpState, TimerCore, current_trace_id, trace
+from gpuscope.timing.graphs import TimedGraph
 from gpuscope.timing.instrument import Instrumentation, instrument
 from gpuscope.timing.resolver import Resolver
 from gpuscope.timing.routes import Route, pick_route
@@ -184,6 +185,11 @@ class Timer:
                    op_name: Callable[[str], str] | None = None) -> Instrumentation:
         """Time chosen submodules of a ``torch.nn.Module``; see ``gpuscope.timing.instrument``."""
         return instrument(self, model, include, mode=mode, op_name=op_name)
+
+    def graph(self, step: Callable[[], Any], **options: Any) -> TimedGraph:
+        """Capture ``step`` as CUDA graphs whose regions are timed on sampled replays
+        (``gpuscope.timing.graphs.TimedGraph``; ``.replay()`` runs it and returns its output)."""
+        return TimedGraph(self, step, **options)
 
     def op_state(self, op: str) -> OpState:
         return self.core.op_state(op)
