@@ -202,9 +202,12 @@ def test_regions_inside_a_cuda_graph_are_timed_on_sampled_replays(registry):
         assert timer.flush(30)
         graph = timer.graph(lambda: model(x), period=2, copies=2)
         assert graph.regions == 2 and graph.baseline_s is not None
+        assert timer.flush(30)  # the warm-up's eager regions
         counts = {op: registry.get_sample_value("gpuscope_region_gpu_seconds_count",
                                                 {"op": op, "device": "0"}) for op in ("0", "2")}
-        outputs = [graph.replay() for _ in range(40)]  # back to back
+        # Back to back; each output read (cloned, in stream order) before the next replay, since
+        # captures share one memory pool: an output is valid until the next replay.
+        outputs = [graph.replay().clone() for _ in range(40)]
         torch.cuda.synchronize()
         assert timer.flush(30)
         assert all(torch.equal(out, expected) for out in outputs)

@@ -204,6 +204,10 @@ class TorchGraphs:
 class TimedGraph:
     """``step`` captured once untimed and ``copies`` times timed; ``replay()`` returns its output.
 
+    The captures share one memory pool (as a server's graphs for several batch sizes do), so the
+    output ``replay()`` returns is valid until the next replay: read or copy it before then (in
+    stream order, e.g. ``out.clone()`` or the next kernel that consumes it).
+
     Args:
         timer: the ``Timer`` whose histograms the regions feed.
         step: what to capture: reads static inputs, returns (or writes) its outputs.
