@@ -8,6 +8,8 @@ Units are converted to base units here: MHz → Hz, mW → W, mJ → J, KiB → 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -344,3 +346,36 @@ class GpuProcessCollector(Collector):
                 out.append(Sample(cat.GPU_PROCESS_SM_UTILIZATION, labels, sum(values) / len(values)))
         names.forget_except(set(kept))
         return out
+
+
+#: Labels pod attribution (``nvml/podresources.py``) appends to every ``gpuscope_gpu_*`` series.
+POD_LABELS = ("namespace", "pod", "container")
+_NO_POD = ("", "", "")
+
+
+@functools.cache
+def pod_labelled(metric: cat.Metric) -> cat.Metric:
+    """``metric`` with ``POD_LABELS`` after its own labels."""
+    return dataclasses.replace(metric, labels=(*metric.labels, *POD_LABELS))
+
+
+class PodLabelled(Collector):
+    """Another collector whose ``gpuscope_gpu_*`` samples (per GPU and per process) get the
+    namespace, pod and container the GPU is allocated to; empty when it is allocated to no single
+    container. The exporter wraps every collector in it when pod attribution is on, so each family
+    has the same label names on every series."""
+
+    def __init__(self, inner: Collector, owner: Callable[[Device], tuple[str, str, str] | None]) -> None:
+        super().__init__(inner.calls)
+        self.inner = inner
+        self.owner = owner
+        self.name, self.slow, self.on_mig = inner.name, inner.slow, inner.on_mig
+
+    def applies(self, device: Device) -> bool:
+        return self.inner.applies(device)
+
+    def sample(self, device: Device) -> list[Sample]:
+        pod = self.owner(device) or _NO_POD
+        return [Sample(pod_labelled(s.metric), (*s.labels, *pod), s.value)
+                if s.metric.name.startswith("gpuscope_gpu_") else s
+                for s in self.inner.sample(device)]

@@ -43,6 +43,7 @@ class Config:
     call_timeout: float = 2.0
     processes_max: int = 32
     log_level: str = "info"
+    pod_resources_socket: str = ""  # kubelet PodResources socket; "" = no pod attribution
 
 
 _duration = _checked(parse_duration)
@@ -65,6 +66,10 @@ def build_parser() -> FlagParser:
                                         "go stale (default 2s)")
     p.add_flag("--processes.max", dest="processes_max", type=_count, default=32, metavar="N",
                help="most processes exported per GPU, largest memory first (default 32)")
+    p.add_flag("--kubernetes.pod-resources-socket", dest="pod_resources_socket", default="",
+               metavar="PATH", help="kubelet PodResources socket (Kubernetes: "
+                                    "/var/lib/kubelet/pod-resources/kubelet.sock): adds namespace, pod and "
+                                    "container of the GPU's pod to GPU series (default off)")
     p.add_flag("--log.level", dest="log_level", choices=("debug", "info", "warn", "error"), default="info",
                help="log level (default info)")
     for name, (default, text) in COLLECTORS.items():
@@ -83,4 +88,4 @@ def parse(argv: list[str]) -> Config:
     return Config(listen=ns.listen, collectors=collectors, interval=ns.interval,
                   slow_interval=ns.slow_interval, call_timeout=ns.call_timeout,
                   processes_max=ns.processes_max,
-                  log_level=ns.log_level)
+                  log_level=ns.log_level, pod_resources_socket=ns.pod_resources_socket)

@@ -14,11 +14,12 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpuscope.nvml.api import NVMLError, error_text, real_nvml, text
 from gpuscope.nvml.calls import Calls
-from gpuscope.nvml.collectors import Collector
+from gpuscope.nvml.collectors import Collector, PodLabelled
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.devices import Device, discover
 from gpuscope.nvml.exposition import ExporterCollector, PinnedSnapshot, StalenessCollector
 from gpuscope.nvml.health import Health
+from gpuscope.nvml.podresources import PodResourcesWatcher
 from gpuscope.nvml.registry import registered
 from gpuscope.nvml.rendered import RenderedExposition
 from gpuscope.nvml.sampler import Sampler
@@ -43,6 +44,7 @@ class Exporter:
         self.devices: list[Device] = []
         self.samplers: list[Sampler] = []
         self.xid: XidWatcher | None = None
+        self.pods: PodResourcesWatcher | None = None  # pod attribution, when a socket is configured
         self.nvml_ok = False
         self.driver_version = ""
         self.registry = CollectorRegistry()  # everything, rendered on demand (tests, in-process use)
@@ -62,6 +64,9 @@ class Exporter:
         self.exposition = RenderedExposition(
             [pinned, own_process], [StalenessCollector(self.store, snapshot=pinned.served)],
             self.store.changed, min_period=cfg.interval / 2, on_error=self._render_failed).start()
+        if cfg.pod_resources_socket and self.nvml_ok:  # no GPUs: nothing to attribute
+            self.pods = PodResourcesWatcher(cfg.pod_resources_socket, self.health,
+                                            interval=cfg.slow_interval).start()
         for collector in self._collectors():
             interval = cfg.slow_interval if collector.slow else cfg.interval
             sampler = Sampler(collector, self.devices, interval, cfg.call_timeout, self.store, self.health,
@@ -94,8 +99,10 @@ class Exporter:
         """The enabled sampling collectors, built from their registrations (XID has its own thread)."""
         if not self.nvml_ok:
             return []
-        return [r.cls.build(self.calls, self.config, self.proc_root) for r in registered().values()
-                if r.name in self.config.collectors and issubclass(r.cls, Collector)]
+        built = [r.cls.build(self.calls, self.config, self.proc_root) for r in registered().values()
+                 if r.name in self.config.collectors and issubclass(r.cls, Collector)]
+        pods = self.pods
+        return built if pods is None else [PodLabelled(c, pods.owner) for c in built]
 
     def _render_failed(self, exc: BaseException) -> None:
         self.health.count_error("render")
@@ -130,11 +137,15 @@ class Exporter:
             sampler.stop()
         if self.xid is not None:
             self.xid.stop()
+        if self.pods is not None:
+            self.pods.stop()
         deadline = time.monotonic() + timeout
         for sampler in self.samplers:
             sampler.join(max(0.0, deadline - time.monotonic()))
         if self.xid is not None:
             self.xid.join(max(0.0, deadline - time.monotonic()))
+        if self.pods is not None:
+            self.pods.join(max(0.0, deadline - time.monotonic()))
         if self.nvml_ok and not any(s.wedged for s in self.samplers):
             try:
                 self.nv.nvmlShutdown()
