@@ -249,6 +249,13 @@ EXPORTER_PROCESSES_OMITTED = _m("gpuscope_exporter_processes_omitted", "gauge",
                                 "GPU processes left out of per-process metrics by --processes.max "
                                 "(last round).",
                                 "processes", _G, area=GPU)
+EXPORTER_HTTP_CONNECTIONS_CLOSED = _m(
+    "gpuscope_exporter_http_connections_closed_total", "counter",
+    "HTTP connections the exporter closed before a request on them was answered, by reason: refused "
+    "(at --web.max-connections with none waiting to evict; answered 503), evicted (the longest-waiting "
+    "idle or half-sent connection, closed to admit a new one at the limit), timeout (no complete "
+    "request within --web.read-timeout, idle keep-alive connections included).",
+    "connections", ("reason",), area=GPU)
 
 # --- reference inference server (gpuscope serve) -------------------------------
 SERVER = "Reference inference server (`gpuscope serve`)"

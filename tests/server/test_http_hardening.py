@@ -31,7 +31,7 @@ from tests.test_loki import free_port
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter"), "PYTHONUNBUFFERED": "1"}
 SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "256", "--request.max-tokens", "32"]
-CLIENT_ERRORS = cat.HTTP_CLIENT_ERRORS.name if hasattr(cat, "HTTP_CLIENT_ERRORS") else "missing"
+CLIENT_ERRORS = cat.HTTP_CLIENT_ERRORS.name
 #: Log lines that would page someone: ERROR records, tracebacks, aiohttp's own error report.
 ALARMING = re.compile(r" ERROR |Traceback|Error handling request|Exception ignored")
 
