@@ -144,10 +144,13 @@ def test_a_call_past_its_timeout_fails_once_and_keeps_the_map_for_a_while(socket
     kubelet.pods = [pod("ml", "llm", ("server", [("nvidia.com/gpu", [GPU0])]))]
     now = [100.0]
     health = Health()
-    watcher = PodResourcesWatcher(str(socket), health, interval=1.0, timeout=0.2, max_age=30.0,
+    # A generous timeout for the calls that must succeed (a loaded CI machine is slow), a short one
+    # while the kubelet hangs.
+    watcher = PodResourcesWatcher(str(socket), health, interval=1.0, timeout=30.0, max_age=30.0,
                                   clock=lambda: now[0])
     assert watcher.refresh()
     kubelet.block.set()  # the kubelet hangs
+    watcher.timeout = 0.3
     assert not watcher.refresh()
     assert not watcher.refresh()
     assert health.errors() == {CALL: 1}  # one outage, counted once
@@ -157,10 +160,12 @@ def test_a_call_past_its_timeout_fails_once_and_keeps_the_map_for_a_while(socket
     assert watcher.owner(_gpu("0", GPU0)) is None  # too old to serve
     kubelet.block.clear()
     kubelet.release.set()
+    watcher.timeout = 30.0
     assert watcher.refresh()
     assert watcher.owner(_gpu("0", GPU0)) == ("ml", "llm", "server")
     kubelet.block.set()
     kubelet.release.clear()
+    watcher.timeout = 0.3
     assert not watcher.refresh()
     assert health.errors() == {CALL: 2}  # a new outage after recovery counts again
     kubelet.release.set()
