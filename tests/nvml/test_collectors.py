@@ -10,7 +10,7 @@ from gpuscope.nvml.collectors import ClockEventCollector
 from gpuscope.nvml.devices import discover
 from gpuscope.nvml.health import Health
 from tests.conftest import wait_for
-from tests.nvml.conftest import value
+from tests.nvml.conftest import value, wait_first_rounds
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml
 
 
@@ -18,7 +18,7 @@ def test_device_collector_values_in_base_units(start_exporter) -> None:
     nv = FakeNvml([FakeGpu(util_gpu=97, util_mem=31, mem_used=80 * 2**30, temp_c=61, mem_temp_c=70,
                            power_mw=412_300, pstate=2, ecc=(3, 1), pcie_replays=7), FakeGpu()])
     ex = start_exporter(nv)
-    wait_for(lambda: value(ex, cat.GPU_POWER.name, gpu="0"), what="first fast round")
+    wait_first_rounds(ex)  # a round has published every GPU (each GPU publishes from its own lane)
     gpu = nv.gpus[0]
     assert value(ex, cat.GPU_UTILIZATION.name, gpu="0") == 0.97
     assert value(ex, cat.GPU_MEMORY_UTILIZATION.name, gpu="0") == 0.31
