@@ -8,6 +8,7 @@ prints before exiting with status 2.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -82,7 +83,12 @@ def parse_tenants(text: str, unknown: str = "reject") -> tuple[TenantSpec, ...]:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Model size and placement (``--model.*``)."""
+    """Model size and placement (``--model.*``).
+
+    ``hf`` names a local Hugging Face model folder to serve instead of the toy model; its own config
+    then sets the architecture (``layers``/``dim``/``heads``/``seed`` are unused) and ``context`` caps
+    prompt + completion tokens per request.
+    """
 
     layers: int = 2
     dim: int = 128
@@ -92,8 +98,17 @@ class ModelSpec:
     checkpoint: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    hf: str | None = None
 
     def validate(self) -> None:
+        if self.hf is not None:
+            where = f"--model.hf {self.hf!r}"
+            if self.checkpoint:
+                raise ConfigError("--model.checkpoint (a toy-model state dict) cannot go with --model.hf")
+            if not os.path.isdir(self.hf):
+                raise ConfigError(f"{where} is not a local folder (models are never downloaded)")
+            if not os.path.isfile(os.path.join(self.hf, "config.json")):
+                raise ConfigError(f"{where} has no config.json: not a Hugging Face model folder")
         for name in ("layers", "dim", "heads", "context"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--model.{name} must be at least 1")

@@ -11,6 +11,11 @@ batched decode step for everyone else, then hands the iteration's events to
 Each step is timed with ``timer.start(op, on_elapsed=...)``; its measured GPU
 seconds are split among the step's tenants by token count and charged to the
 scheduler, which is how shares follow GPU time rather than wall clock.
+
+The model is a ``ModelRunner`` (``model.py``): the toy ``TinyGPT`` (a bare
+``TinyGPT`` is wrapped in ``TinyRunner``) or a Hugging Face causal LM
+(``hf.py``). The engine knows slots, token ids and logits, never the model's
+cache layout or tokenizer.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from .faults import FaultInjector
 from .metrics import RequestMetrics
-from .model import EOS, StreamDecoder, TinyGPT, sample
+from .model import Decoder, ModelRunner, StreamDecoder, TinyGPT, TinyRunner, sample
 from .scheduler import Scheduler
 from .timer_glue import HostClock, trace_context
 
@@ -63,7 +68,7 @@ class Request:
     """One completion request as the engine sees it. Times are ``time.perf_counter()`` seconds."""
 
     tenant: str
-    prompt: list[int]
+    prompt: list[int]  # the API's ids: BOS, then the prompt's UTF-8 bytes (model.encode)
     max_tokens: int
     temperature: float = 1.0
     trace_id: str = ""
@@ -79,18 +84,24 @@ class Request:
     last_token_at: float | None = None
     finished_at: float | None = None
     outcome: str | None = None
-    decoder: StreamDecoder = field(default_factory=StreamDecoder)
+    tokens: list[int] | None = None  # the prompt in the model's tokens, set when first scheduled
+    decoder: Decoder = field(default_factory=StreamDecoder)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens if self.tokens is not None else self.prompt)
 
 
 Deliver = Callable[[list[tuple[Request, Event]]], None]
 
 
 class Engine:
-    def __init__(self, model: TinyGPT, scheduler: Scheduler, timer, *, batch_size: int,
+    def __init__(self, model: ModelRunner | TinyGPT, scheduler: Scheduler, timer, *, batch_size: int,
                  max_wait_s: float, deliver: Deliver, metrics: RequestMetrics | None = None,
                  faults: FaultInjector | None = None, log_requests: bool = True,
                  on_step: Callable[[str, list[Request], float], Any] | None = None) -> None:
-        self.model = model
+        self.runner: ModelRunner = TinyRunner(model) if isinstance(model, TinyGPT) else model
+        self.model = self.runner.module
         self.scheduler = scheduler
         self.timer = timer
         self.batch_size = batch_size
@@ -100,8 +111,9 @@ class Engine:
         self.log_requests = log_requests
         self.on_step = on_step  # observer (op, batch, host seconds incl. the sync), e.g. for benchmarks
         self._deliver = deliver
-        self._device = next(model.parameters()).device
-        self._context = model.spec.context
+        self._device = self.runner.device
+        self._context = self.runner.context
+        self._eos = self.runner.eos_ids
         # The host clock must read after the device sync; event timers record before it.
         self._stop_after_sync = isinstance(timer, HostClock)
         self._running: list[Request] = []
@@ -111,7 +123,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
-        model.allocate_cache(batch_size)
+        self.runner.allocate(batch_size)
 
     # --- any thread --------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -147,7 +159,7 @@ class Engine:
             # stream, so an engine on cuda:N must make N current or its steps are timed on GPU 0.
             torch.cuda.set_device(self._device)
         with torch.inference_mode():
-            self._warm_up()
+            self.runner.warm_up()
             self.ready.set()
             while not self._stopping:
                 try:
@@ -165,15 +177,10 @@ class Engine:
                 self._finish(req, "abort", events, "server shutting down")
             self._send(events)
 
-    def _warm_up(self) -> None:
-        slot = torch.zeros(1, dtype=torch.long, device=self._device)
-        tokens = torch.zeros((1, 4), dtype=torch.long, device=self._device)
-        self.model(tokens, slot, slot, slot + 3, 4).float().cpu()
-
     def _iteration(self) -> None:
         self._wake.clear()
         if self.faults is not None:
-            self.faults.apply(self.model, self.scheduler)
+            self.faults.apply(self.runner, self.scheduler)
         events: list[tuple[Request, Event]] = []
         for req in [r for r in self._running if r.cancelled]:
             self._finish(req, "abort", events, "client disconnected")
@@ -212,8 +219,8 @@ class Engine:
                 break
             victim, req = swap
             self._running.remove(victim)
-            self._free_slots.append(victim.slot)
-            victim.slot, victim.cached = -1, 0
+            self._release(victim)
+            victim.cached = 0
             if req.cancelled:
                 self._finish(req, "abort", events, "client disconnected", started=False)
             else:
@@ -222,12 +229,15 @@ class Engine:
 
     def _start(self, req: Request, new: list[Request], events: list) -> None:
         now = time.perf_counter()
+        error = None
         if req.scheduled_at is None:
             req.scheduled_at = now
+            error = self._tokenize(req)
             if self.metrics:
                 self.metrics.observe(self.metrics.queue, req.tenant, now - req.arrival, req.trace_id)
-                self.metrics.prompt_tokens.labels(req.tenant).inc(len(req.prompt))
-        error = self.faults.fail_request() if self.faults is not None else None
+                self.metrics.prompt_tokens.labels(req.tenant).inc(req.prompt_tokens)
+        if error is None and self.faults is not None:
+            error = self.faults.fail_request()
         req.slot = self._free_slots.pop()
         self._running.append(req)
         if error is not None:
@@ -235,13 +245,29 @@ class Engine:
             return
         new.append(req)
 
-    def _step(self, op: str, batch: list[Request], tokens: torch.Tensor, start: list[int],
-              last: list[int], span: int, weights: list[int]) -> list[int]:
-        dev = self._device
-        slots = torch.tensor([r.slot for r in batch], dtype=torch.long, device=dev)
-        start_t = torch.tensor(start, dtype=torch.long, device=dev)
-        last_t = torch.tensor(last, dtype=torch.long, device=dev)
-        temps = torch.tensor([r.temperature for r in batch], dtype=torch.float32, device=dev)
+    def _tokenize(self, req: Request) -> str | None:
+        """Set the request's model tokens and detokenizer; the error to fail it with, if any."""
+        try:
+            req.tokens = self.runner.tokenize(req.prompt)
+        except ValueError as exc:
+            req.tokens = []
+            return f"cannot tokenize the prompt: {exc}"
+        req.decoder = self.runner.new_decoder(req.tokens)
+        if len(req.tokens) + req.max_tokens > self._context:
+            # The API bounds the prompt in bytes (+ BOS); a model's tokenizer may still make more tokens.
+            return (f"prompt is {len(req.tokens)} tokens and max_tokens is {req.max_tokens}; together they "
+                    f"exceed the model's context of {self._context} tokens")
+        return None
+
+    def _release(self, req: Request) -> None:
+        """Give ``req``'s slot back (to the engine and the runner's cache)."""
+        self._free_slots.append(req.slot)
+        self.runner.free(req.slot)
+        req.slot = -1
+
+    def _step(self, op: str, batch: list[Request], run: Callable[[], torch.Tensor],
+              weights: list[int]) -> list[int]:
+        temps = torch.tensor([r.temperature for r in batch], dtype=torch.float32, device=self._device)
         share: dict[str, int] = {}
         for req, weight in zip(batch, weights, strict=True):
             share[req.tenant] = share.get(req.tenant, 0) + weight
@@ -250,7 +276,7 @@ class Engine:
             estimate = self.scheduler.provisional(op, share)
             charge = functools.partial(self.scheduler.charge, share, op=op, estimate=estimate)
             handle = self.timer.start(op, on_elapsed=charge)
-            next_tokens = sample(self.model(tokens, slots, start_t, last_t, span), temps)
+            next_tokens = sample(run(), temps)
             if self._stop_after_sync:
                 ids = next_tokens.tolist()
                 self.timer.stop(handle)
@@ -264,22 +290,21 @@ class Engine:
         return ids
 
     def _prefill(self, batch: list[Request], events: list) -> None:
-        rows = [r.prompt + r.generated for r in batch]
-        width = max(len(row) for row in rows)
-        tokens = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        ids = self._step("prefill", batch, tokens.to(self._device), [0] * len(batch),
-                         [len(row) - 1 for row in rows], width, [len(row) for row in rows])
+        rows = [(r.tokens if r.tokens is not None else r.prompt) + r.generated for r in batch]
+        slots = [r.slot for r in batch]
+        weights = [len(row) for row in rows]
+        ids = self._step("prefill", batch, lambda: self.runner.prefill(slots, rows), weights)
         now = time.perf_counter()
         for req, row, token in zip(batch, rows, ids, strict=True):
             req.cached = len(row)
             self._emit(req, token, now, events)
 
     def _decode(self, batch: list[Request], events: list) -> None:
-        tokens = torch.tensor([[r.generated[-1]] for r in batch], dtype=torch.long, device=self._device)
-        start = [r.cached for r in batch]
-        ids = self._step("decode", batch, tokens, start, [0] * len(batch), max(start) + 1, [1] * len(batch))
+        slots = [r.slot for r in batch]
+        tokens = [r.generated[-1] for r in batch]
+        positions = [r.cached for r in batch]
+        ids = self._step("decode", batch, lambda: self.runner.decode(slots, tokens, positions),
+                         [1] * len(batch))
         now = time.perf_counter()
         for req, token in zip(batch, ids, strict=True):
             req.cached += 1
@@ -301,7 +326,7 @@ class Engine:
         text = req.decoder.feed(token)
         if text:
             events.append((req, Token(text)))
-        if token == EOS:
+        if token in self._eos:
             self._finish(req, "stop", events)
         elif len(req.generated) >= req.max_tokens or req.cached + 1 >= self._context:
             self._finish(req, "length", events)
@@ -312,13 +337,12 @@ class Engine:
         req.outcome, req.finished_at = outcome, now
         if req in self._running:
             self._running.remove(req)
-            self._free_slots.append(req.slot)
-            req.slot = -1
+            self._release(req)
         if started:
             self.scheduler.finished(req)
         m = self.metrics
         if outcome in ("stop", "length"):
-            events.append((req, Done(outcome, len(req.prompt), len(req.generated), req.decoder.finish())))
+            events.append((req, Done(outcome, req.prompt_tokens, len(req.generated), req.decoder.finish())))
             if m and req.first_token_at is not None:
                 m.observe(m.e2e, req.tenant, now - req.arrival, req.trace_id)
                 m.observe(m.decode, req.tenant, now - req.first_token_at, req.trace_id)
@@ -337,7 +361,7 @@ class Engine:
             return round(b - a, 6) if a is not None and b is not None else None
 
         line = {"event": "request", "trace_id": req.trace_id, "tenant": req.tenant, "outcome": outcome,
-                "prompt_tokens": len(req.prompt), "completion_tokens": len(req.generated),
+                "prompt_tokens": req.prompt_tokens, "completion_tokens": len(req.generated),
                 "queue_s": span(req.arrival, req.scheduled_at),
                 "ttft_s": span(req.arrival, req.first_token_at),
                 "e2e_s": span(req.arrival, now)}

@@ -29,13 +29,17 @@ def build_parser() -> FlagParser:
     p = FlagParser(prog=PROG, description="Reference inference server, instrumented with gpuscope.")
     p.add_flag("--web.listen-address", default=default_listen_address("server"),
                help="HOST:PORT to listen on")
-    p.add_flag("--model.name", default="gpuscope-tiny", help="model id reported by /v1/models and responses")
+    p.add_flag("--model.name", default=None,
+               help="model id in /v1/models and responses (gpuscope-tiny, or --model.hf's folder name)")
     p.add_flag("--model.layers", type=int, default=2, help="transformer blocks")
     p.add_flag("--model.dim", type=int, default=128, help="hidden size")
     p.add_flag("--model.heads", type=int, default=4, help="attention heads (must divide --model.dim)")
-    p.add_flag("--model.context", type=int, default=512, help="context length in tokens (bytes + BOS)")
+    p.add_flag("--model.context", type=int, default=512,
+               help="context length in tokens (toy model: bytes + BOS)")
     p.add_flag("--model.seed", type=int, default=0, help="seed of the random weights")
     p.add_flag("--model.checkpoint", default=None, help="local state_dict file to load (never downloaded)")
+    p.add_flag("--model.hf", default=None,
+               help="local Hugging Face causal-LM folder to serve instead of the toy model (no downloads)")
     p.add_flag("--model.device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_flag("--model.dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, ...")
     p.add_flag("--tenants", default="default:1:normal", help="NAME:SHARE[:PRIORITY],... GPU-time shares")
@@ -77,11 +81,12 @@ def config_from_args(ns) -> ServerConfig:
     model = ModelSpec(layers=args["model.layers"], dim=args["model.dim"], heads=args["model.heads"],
                       context=args["model.context"], seed=args["model.seed"],
                       checkpoint=args["model.checkpoint"], device=args["model.device"],
-                      dtype=args["model.dtype"])
+                      dtype=args["model.dtype"], hf=args["model.hf"])
     if model.checkpoint and not os.path.isfile(model.checkpoint):
         raise ConfigError(f"--model.checkpoint {model.checkpoint!r} is not a local file")
     return ServerConfig(
-        host=host, port=port, model=model, model_name=args["model.name"], tenants=tenants,
+        host=host, port=port, model=model, model_name=args["model.name"] or _default_model_name(model),
+        tenants=tenants,
         default_tenant=args["tenants.default"] or tenants[0].name, unknown_tenant=unknown,
         scheduler=args["scheduler"], batching=args["batching"], max_batch_size=args["batch.max_size"],
         max_wait_s=args["batch.max_wait"], max_queue_per_tenant=args["queue.max_per_tenant"],
@@ -90,6 +95,12 @@ def config_from_args(ns) -> ServerConfig:
         faults_token=token if args["faults.enable"] else None, loki_url=args["loki.url"],
         instance=f"{socket.gethostname()}:{port}",
     ).validate()
+
+
+def _default_model_name(model: ModelSpec) -> str:
+    if model.hf is not None:
+        return os.path.basename(os.path.normpath(model.hf)) or "hf-model"
+    return "gpuscope-tiny"
 
 
 def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry) -> list[logging.Handler]:
@@ -153,6 +164,9 @@ def main(argv: list[str]) -> int:
     log = logging.getLogger("gpuscope.server")
     try:
         service = Service(config, registry)
+    except ConfigError as exc:  # --model.hf: the folder is not a loadable model
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 2
     except (OSError, RuntimeError, ValueError) as exc:
         sys.stderr.write(f"{PROG}: error: cannot build the model: {exc}\n".replace("\n", " ").rstrip() + "\n")
         return 1

@@ -1,4 +1,4 @@
-"""A small GPT-style decoder with a slot-based KV cache, and its byte-level tokenizer.
+"""A small GPT-style decoder with a slot-based KV cache, its byte-level tokenizer, and the runner interface.
 
 Random weights from a fixed seed (or a local checkpoint: never a download), so
 the server really generates tokens and the GPU does real work of a size set
@@ -9,12 +9,18 @@ The KV cache has one row ("slot") per running request. One forward serves
 both phases: prefill (``start`` = 0, a right-padded prompt per row) and
 decode (one token per row at its own position), so requests of different
 lengths share a decode step.
+
+``ModelRunner`` is what the engine drives: token ids in, next-token logits out,
+one call per batched step, with the KV cache kept by the runner per slot.
+``TinyRunner`` runs ``TinyGPT``; ``gpuscope.server.hf.HFRunner`` runs a local
+Hugging Face causal LM.
 """
 
 from __future__ import annotations
 
 import codecs
 import math
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +31,58 @@ from .config import ModelSpec
 BOS = 256
 EOS = 257
 VOCAB = 258
+
+
+class Decoder(Protocol):
+    """Incremental detokenizer of one request: ``feed`` each generated token, ``finish`` at the end."""
+
+    def feed(self, token: int) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class ModelRunner(Protocol):
+    """The engine's view of a model: batched prefill and decode over KV-cache slots.
+
+    The engine owns slot numbers (``0 .. slots-1``, one per running request) and calls everything
+    from its one thread. Prompts reach it as the API's ids (``encode``: BOS, then UTF-8 bytes);
+    ``tokenize`` turns them into the model's tokens.
+    """
+
+    module: Any  # the torch.nn.Module whose forward is one step (what timer.instrument wraps)
+    device: torch.device
+    context: int  # most tokens (prompt + generated) one slot holds
+    eos_ids: frozenset[int]  # a generated token in here ends the request with finish_reason "stop"
+
+    def allocate(self, slots: int) -> None:
+        """Make room for ``slots`` concurrent requests; runs once, before the first step."""
+
+    def tokenize(self, prompt: list[int]) -> list[int]:
+        """The API's prompt ids (``encode``'s) → the model's token ids (never empty)."""
+
+    def new_decoder(self, prompt: list[int]) -> Decoder:
+        """Detokenizer for a request whose (model-token) prompt is ``prompt``."""
+
+    def prefill(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """Run whole sequences into fresh slots; logits of each row's next token, [rows, vocab].
+
+        A preempted request comes back here with its prompt and what it had generated.
+        """
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per slot at ``positions`` (tokens already cached); next-token logits, [rows, vocab]."""
+
+    def free(self, slot: int) -> None:
+        """The slot's request finished or was preempted: forget its cache."""
+
+    def warm_up(self) -> None:
+        """One small prefill and decode outside any slot, so the first request pays no first-use cost."""
+
+    def set_extra_passes(self, passes: int) -> None:
+        """The latency_spike fault: repeat real work inside every timed MLP region ``passes`` times."""
+
+    def instrument(self, timer) -> Any:
+        """Per-module timing of ``module`` with ``timer``; returns what ``.remove()`` undoes."""
 
 
 def encode(text: str) -> list[int]:
@@ -202,6 +260,58 @@ def build_model(spec: ModelSpec) -> TinyGPT:
         state = torch.load(spec.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state)
     return model.to(device=device, dtype=pick_dtype(spec, device)).eval()
+
+
+class TinyRunner:
+    """``ModelRunner`` of ``TinyGPT``: slot rows of its own cache, the byte tokenizer."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        self.module = model
+        self.device = next(model.parameters()).device
+        self.context = model.spec.context
+        self.eos_ids = frozenset({EOS})
+
+    def allocate(self, slots: int) -> None:
+        self.module.allocate_cache(slots)
+
+    def tokenize(self, prompt: list[int]) -> list[int]:
+        return prompt
+
+    def new_decoder(self, prompt: list[int]) -> StreamDecoder:
+        return StreamDecoder()
+
+    def prefill(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(row) for row in rows)
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        dev = self.device
+        return self.module(tokens.to(dev), torch.tensor(slots, dtype=torch.long, device=dev),
+                           torch.zeros(len(rows), dtype=torch.long, device=dev),
+                           torch.tensor([len(row) - 1 for row in rows], dtype=torch.long, device=dev), width)
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        dev = self.device
+        return self.module(torch.tensor(tokens, dtype=torch.long, device=dev)[:, None],
+                           torch.tensor(slots, dtype=torch.long, device=dev),
+                           torch.tensor(positions, dtype=torch.long, device=dev),
+                           torch.zeros(len(slots), dtype=torch.long, device=dev), max(positions) + 1)
+
+    def free(self, slot: int) -> None:
+        pass  # a slot's rows are overwritten by its next prefill; the mask never reads past a row's length
+
+    def warm_up(self) -> None:
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        tokens = torch.zeros((1, 4), dtype=torch.long, device=self.device)
+        self.module(tokens, slot, slot, slot + 3, 4).float().cpu()
+
+    def set_extra_passes(self, passes: int) -> None:
+        self.module.set_extra_passes(passes)
+
+    def instrument(self, timer) -> Any:
+        from .timer_glue import instrument_model
+
+        return instrument_model(timer, self.module)
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

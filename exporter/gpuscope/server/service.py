@@ -1,7 +1,8 @@
 """Assembles the server's parts (model, timer, scheduler, engine, faults, metrics); no HTTP.
 
 The API wraps a ``Service``; the tenancy benchmark drives one directly, which
-is why nothing here imports aiohttp.
+is why nothing here imports aiohttp. The model is the toy ``TinyGPT``, or with
+``--model.hf DIR`` a local Hugging Face causal LM (``hf.py``, imported only then).
 """
 
 from __future__ import annotations
@@ -14,11 +15,20 @@ from .config import ServerConfig
 from .engine import Deliver, Engine
 from .faults import FAULTS, FaultInjector
 from .metrics import RequestMetrics, StateCollector
-from .model import build_model
+from .model import ModelRunner, TinyRunner, build_model
 from .scheduler import Scheduler
-from .timer_glue import build_timer, instrument_model
+from .timer_glue import build_timer
 
 log = logging.getLogger("gpuscope.server")
+
+
+def build_runner(config: ServerConfig) -> ModelRunner:
+    """The toy model's runner, or the Hugging Face one (ConfigError when the folder is not a model)."""
+    if config.model.hf is not None:
+        from .hf import load_runner
+
+        return load_runner(config.model)
+    return TinyRunner(build_model(config.model))
 
 
 class Service:
@@ -27,15 +37,16 @@ class Service:
     def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model = build_model(config.model)
-        self.device = next(self.model.parameters()).device
+        self.runner = build_runner(config)
+        self.model = self.runner.module
+        self.device = self.runner.device
         self.timer = build_timer(config.timing, self.registry, config.timing_budget)
-        self.instrumentation = instrument_model(self.timer, self.model) if config.timing != "off" else None
+        self.instrumentation = self.runner.instrument(self.timer) if config.timing != "off" else None
         names = [t.name for t in config.tenants]
         self.scheduler = Scheduler(config.tenants, config.scheduler, config.max_queue_per_tenant)
         self.faults = FaultInjector(set(names), self.device) if config.faults_enabled else None
         self.metrics = RequestMetrics(self.registry, names)
-        self.engine = Engine(self.model, self.scheduler, self.timer, batch_size=config.batch_size,
+        self.engine = Engine(self.runner, self.scheduler, self.timer, batch_size=config.batch_size,
                              max_wait_s=config.max_wait_s, deliver=lambda events: None,
                              metrics=self.metrics, faults=self.faults)
         self.registry.register(StateCollector(self.scheduler, self.device, self.engine.kv_usage,
