@@ -124,8 +124,13 @@ def tiny(tmp_path_factory) -> Tiny:
     return Tiny(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def cpu_spec(tiny: Tiny) -> ModelSpec:
+    """On CPU in float32 on any host: the references are float32 CPU forwards, compared token for token."""
+    return ModelSpec(hf=str(tiny.path), context=256, device="cpu", dtype="float32")
+
+
 def hf_config(tiny: Tiny, **overrides):
-    return small_config(model=ModelSpec(hf=str(tiny.path), context=256), **overrides)
+    return small_config(model=cpu_spec(tiny), **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +144,7 @@ def hf_server(tiny):
 
 
 def test_runner_batches_joins_and_frees_with_unbatched_greedy_outputs(tiny):
-    runner = load_runner(ModelSpec(hf=str(tiny.path), context=256))
+    runner = load_runner(cpu_spec(tiny))
     n = 10
     refs = {slot: tiny.reference(p, n) for slot, p in enumerate(PROMPTS)}
     toks = {slot: runner.tokenize(encode(p)) for slot, p in enumerate(PROMPTS)}
@@ -223,7 +228,7 @@ def test_runner_matches_unbatched_greedy_on_other_architectures(name):
 
 
 def test_preempted_request_resumes_with_the_same_tokens(tiny):
-    runner = load_runner(ModelSpec(hf=str(tiny.path), context=256))
+    runner = load_runner(cpu_spec(tiny))
     scheduler = Scheduler(parse_tenants("hi:0.5:high,lo:0.5:low"), "share", 100)
     timer = build_timer("off", None)
     done = threading.Event()
@@ -265,7 +270,7 @@ def test_stream_decoder_pieces_add_up_to_the_full_decode(tiny):
 
 
 def test_latency_spike_repeats_mlp_work_inside_the_mlp_and_keeps_outputs(tiny):
-    runner = load_runner(ModelSpec(hf=str(tiny.path), context=256))
+    runner = load_runner(cpu_spec(tiny))
     ids = tiny.ids("hello")
     with torch.inference_mode():
         expected = runner.prefill([0], [ids])
@@ -402,7 +407,7 @@ def test_faults_work_on_the_hf_model(tiny):
 
 
 def test_a_prompt_over_the_context_in_model_tokens_fails_with_a_message(tiny):
-    runner = load_runner(ModelSpec(hf=str(tiny.path), context=256))
+    runner = load_runner(cpu_spec(tiny))
     engine = Engine(runner, Scheduler(parse_tenants("a:1"), "share", 10), build_timer("off", None),
                     batch_size=2, max_wait_s=0.0, deliver=lambda events: None, log_requests=False)
     engine.start()
@@ -426,6 +431,7 @@ def test_serve_process_loads_the_folder_answers_and_logs_to_loki(tiny):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpuscope", "serve", "--model.hf", str(tiny.path), "--model.context", "256",
+         "--model.device", "cpu",
          "--request.max-tokens", "32", "--web.listen-address", f"127.0.0.1:{port}", "--timing", "all",
          "--loki.url", receiver.url],
         env={**ENV, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
