@@ -198,7 +198,9 @@ class LokiHandler(logging.Handler):
             if not pending:
                 if not closing and len(self._buffer) < self.batch_size:
                     self._wake.wait(self.batch_interval)
-                    self._wake.clear()
+                # Whatever asked for a push (a full batch, flush) is answered by the batch taken now:
+                # a wake left set would push the remainder of a full batch early, as a partial one.
+                self._wake.clear()
                 pending = self._take()
                 if not pending:
                     if self._closing.is_set() and not self._buffer:
