@@ -8,13 +8,24 @@ The paced endpoint is a stand-in with known timing, not a model server: it lets
 a test check that the client measures TTFT and inter-token gaps that the server
 really produced. Everything that needs real serving behaviour runs against
 ``gpuscope serve``.
+
+A run's outcome must not depend on how fast the machine is, so a test that needs
+users cut mid-stream, or counts that stop changing, does not end Locust after a
+fixed time: the paced server streams a set number of requests in full and holds
+every later one open after its first token; the test waits until every user sits
+in a held stream (and Locust's CSV shows every finished request), then stops
+Locust with Ctrl-C (SIGINT), as a user does. Not SIGTERM: Locust installs its
+SIGTERM handler only after a headless shape run ends, and gpuscope's locustfile
+always has a shape, so SIGTERM kills the run before it writes any report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -31,28 +42,42 @@ LOCUSTFILE_DIR = REPO / "loadtest"
 
 @dataclass
 class PacedServer:
-    """Streams ``max_tokens`` chunks: the first after ``first_s``, then one every ``gap_s``."""
+    """Streams ``max_tokens`` chunks: the first after ``first_s``, then one every ``gap_s``.
+
+    With ``hold_after`` set, the requests after the first ``hold_after`` stream one token and
+    then stay open until the fixture ends (``held`` lists them): a closed-loop user that sends
+    one ends up waiting in it, so a test knows when every user is mid-stream and done counting.
+    """
 
     first_s: float = 0.15
     gap_s: float = 0.05
-    fail_every: int = 0  # every nth request gets HTTP 503 (0: never)
+    fail_every: int = 0  # every nth request gets HTTP 503 (0: never); held ones never fail
+    hold_after: int | None = None
     url: str = ""
     received: list[dict] = field(default_factory=list)
+    held: list[dict] = field(default_factory=list)
+    release: asyncio.Event | None = None  # set at teardown: held streams end
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append({"tenant": request.headers.get("X-Tenant"), **body})
-        if self.fail_every and len(self.received) % self.fail_every == 0:
+        tenant = request.headers.get("X-Tenant")
+        self.received.append({"tenant": tenant, **body})
+        hold = self.hold_after is not None and len(self.received) > self.hold_after
+        if not hold and self.fail_every and len(self.received) % self.fail_every == 0:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         try:
             await asyncio.sleep(self.first_s)
-            for i in range(int(body["max_tokens"])):
+            for i in range(1 if hold else int(body["max_tokens"])):
                 if i:
                     await asyncio.sleep(self.gap_s)
                 chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if hold:
+                self.held.append({"tenant": tenant})
+                assert self.release is not None
+                await self.release.wait()
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionError:
@@ -71,6 +96,7 @@ def paced_server() -> Iterator[PacedServer]:
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
+        server.release = asyncio.Event()
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())
@@ -83,15 +109,80 @@ def paced_server() -> Iterator[PacedServer]:
     thread.start()
     assert started.wait(10), "paced server did not start"
     yield server
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(server.release.set)
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+def _locust_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE_DIR), "--headless", *args]
+
+
+def _locust_env(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
 def run_locust(args: list[str], env: dict[str, str] | None = None, timeout: float = 120,
                cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     """``locust -f loadtest/ ARGS`` headless in a child process (this Python's Locust); its output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE_DIR), "--headless",
-                           *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(_locust_command(args), cwd=cwd, env=_locust_env(env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _default_sigint() -> None:
+    # A shell runs background jobs with SIGINT ignored, and Python then never turns it into
+    # KeyboardInterrupt: give Locust the Ctrl-C a terminal would, whoever started the tests.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class LocustProcess:
+    """``locust -f loadtest/ ARGS`` running until :meth:`stop`; output goes to files in ``log_dir``.
+
+    ``with LocustProcess(args, tmp_path) as locust: ...; result = locust.stop()``; leaving the
+    block kills a Locust that is still running (a failed test).
+    """
+
+    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.stdout_path, self.stderr_path = log_dir / "locust.out", log_dir / "locust.err"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen(_locust_command(args), cwd=REPO, env=_locust_env(env),
+                                            stdout=out, stderr=err, preexec_fn=_default_sigint)
+
+    def running(self) -> bool:
+        """True while Locust runs; fails the test (with its output) if it exited on its own."""
+        if self.process.poll() is not None:
+            pytest.fail(f"locust exited with {self.process.returncode}:\n{self.stderr()[-3000:]}")
+        return True
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Ctrl-C: Locust stops its users, writes its reports and exits; its exit code and output."""
+        self.running()
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(timeout)
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode,
+                                           self.stdout_path.read_text(errors="replace"), self.stderr())
+
+    def __enter__(self) -> LocustProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+
+def csv_request_count(prefix: Path, name: str) -> int | None:
+    """``Request Count`` of entry ``name`` in Locust's ``PREFIX_stats.csv`` (None: not written yet).
+
+    Locust rewrites the file in place every second, so a read can catch it half written.
+    """
+    try:
+        with open(f"{prefix}_stats.csv", newline="") as f:
+            rows = {row["Name"]: row for row in csv.DictReader(f)}
+        return int(rows[name]["Request Count"])
+    except (OSError, KeyError, ValueError, TypeError, csv.Error):
+        return None
