@@ -62,8 +62,14 @@ class ServerThread:
 
         self._thread.start()
         assert self._started.wait(30), "server did not start"
-        wait_for(lambda: requests.get(self.url + "/readyz", timeout=5).status_code == 200, timeout=30,
-                 what="/readyz")
+
+        def ready() -> bool:
+            try:
+                return requests.get(self.url + "/readyz", timeout=5).status_code == 200
+            except requests.RequestException:  # a busy machine: ask again until the deadline
+                return False
+
+        wait_for(ready, timeout=60, what="/readyz")
         return self
 
     def stop(self) -> None:

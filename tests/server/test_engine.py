@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -28,6 +29,9 @@ class Rig:
         self.done: list[Request] = []
         self.lock = threading.Lock()
         self.refill: set[str] = set()
+        self._pause_if: Callable[[], bool] | None = None
+        self.paused = threading.Event()
+        self._resume = threading.Event()
         self.engine = Engine(build_model(SPEC), self.scheduler, self.timer, batch_size=batch,
                              max_wait_s=max_wait, deliver=self.deliver, metrics=self.metrics,
                              log_requests=False)
@@ -41,14 +45,37 @@ class Rig:
                     self.done.append(req)
                 if req.tenant in self.refill:
                     self.engine.submit(Request(req.tenant, encode("refill"), 8, 0.0))
+        if self._pause_if is not None and self._pause_if():
+            self._pause_if = None
+            self.paused.set()
+            self._resume.wait(60)
+
+    def pause_after(self, condition: Callable[[], bool]) -> None:
+        """Hold the engine thread after the first step that makes ``condition()`` true, until resume().
+
+        ``deliver`` runs on the engine thread between steps: while it waits, no request moves, so
+        what a test does then happens between two decode steps, however slow the machine.
+        """
+        self.paused.clear()
+        self._resume.clear()
+        self._pause_if = condition
+
+    def resume(self) -> None:
+        self._resume.set()
 
     def submit(self, tenant="a", tokens=8, prompt="hi"):
-        req = Request(tenant, encode(prompt), tokens, 0.0, trace_id="t")
+        req = self.request(tenant, tokens, prompt)
         self.engine.submit(req)
         return req
 
+    @staticmethod
+    def request(tenant="a", tokens=8, prompt="hi"):
+        return Request(tenant, encode(prompt), tokens, 0.0, trace_id="t")
+
     def close(self):
         self.refill.clear()
+        self._pause_if = None
+        self._resume.set()
         self.engine.stop()
         self.timer.close()
 
@@ -63,12 +90,17 @@ def rig():
     r.close()
 
 
-def test_concurrent_requests_share_batches(rig):
-    reqs = [rig.submit() for _ in range(4)]
-    wait_for(lambda: all(r.outcome for r in reqs), what="4 requests done")
-    # The max-wait window gathered them into one prefill of 4, then decoded them together.
-    assert rig.batch_hist("prefill", "2.0") == 0 and rig.batch_hist("prefill", "4.0") == 1
-    assert rig.batch_hist("decode", "2.0") == 0
+def test_concurrent_requests_share_batches():
+    # A window far longer than submitting takes, however slow the machine: a full batch closes it.
+    rig = Rig(max_wait=600.0)
+    try:
+        reqs = [rig.submit() for _ in range(4)]
+        wait_for(lambda: all(r.outcome for r in reqs), what="4 requests done")
+        # The max-wait window gathered them into one prefill of 4, then decoded them together.
+        assert rig.batch_hist("prefill", "2.0") == 0 and rig.batch_hist("prefill", "4.0") == 1
+        assert rig.batch_hist("decode", "2.0") == 0
+    finally:
+        rig.close()
 
 
 def test_batching_off_runs_one_request_at_a_time():
@@ -84,20 +116,27 @@ def test_batching_off_runs_one_request_at_a_time():
 
 
 def test_new_requests_join_between_decode_steps(rig):
-    long = rig.submit(tokens=200)
-    wait_for(lambda: len(long.generated) >= 5, what="long request decoding")
-    short = rig.submit(tokens=3)
+    long = rig.request(tokens=200)
+    rig.pause_after(lambda: len(long.generated) >= 5)
+    rig.engine.submit(long)
+    assert rig.paused.wait(30), "long request never decoding"
+    short = rig.submit(tokens=3)  # arrives between two of long's decode steps
+    rig.resume()
     wait_for(lambda: short.outcome is not None, what="short request done")
     assert long.outcome is None  # it joined the running batch instead of waiting for it to drain
     wait_for(lambda: long.outcome == "length", timeout=30)
 
 
 def test_cancelled_request_leaves_the_batch(rig):
-    req = rig.submit(tokens=200)
-    wait_for(lambda: len(req.generated) >= 2, what="decoding")
-    rig.engine.cancel(req)
+    req = rig.request(tokens=200)
+    rig.pause_after(lambda: len(req.generated) >= 2)
+    rig.engine.submit(req)
+    assert rig.paused.wait(30), "never decoding"
+    generated = len(req.generated)
+    rig.engine.cancel(req)  # between two decode steps
+    rig.resume()
     wait_for(lambda: req.outcome == "abort", what="abort")
-    assert len(req.generated) < 200
+    assert len(req.generated) == generated < 200  # it left at the next step
     assert rig.registry.get_sample_value("gpuscope_requests_total", {"tenant": "a", "outcome": "abort"}) == 1
 
 

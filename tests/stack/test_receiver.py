@@ -126,14 +126,14 @@ def test_command_serves_and_stops_on_sigterm(free_port):
     try:
         def healthy() -> bool:
             try:
-                return requests.get(f"http://127.0.0.1:{free_port}/healthz", timeout=1).ok
-            except requests.ConnectionError:
+                return requests.get(f"http://127.0.0.1:{free_port}/healthz", timeout=5).ok
+            except requests.RequestException:  # not listening yet, or too busy starting to answer
                 return False
-        wait_for(healthy, timeout=20, what="receiver /healthz")
+        wait_for(healthy, timeout=60, what="receiver /healthz")
         url = f"http://127.0.0.1:{free_port}/alerts"
-        requests.post(url, json=notification(), timeout=5).raise_for_status()
+        requests.post(url, json=notification(), timeout=30).raise_for_status()
         proc.terminate()
-        out, _ = proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0
         assert json.loads(out.splitlines()[0])["notification"]["status"] == "firing"
     finally:

@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -107,31 +106,46 @@ def test_command_starts_everything_routes_an_alert_and_stops_on_sigterm(tmp_path
         assert set(lines) == set(st.COMPONENTS)
         prom, am, receiver = lines["prometheus"], lines["alertmanager"], lines["receiver"]
 
-        def all_jobs_up() -> bool:
-            result = requests.get(prom + "/api/v1/query", params={"query": "up == 1"}, timeout=5).json()
-            return {r["metric"]["job"] for r in result["data"]["result"]} == {
-                "gpuscope-server", "gpuscope-exporter", "node", "gpuscope-receiver", "prometheus",
+        jobs = {"gpuscope-server", "gpuscope-exporter", "node", "gpuscope-receiver", "prometheus",
                 "alertmanager"}
+        up: dict[str, str] = {}
 
-        wait_for(all_jobs_up, timeout=60, interval=0.5, what="all six jobs up in Prometheus")
+        def all_jobs_up() -> bool:
+            try:
+                result = requests.get(prom + "/api/v1/query", params={"query": "up"}, timeout=10).json()
+            except requests.RequestException:  # a busy machine: ask again until the deadline
+                return False
+            series = result["data"]["result"]
+            up.clear()
+            up.update({f'{r["metric"]["job"]} {r["metric"].get("instance")}': r["value"][1] for r in series})
+            return {r["metric"]["job"] for r in series if r["value"][1] == "1"} == jobs
+
+        try:
+            wait_for(all_jobs_up, timeout=120, interval=0.5, what="all six jobs up in Prometheus")
+        except pytest.fail.Exception:
+            pytest.fail(f"not all six jobs up in Prometheus: {up}; see {tmp_path / 'logs'}")
         alert = [{"labels": {"alertname": "GpuscopeStackSmoke", "severity": "warning",
                              "service": "gpuscope-server", "instance": "smoke"},
                   "annotations": {"summary": "stack smoke test"}}]
-        requests.post(am + "/api/v2/alerts", json=alert, timeout=5).raise_for_status()
+        requests.post(am + "/api/v2/alerts", json=alert, timeout=30).raise_for_status()
 
         def delivered() -> bool:
-            notes = requests.get(receiver + "/alerts", timeout=5).json()["notifications"]
+            try:
+                notes = requests.get(receiver + "/alerts", timeout=10).json()["notifications"]
+            except requests.RequestException:
+                return False
             return any(a["labels"]["alertname"] == "GpuscopeStackSmoke"
                        for n in notes for a in n["notification"]["alerts"])
 
-        wait_for(delivered, timeout=60, interval=0.5, what="the alert at the receiver (after group_wait)")
+        wait_for(delivered, timeout=120, interval=0.5, what="the alert at the receiver (after group_wait)")
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         assert len(children) == len(st.COMPONENTS)
-        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - start < 20
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        # Clean: every part exited on its SIGTERM; none outlived the stack's grace period and got SIGKILL.
+        assert "killing it" not in err and "gpuscope stack: stopped" in err, err
         for pid in children:
             assert not Path(f"/proc/{pid}").exists() or \
                 Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"child {pid} outlived the stack"
