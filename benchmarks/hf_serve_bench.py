@@ -23,7 +23,7 @@ naming it on stderr, in the table and under ``failures``:
 Needs only torch, transformers, tokenizers, aiohttp, prometheus-client, nvidia-ml-py and pyyaml
 (gpuscope comes from ``exporter/`` by path). Writes ``--out``, progress on stderr, a table last.
 
-    python benchmarks/hf_serve_bench.py --out benchmarks/results/hf-serve-h200.json   # GPU host, ~5 min
+    python benchmarks/hf_serve_bench.py --out benchmarks/results/hf-serve-h200.json   # GPU host, ~4 min
     python benchmarks/hf_serve_bench.py --quick --out /tmp/hf.json                     # CPU smoke
 """
 
@@ -101,8 +101,10 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_model(folder: Path, quick: bool) -> dict[str, Any]:
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    transformers.utils.logging.disable_progress_bar()
     shape = QUICK if quick else TINYLLAMA
     dtype = torch.float32 if quick else torch.bfloat16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -386,7 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="--model.context of the servers")
     p.add_argument("--timing-streams", type=int, help="streams of the timing part's load (8; quick 2)")
     p.add_argument("--timing-requests", type=int, help="requests per stream per mode and round (2; quick 1)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds of off/budget/all (6; quick 2)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds of off/budget/all (12; quick 2)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to load")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra `gpuscope serve` flag (repeatable)")
@@ -395,7 +397,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = {"streams": "1,4" if quick else "1,8,32", "requests_per_stream": 2 if quick else 4,
                 "prompt_tokens": 16 if quick else 128, "max_tokens": 8 if quick else 128,
                 "timing_streams": 2 if quick else 8, "timing_requests": 1 if quick else 2,
-                "rounds": 2 if quick else 6}
+                "rounds": 2 if quick else 12}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
