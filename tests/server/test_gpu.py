@@ -109,3 +109,51 @@ def test_an_engine_on_the_second_gpu_times_its_steps_there():
     finally:
         engine.stop()
         timer.close()
+
+
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens_and_module_times():
+    """``--model.cuda-graphs``: greedy completions equal eager decoding's, for batches that pad to a
+    captured size, and per-module GPU time comes from sampled replays."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from gpuscope.server.config import ModelSpec, parse_tenants
+    from gpuscope.server.engine import Engine, Request
+    from gpuscope.server.model import TinyRunner, build_model, encode
+    from gpuscope.server.scheduler import Scheduler
+    from gpuscope.server.timer_glue import build_timer
+
+    def run(cuda_graphs: bool) -> tuple[list[list[int]], CollectorRegistry, object]:
+        registry = CollectorRegistry()
+        runner = TinyRunner(build_model(ModelSpec(layers=4, dim=256, heads=4, context=256)))
+        timer = build_timer("budget", registry)
+        inst = runner.instrument(timer)
+        if cuda_graphs:
+            runner.use_cuda_graphs(timer)
+        engine = Engine(runner, Scheduler(parse_tenants("a:1"), "share", 100), timer, batch_size=8,
+                        max_wait_s=0.005, deliver=lambda events: None, log_requests=False)
+        engine.start()
+        try:
+            # 5 rows pad to the captured size 8, then fewer as requests of different lengths end.
+            reqs = [Request("a", encode(f"prompt {i}"), 8 + 6 * i, 0.0) for i in range(5)]
+            for r in reqs:
+                engine.submit(r)
+            wait_for(lambda: all(r.outcome for r in reqs), timeout=120, what="requests done")
+            assert timer.flush(30)
+            return [r.generated for r in reqs], registry, runner
+        finally:
+            engine.stop()
+            inst.remove()
+            timer.close()
+
+    eager, _, _ = run(cuda_graphs=False)
+    graphed, registry, runner = run(cuda_graphs=True)
+    assert graphed == eager
+    assert runner.decode_graphs.sizes == [1, 2, 4, 8]
+    replays = sum(g.replays for g in runner.decode_graphs.timed_graphs())
+    timed = sum(g.timed_replays for g in runner.decode_graphs.timed_graphs())
+    assert replays > 0 and timed > 0
+    labels = {"op": "blocks.0.attn", "device": "0"}
+    count = registry.get_sample_value("gpuscope_region_gpu_seconds_count", labels)
+    assert count and count >= timed
+    torch.cuda.synchronize()
