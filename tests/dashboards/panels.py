@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuscope.dashboards import uids
+
 ROOT = Path(__file__).resolve().parents[2]
 JSON_DIR = ROOT / "dashboards" / "json"
-# The dashboard sources import their helpers as ``common`` from beside them; tests read the same constants.
-if str(ROOT / "dashboards") not in sys.path:
-    sys.path.insert(0, str(ROOT / "dashboards"))
-common = importlib.import_module("common")
-
-UIDS = ("gpuscope-fleet", "gpuscope-kernels", "gpuscope-slo", "gpuscope-tenants", "gpuscope-bottlenecks",
-        "gpuscope-logs")
+UIDS = uids.ALL
 
 
 @dataclass(frozen=True)

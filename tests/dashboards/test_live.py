@@ -14,10 +14,11 @@ import pytest
 import requests
 
 from gpuscope import catalogue
+from gpuscope.dashboards import common
 from tests.conftest import wait_for
 from tests.dashboards.conftest import SCRAPE_INTERVAL_S
 from tests.dashboards.no_data_allowlist import ALLOWED_EMPTY, ALLOWED_EMPTY_VARIABLES, MAY_BE_EMPTY
-from tests.dashboards.panels import Query, common, dashboards, queries, substitute
+from tests.dashboards.panels import Query, dashboards, queries, substitute
 
 pytestmark = [pytest.mark.slow, pytest.mark.distro]
 
@@ -95,7 +96,7 @@ def test_exemplar_trace_ids_lead_to_the_requests_logs(live_stack, loki_sink):
 
     Loki itself cannot run here: the server pushes to a sink speaking Loki's push format, and the
     test checks that the stream labels and structured metadata match what the exemplar link's LogQL
-    (dashboards/common.py EXEMPLAR_LOGQL) and the logs dashboard select on.
+    (gpuscope.dashboards.common.EXEMPLAR_LOGQL) and the logs dashboard select on.
     """
     r = requests.post(live_stack.url("prometheus") + "/api/v1/query_exemplars",
                       data={"query": catalogue.REQUEST_TTFT.series("_bucket"),

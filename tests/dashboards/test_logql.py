@@ -12,8 +12,9 @@ import subprocess
 import pytest
 import yaml
 
+from gpuscope.dashboards import common
 from tests.conftest import STRICT, require_binary
-from tests.dashboards.panels import ROOT, common, queries, substitute
+from tests.dashboards.panels import ROOT, queries, substitute
 
 TOOL = ROOT / "tools" / "logql"
 

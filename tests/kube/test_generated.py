@@ -8,17 +8,19 @@ import json
 import pytest
 import yaml
 
+from gpuscope import generate as gpuscope_generate
 from gpuscope.alerting import alertmanager
 from gpuscope.alerting.config import PRODUCTION
 from gpuscope.alerting.generate import prometheus_rules_path
-from gpuscope.kube import generate, monitoring, render
+from gpuscope.kube import generate, render
 from gpuscope.kube.config import DEPLOYMENT, image_build, job_of
 from gpuscope.ports import PORTS
 from tests.kube.conftest import ROOT, find, rendered
 
 
 def test_generated_files_are_current() -> None:
-    assert generate.main(["--check", "--root", str(ROOT)]) == 0, "run python -m gpuscope.kube.generate"
+    stale, orphans = gpuscope_generate.run(ROOT, check=True, only=("kubernetes",))
+    assert (stale, orphans) == ([], []), "run `gpuscope generate`"
 
 
 def test_generate_returns_paths_under_the_generated_folder() -> None:
@@ -31,7 +33,7 @@ def test_renders_are_from_the_current_inputs() -> None:
     for overlay in render.OVERLAYS:
         text = (ROOT / render.RENDERED / f"{overlay}.yaml").read_text()
         assert render.recorded_digest(text) == digest, (
-            f"rendered/{overlay}.yaml is stale: run python -m gpuscope.kube.generate, then "
+            f"rendered/{overlay}.yaml is stale: run `gpuscope generate`, then "
             "python -m gpuscope.kube.render")
 
 
@@ -70,7 +72,7 @@ def test_alertmanager_secret_routes_as_alerts_alertmanager_yml() -> None:
 
 
 def test_dashboards_are_the_generated_json_for_the_grafana_sidecar() -> None:
-    files = monitoring.dashboard_files(ROOT)
+    files = sorted((ROOT / "dashboards" / "json").glob("*.json"))
     maps = [o for o in rendered("gpu")
             if o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"]["labels"]]
     assert len(maps) == len(files) == 6
@@ -88,7 +90,7 @@ def test_datasources_keep_the_dashboards_uids() -> None:
     provisioning = yaml.safe_load(cm["data"]["gpuscope-datasources.yaml"])
     uids = {ds["uid"]: ds for ds in provisioning["datasources"]}
     used = set()
-    for path in monitoring.dashboard_files(ROOT):
+    for path in sorted((ROOT / "dashboards" / "json").glob("*.json")):
         text = json.dumps(json.loads(path.read_text()))
         used |= {uid for uid in ("gpuscope-prometheus", "gpuscope-alertmanager") if uid in text}
     assert used <= set(uids)

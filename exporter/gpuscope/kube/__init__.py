@@ -6,7 +6,7 @@
   groups) and ServiceMonitors, the Alertmanager configuration Secret (the alert config's routing),
   Grafana dashboard and datasource ConfigMaps for the kube-prometheus-stack sidecar;
 - ``autoscaling``: prometheus-adapter rules and the HorizontalPodAutoscaler of the server;
-- ``generate``: ``python -m gpuscope.kube.generate [--check]`` writes ``deploy/kubernetes/generated/``;
+- ``generate``: ``gpuscope generate`` writes ``deploy/kubernetes/generated/``;
 - ``render``: ``python -m gpuscope.kube.render [--check]`` renders each overlay with
   ``kubectl kustomize`` into ``deploy/kubernetes/rendered/`` (what the offline validation reads).
 """

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
 KUBERNETES = Path("deploy/kubernetes")
 RENDERED = KUBERNETES / "rendered"
 OVERLAYS = ("gpu", "cpu-demo")
 _DIGEST = re.compile(r"^# inputs sha256: ([0-9a-f]{64})$", re.MULTILINE)
 
 
-def inputs_digest(root: Path = ROOT) -> str:
+def inputs_digest(root: Path) -> str:
     """SHA-256 over every file under deploy/kubernetes except rendered/ (paths and contents)."""
     h = hashlib.sha256()
     base = root / KUBERNETES
@@ -54,7 +53,7 @@ def kustomize_version(binary: str) -> str:
     return match.group(1) if match else "unknown"
 
 
-def kustomize(overlay: str, root: Path = ROOT, binary: str | None = None) -> str:
+def kustomize(overlay: str, root: Path, binary: str | None = None) -> str:
     """``kubectl kustomize`` of one overlay (raises RuntimeError with kustomize's message)."""
     binary = binary or kubectl()
     if binary is None:
@@ -66,7 +65,7 @@ def kustomize(overlay: str, root: Path = ROOT, binary: str | None = None) -> str
     return result.stdout
 
 
-def render(overlay: str, root: Path = ROOT, binary: str | None = None) -> str:
+def render(overlay: str, root: Path, binary: str | None = None) -> str:
     binary = binary or kubectl()
     body = kustomize(overlay, root, binary)
     return (f"# Rendered by `python -m gpuscope.kube.render`: kubectl kustomize "
@@ -83,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="report stale renders instead of writing (without kubectl: the digest only)")
-    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    parser.add_argument("--root", type=Path, default=Path("."),
+                        help="repository root (default: the current directory)")
     args = parser.parse_args(argv)
     binary, digest, stale = kubectl(), inputs_digest(args.root), []
     if binary is None and not args.check:

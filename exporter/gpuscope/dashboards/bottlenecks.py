@@ -1,9 +1,18 @@
 """Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
 
-from common import PromTarget, dashboard, gpu_var, instance_var, sel, stat, table, timeseries
-
 from gpuscope import catalogue as m
 from gpuscope.alerting import names
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
+            PromTarget,
+            dashboard,
+            gpu_var,
+            instance_var,
+            sel,
+            stat,
+            table,
+            timeseries,
+)
 
 # Recorded by the alert rules (gpuscope.alerting.bottleneck): one series per host with value 1 and label
 # class (memory_pressure, idle, gpu_bound, cpu_bound) for the class that holds now.
@@ -17,7 +26,7 @@ GPU_MEMORY = (f"sum by (instance) ({sel(m.GPU_MEMORY_USED)})"
               f" / sum by (instance) ({sel(m.GPU_MEMORY_TOTAL)})")
 
 dashboard = dashboard(
-    uid="gpuscope-bottlenecks",
+    uid=uids.BOTTLENECKS,
     title="gpuscope / Bottlenecks",
     description="Is each machine CPU-bound, GPU-bound, under memory pressure or idle? Host CPU and memory "
                 "from node_exporter next to GPU utilization and memory from gpuscope exporter.",

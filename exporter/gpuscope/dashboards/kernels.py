@@ -1,6 +1,8 @@
 """Kernel timing: GPU time per op from ``gpuscope.timing`` histograms, and the timer's own health."""
 
-from common import (
+from gpuscope import catalogue as m
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
                     Heatmap,
                     PromTarget,
                     dashboard,
@@ -15,8 +17,6 @@ from common import (
                     table,
                     timeseries,
 )
-
-from gpuscope import catalogue as m
 
 H = m.REGION_GPU_SECONDS
 #: Estimated GPU seconds per second of each op, corrected for sampling:
@@ -34,7 +34,7 @@ per_op.repeat.direction = "h"
 per_op.repeat.maxPerRow = 3
 
 dashboard = dashboard(
-    uid="gpuscope-kernels",
+    uid=uids.KERNELS,
     title="gpuscope / Kernel timing",
     description="Per-op GPU time measured with CUDA event pairs (baseline subtracted), and timer health.",
     tags=["timing"],

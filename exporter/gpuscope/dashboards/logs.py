@@ -1,6 +1,9 @@
 """Logs and alerts: the server's logs in Loki filtered by the dashboard's variables, and firing alerts."""
 
-from common import (
+from gpuscope import catalogue as m
+from gpuscope.alerting import names
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
                     SERVER_LOG_STREAM,
                     LokiTarget,
                     PromTarget,
@@ -15,14 +18,11 @@ from common import (
                     timeseries,
 )
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-
 # Tenant, level and trace id are structured metadata (not stream labels), filtered after the selector.
 FILTERED = SERVER_LOG_STREAM + ' | tenant=~"$tenant"'
 
 dashboard = dashboard(
-    uid="gpuscope-logs",
+    uid=uids.LOGS,
     title="gpuscope / Logs and alerts",
     description="Structured request logs from Loki (one line per request and per error) next to the alerts "
                 "Prometheus is firing and the notifications the receiver got.",

@@ -1,6 +1,9 @@
 """Inference SLO: latency heatmaps and percentiles, throughput, outcomes, queue, batch and KV cache."""
 
-from common import (
+from gpuscope import catalogue as m
+from gpuscope.alerting import names
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,
     heatmap,
@@ -14,9 +17,6 @@ from common import (
     timeseries,
 )
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-
 
 def percentiles(title: str, metric: m.Metric, description: str) -> object:
     return timeseries(title, *(PromTarget(quantile_expr(q, metric), f"p{round(q * 100)}", exemplar=True)
@@ -26,7 +26,7 @@ def percentiles(title: str, metric: m.Metric, description: str) -> object:
 ERRORS = 'outcome=~"error|abort|rejected"'
 
 dashboard = dashboard(
-    uid="gpuscope-slo",
+    uid=uids.SLO,
     title="gpuscope / Inference SLO",
     description="Time to first token, inter-token and end-to-end latency (vLLM's definitions and buckets), "
                 "tokens/s, outcomes, queue depth, batch size and KV cache of the reference server.",

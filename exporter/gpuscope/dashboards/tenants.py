@@ -1,6 +1,9 @@
 """Tenants and scheduling: GPU-time share against quota, queue wait, starvation."""
 
-from common import (
+from gpuscope import catalogue as m
+from gpuscope.alerting import names
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,
     heatmap,
@@ -14,9 +17,6 @@ from common import (
     timeseries,
 )
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-
 GPU_RATE = rate_expr(m.TENANT_GPU_SECONDS, by=["tenant"])
 SHARE = f"{GPU_RATE} / ignoring(tenant) group_left sum({GPU_RATE})"
 QUOTA = f"max by (tenant) ({sel(m.TENANT_SHARE_QUOTA)})"
@@ -25,7 +25,7 @@ STARVING = (f"(sum by (tenant) ({sel(m.QUEUE_DEPTH)}) > bool 0)"
             f" * on (tenant) ({GPU_RATE} == bool 0)")
 
 dashboard = dashboard(
-    uid="gpuscope-tenants",
+    uid=uids.TENANTS,
     title="gpuscope / Tenants and scheduling",
     description="Per-tenant GPU time measured with CUDA events against each tenant's configured share, "
                 "queue wait, and starvation indicators.",

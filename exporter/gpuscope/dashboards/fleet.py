@@ -1,6 +1,8 @@
 """GPU fleet: what every GPU is doing and how healthy it is, from ``gpuscope exporter``."""
 
-from common import (
+from gpuscope import catalogue as m
+from gpuscope.dashboards import uids
+from gpuscope.dashboards.common import (
                     PromTarget,
                     dashboard,
                     gpu_var,
@@ -13,12 +15,10 @@ from common import (
                     timeseries,
 )
 
-from gpuscope import catalogue as m
-
 G = "{{instance}} gpu {{gpu}}"
 
 dashboard = dashboard(
-    uid="gpuscope-fleet",
+    uid=uids.FLEET,
     title="gpuscope / GPU fleet",
     description="Utilization, memory, temperature, power, clocks, throttle reasons and XIDs of every GPU.",
     tags=["gpu"],
