@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gpuscope.alerting import generate, names, slo
+from gpuscope.alerting import composite, generate, names, slo
 from gpuscope.alerting.config import (
     PRODUCTION,
     PROFILES,
@@ -21,10 +21,17 @@ from gpuscope.alerting.config import (
     Thresholds,
 )
 from gpuscope.alerting.rules import DASHBOARDS
+from tests.alerts import memory_shapes
 from tests.conftest import require_binary
 
 ROOT = generate.ROOT
+#: Production cases, and test-profile copies of some of them (the same series, time compressed 15×).
 UNIT_TESTS = sorted((ROOT / "alerts/tests").glob("*.test.yml"))
+TEST_PROFILE_CASES = sorted((ROOT / "alerts/tests/test-profile").glob("*.test.yml"))
+#: Alerts whose cases run in both profiles: each is asserted silent and firing in the test profile too.
+BOTH_PROFILES = {"GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp",
+                 "GPUFramebufferRunningOut", "GPUServiceDegraded", "GPUServerTargetMissing",
+                 "GPUExporterTargetMissing", "GPUExporterGPUsMissing"}
 RULE_FILES = [generate.prometheus_rules_path(p) for p in PROFILES.values()]
 DURATION = re.compile(r"\b\d+[smhd]\b")
 
@@ -55,22 +62,65 @@ def test_promtool_check_rules(rel: str) -> None:
 
 
 @pytest.mark.distro
-@pytest.mark.parametrize("path", UNIT_TESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", UNIT_TESTS + TEST_PROFILE_CASES,
+                         ids=lambda p: p.relative_to(p.parents[1]).as_posix())
 def test_promtool_unit_tests(path: Path) -> None:
     result = subprocess.run([require_binary("promtool"), "test", "rules", path.name], cwd=path.parent,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_prometheus_alert_is_tested_silent_and_firing() -> None:
+@pytest.mark.parametrize("rel", sorted(memory_shapes.outputs()))
+def test_memory_shape_cases_are_current(rel: str) -> None:
+    expected = memory_shapes.outputs()[rel]
+    assert (ROOT / rel).read_text() == expected, "run: python -m tests.alerts.memory_shapes"
+
+
+def _tested(paths: list[Path]) -> tuple[set[str], set[str]]:
     firing, silent = set(), set()
-    for path in UNIT_TESTS:
+    for path in paths:
         for case in yaml.safe_load(path.read_text())["tests"]:
             for check in case.get("alert_rule_test", []):
                 (firing if check.get("exp_alerts") else silent).add(check["alertname"])
+    return firing, silent
+
+
+def test_every_prometheus_alert_is_tested_silent_and_firing() -> None:
+    firing, silent = _tested(UNIT_TESTS)
     alerts = {r["alert"] for r in _rules(generate.prometheus_rules_path(PRODUCTION)) if "alert" in r}
     assert alerts - firing == set(), "never asserted firing"
     assert alerts - silent == set(), "never asserted silent"
+    firing, silent = _tested(TEST_PROFILE_CASES)
+    assert BOTH_PROFILES - firing == set(), "never asserted firing in the test profile"
+    assert BOTH_PROFILES - silent == set(), "never asserted silent in the test profile"
+
+
+def _seconds(text: str) -> float:
+    return sum(float(n) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+               for n, unit in re.findall(r"([\d.]+)([smhd])", text))
+
+
+def _checks(group: dict, scale: int) -> list[tuple]:
+    alerts = [(c["alertname"], _seconds(c["eval_time"]) * scale,
+               sorted(sorted(a["exp_labels"].items()) for a in c.get("exp_alerts") or []))
+              for c in group.get("alert_rule_test", [])]
+    exprs = [(c["expr"], _seconds(c["eval_time"]) * scale, c.get("exp_samples"))
+             for c in group.get("promql_expr_test", [])]
+    return sorted(alerts, key=repr) + sorted(exprs, key=repr)
+
+
+@pytest.mark.parametrize("path", TEST_PROFILE_CASES, ids=lambda p: p.name)
+def test_test_profile_cases_are_production_cases_compressed(path: Path) -> None:
+    """Same series and values, same checks and labels at times ÷ 15, against the test rules."""
+    production = yaml.safe_load((ROOT / "alerts/tests" / path.name).read_text())
+    doc = yaml.safe_load(path.read_text())
+    assert doc["rule_files"] == [f"../../{generate.prometheus_rules_path(TEST).removeprefix('alerts/')}"]
+    assert _seconds(doc["evaluation_interval"]) == TEST.evaluation_interval
+    for group in doc["tests"]:
+        same = [g for g in production["tests"] if g["input_series"] == group["input_series"]]
+        assert len(same) == 1, f"{path.name}: no production case with these series"
+        assert _seconds(same[0]["interval"]) == TEST_COMPRESSION * _seconds(group["interval"])
+        assert _checks(group, TEST_COMPRESSION) == _checks(same[0], 1)
 
 
 @pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
@@ -110,7 +160,8 @@ def test_test_profile_is_production_with_compressed_windows() -> None:
         # Durations, and windows written as plain seconds (e.g. the XID age), become "D".
         seconds = {str(v) for v in vars(profile.windows).values()}
         text = DURATION.sub("D", text)
-        return re.sub(r"\b\d+\b", lambda m: "D" if m.group() in seconds else m.group(), text)
+        number = r"(?<![.\d])\b\d+\b(?![.\d])"  # whole numbers, not the digits of 0.5
+        return re.sub(number, lambda m: "D" if m.group() in seconds else m.group(), text)
 
     prod, test = (_rules(generate.prometheus_rules_path(p)) for p in (PRODUCTION, TEST))
     assert len(prod) == len(test)
@@ -120,8 +171,10 @@ def test_test_profile_is_production_with_compressed_windows() -> None:
             for k in a.get(key, {}):
                 assert norm(a[key][k], PRODUCTION) == norm(b[key][k], TEST), (a.get("alert"), k)
         assert norm(a["expr"], PRODUCTION) == norm(b["expr"], TEST), a.get("alert") or a.get("record")
-    for field_name, value in vars(TEST.windows).items():
-        assert value == max(TEST_MIN_WINDOW_S, getattr(PRODUCTION.windows, field_name) // TEST_COMPRESSION)
+    for f in fields(TEST.windows):
+        floor = f.metadata.get("test_min_s", TEST_MIN_WINDOW_S)
+        compressed = getattr(PRODUCTION.windows, f.name) // TEST_COMPRESSION
+        assert getattr(TEST.windows, f.name) == max(floor, compressed)
     assert TEST.thresholds == PRODUCTION.thresholds
 
 
@@ -135,9 +188,25 @@ def test_test_profile_detects_each_fault_within_a_few_minutes() -> None:
     w, ev = TEST.windows, TEST.evaluation_interval
     assert w.latency + w.latency_for + ev <= 120
     assert w.starvation + w.starvation_for + ev <= 120
-    assert w.composite_for + ev <= 60
     assert w.slo_short_fast + w.slo_page_for + ev <= 120
-    assert w.leak_growth + w.leak_for + ev <= 180  # plus the time the trend needs to point past capacity
+    assert w.leak + w.leak_for + ev <= 360  # the floor must grow over the whole evidence span first
+
+
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
+def test_fast_leak_alert_fires_before_the_exhaustion_it_is_for(profile) -> None:
+    w = profile.windows
+    detection = w.leak_fast_floor + w.leak_fast_step + w.leak_fast_for + profile.evaluation_interval
+    assert detection < w.leak_fast_horizon
+    assert w.leak_floor < w.leak_step < w.leak - w.leak_floor  # several intervals, each longer than the floor
+
+
+@pytest.mark.parametrize("profile", PROFILES.values(), ids=lambda p: p.name)
+def test_composite_waits_as_long_as_its_components(profile) -> None:
+    """A page may not rest on less persistence than the tickets it replaces (see composite.py)."""
+    degraded = next(a for a in generate.all_alerts(profile) if a.name == composite.COMPOSITE)
+    assert degraded.for_s == max(a.for_s for a in composite.component_alerts(profile))
+    names_of_components = {a.name for a in composite.component_alerts(profile)}
+    assert names_of_components == {n for group in composite.COMPONENTS.values() for n in group}
 
 
 def test_slo_objective_must_be_a_ttft_bucket() -> None:

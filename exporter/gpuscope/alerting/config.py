@@ -58,9 +58,13 @@ class Thresholds:
     slo_page_slow_burn: float = 6.0
     slo_ticket_burn: float = 1.0
 
-    # Memory leak: linear prediction over leak_window reaches the device's capacity within this horizon.
-    # Not compressed in the test profile: it is a sensitivity, not a detection delay.
+    # Memory leaks (the reasoning is in memory.py). Horizons are not compressed in the test profile:
+    # they are sensitivities, not detection delays.
+    #: GPUMemoryLeak: at the slowest rate its floor grew over the evidence, memory runs out within this.
     leak_horizon_s: int = 4 * 3600
+    #: GPUMemoryLeak: the floor's latest growth is at least this fraction of its growth a span earlier.
+    #: Caches that fill up grow ever slower (a warm-up's tail, a creep towards a ceiling); leaks do not.
+    leak_min_growth_ratio: float = 0.5
 
     # Starvation: a tenant with backlog served less than this fraction of its configured GPU share.
     underserved_share_fraction: float = 0.5
@@ -101,13 +105,27 @@ class Windows:
     slo_ticket_long: int = 3 * 24 * 3600
     slo_page_for: int = 2 * 60
     slo_ticket_for: int = 3600
-    leak: int = 3600                        # linear regression window of predict_linear
-    leak_growth: int = 5 * 60               # still growing over this window (a plateau ends it)
-    leak_for: int = 30 * 60                 # > a warm-up ramp: ramps shorter than for − growth pass
+    # Memory leaks (memory.py). Slow: the floor (lowest value over leak_floor) must have grown across
+    # every leak_step-long interval of the last leak − leak_floor; leak is the whole evidence span.
+    leak: int = 75 * 60                     # > the longest healthy ramp (a 60-minute allocate phase)
+    leak_floor: int = 15 * 60               # > allocate/free cycles and scrape noise: they leave the floor
+    leak_step: int = 20 * 60                # ≥ the period of a leak that grows in steps
+    leak_resolution: int = field(default=60, metadata={"test_min_s": 5})  # subquery step of the check
+    leak_for: int = 10 * 60                 # the evidence is in the window; this only rides out blips
+    # Fast (GPUMemoryRunningOut): the floor over leak_fast_floor grew over leak_fast_step at a rate
+    # that exhausts memory within leak_fast_horizon. Unlike leak_horizon_s this is compressed in the
+    # test profile: it is what leak_fast_for must stay shorter than. Its two short windows only hold
+    # a few samples of min/max (no rate()), so the test profile floors them at 10 s, not 20 s.
+    leak_fast_horizon: int = 30 * 60
+    leak_fast_floor: int = field(default=60, metadata={"test_min_s": 10})
+    leak_fast_step: int = field(default=2 * 60, metadata={"test_min_s": 10})
+    leak_fast_for: int = 10 * 60            # > a surge's climb + floor + step; < the exhaustion time
+    leak_fast_min_age: int = 30 * 60        # the series is older than a warm-up (a new process ramps up)
     starvation: int = 5 * 60                # backlog throughout, and no tokens, over this window
     starvation_for: int = 5 * 60
-    composite_for: int = 5 * 60             # two dimensions at once is stronger evidence: shorter wait
     scrape_down_for: int = 2 * 60
+    target_missing: int = 15 * 60           # fewer targets than this long ago: one left discovery
+    gpus_missing: int = 24 * 3600           # fewer GPUs than the exporter saw within this window
     exporter_stale_for: int = 2 * 60
     gpu_lost_for: int = 60
     xid: int = 15 * 60                      # an XID keeps its alert this long
@@ -120,8 +138,9 @@ class Windows:
     bottleneck: int = 5 * 60
 
     def compressed(self, factor: int, floor_s: int) -> Windows:
-        """Every window divided by ``factor``, at least ``floor_s``."""
-        return replace(self, **{f.name: max(floor_s, getattr(self, f.name) // factor) for f in fields(self)})
+        """Every window divided by ``factor``, at least ``floor_s`` (or the field's own ``test_min_s``)."""
+        return replace(self, **{f.name: max(f.metadata.get("test_min_s", floor_s),
+                                            getattr(self, f.name) // factor) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -129,7 +148,7 @@ class Notify:
     """Alertmanager timing (seconds) and the receiver."""
 
     #: ≥ 2 evaluation intervals: a composite evaluated in a later rule group still arrives in time
-    #: to inhibit its components before their group is first sent.
+    #: to inhibit the component that fired at the same evaluation before its group is first sent.
     group_wait: int = 60
     group_interval: int = 5 * 60
     repeat_interval: int = 4 * 3600
@@ -163,6 +182,7 @@ class Profile:
 #: Test-profile compression: 5 m → 20 s, 1 h → 4 m, 1 d → 96 m.
 TEST_COMPRESSION = 15
 #: Shortest test window: 4 scrapes at the stack's 5 s scrape interval, so rate() always has samples.
+#: A window no rate() reads may set a lower one (field metadata ``test_min_s``).
 TEST_MIN_WINDOW_S = 20
 
 PRODUCTION = Profile(name="production", evaluation_interval=30, windows=Windows(), notify=Notify())

@@ -22,18 +22,28 @@ COMPOSITE = """\
 ## The composite: GPUServiceDegraded
 
 Three degradation dimensions are recorded per server instance as
-`gpuscope:degradation:active{dimension=...}` (0 or 1): `latency_spike` (GPUKernelLatencySpike's
-condition), `memory_leak` (GPUMemoryLeak's) and `starvation` (GPUTenantStarved's or
-GPUTenantUnderServed's). GPUServiceDegraded fires when at least two are 1 on the same instance; its
-`dimensions` annotation names them, and Alertmanager then inhibits those component alerts on that
-instance.
+`gpuscope:degradation:active{dimension=...}` (0 or 1, for dashboards) and per device as
+`gpuscope:degradation:device_active{device=...,dimension=...}` (1 while it holds): `latency_spike`
+(GPUKernelLatencySpike's condition), `memory_leak` (GPUMemoryLeak's or GPUMemoryRunningOut's) and
+`starvation` (GPUTenantStarved's or GPUTenantUnderServed's). GPUServiceDegraded fires when at least
+two hold on the same device for as long as the longest `for` of their alerts; its `dimensions`
+annotation names them, and Alertmanager then inhibits those component alerts on that instance.
 
-All three dimensions come from the server's own metrics, so they join on the server's `job` and
-`instance`; `device` is not part of the join because starvation (a tenant queue) has no device.
-Request-latency spikes and queue-wait growth are alerted but are not dimensions: queueing and memory
-pressure raise them too, so one fault would count twice. Each injected fault therefore moves exactly
-one dimension: `latency_spike` the kernel time, `memory_leak` the server's memory, `starvation` one
-tenant's queue; `error_burst` moves none (it raises GPUServiceErrorBudgetBurn and the Loki alerts).
+- **Same device.** A latency spike on one GPU and a leak on another GPU of the same server are two
+  problems, each with its own ticket. Starvation is a property of the instance's queues (no device),
+  so it pairs with a spike or a leak on any device of the instance.
+- **As long as the components.** A traffic peak lifts kernel time and memory together for a few
+  minutes; two brief symptoms of one peak are not stronger evidence than one, so the page waits as
+  long as the tickets it replaces would. It fires at the evaluation where its second dimension has
+  held that long, together with that dimension's own alert, which it inhibits within `group_wait`;
+  the first dimension's ticket may already have gone out, while it was a single problem.
+
+All three dimensions come from the server's own metrics, so they join on the server's `job`,
+`instance` and `device`. Request-latency spikes and queue-wait growth are alerted but are not
+dimensions: queueing and memory pressure raise them too, so one fault would count twice. Each
+injected fault therefore moves exactly one dimension: `latency_spike` the kernel time, `memory_leak`
+the server's memory, `starvation` one tenant's queue; `error_burst` moves none (it raises
+GPUServiceErrorBudgetBurn and the Loki alerts).
 """
 
 TUNING = """\
@@ -48,9 +58,12 @@ stale files and re-run every promtool test against the new rules.
 
 - Too many latency spikes: raise `latency_spike_ratio`, or the minimum traffic
   (`kernel_min_samples_per_s`, `request_min_requests_per_s`); lengthen `latency_for` for noisier ops.
-- A slower leak should fire: lengthen `leak_horizon_s`. Warm-up ramps firing: lengthen `leak_for`
-  (it must exceed the ramp plus `leak_growth`). Leaks that grow in steps longer than `leak_growth`
-  need a longer `leak_growth`.
+- Memory leaks (reasoning in `alerting/memory.py` and the GPUMemoryLeak runbook): a slower leak
+  should fire: lengthen `leak_horizon_s`. Healthy ramps longer than `leak` − `leak_floor` firing:
+  lengthen `leak`. Leaks that grow in steps further apart than `leak_step` need a longer
+  `leak_step`; allocate/free cycles longer than `leak_floor` need a longer `leak_floor` (both delay
+  detection). GPUMemoryRunningOut paging on traffic surges: lengthen `leak_fast_for`, keeping
+  `leak_fast_floor + leak_fast_step + leak_fast_for` well under `leak_fast_horizon` (a test checks).
 - Starvation too eager: lengthen `starvation` (the queue must stay non-empty that long) or lower
   `underserved_share_fraction`.
 - SLOs: `slo_ttft_objective_s` must be a bucket of `gpuscope_request_ttft_seconds` (checked at

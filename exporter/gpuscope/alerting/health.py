@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpuscope import catalogue as m
 from gpuscope.alerting.config import Profile
-from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
 
 
 def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
@@ -25,6 +25,44 @@ def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
                     "every kernel runs slower."))
 
 
+def _targets_missing(p: Profile, name: str, job: str, service: str, what: str,
+                     none_severity: Severity) -> list[Alert]:
+    """``up == 0`` covers only targets still listed: these cover the ones service discovery dropped.
+
+    None at all (``absent``: it keeps firing however long ago they went), and fewer than
+    ``target_missing`` ago (one of several left; resolves that long after, or when it is back).
+    """
+    w = p.windows
+    up, ago, down_for = sel("up", job), duration(w.target_missing), duration(w.scrape_down_for)
+    now = query_value("count(up{job='%s'})", ("job",), "humanize")
+    gone = (f'{{{{ range $i, $s := printf "up{{job=\'%s\'}} offset {ago} unless on (instance) '
+            f'up{{job=\'%s\'}}" $labels.job $labels.job | query }}}}{{{{ if $i }}}}, {{{{ end }}}}'
+            f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
+    common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": "gpuscope-fleet",
+              "dashboard_vars": ()}
+    return [
+        Alert(**common, expr=f"absent({up})", severity=none_severity, labels={"missing": "all"},
+              summary=f"No {what} target is scraped ({{{{ $labels.job }}}})",
+              description=(f"Prometheus has had no target of job {{{{ $labels.job }}}} for {down_for}: "
+                           f"the {what} left service discovery or the scrape configuration, so none of "
+                           f"its alerts can fire (up == 0 needs a listed target)."),
+              doc=Doc(what=f"No {what} target at all", threshold=f"absent({up})",
+                      window=f"for {down_for}",
+                      why="A target that service discovery drops has no up series, so the down alert "
+                          "stays silent; absent() keeps firing however long ago it went.")),
+        Alert(**common, severity="warning", labels={"missing": "some"},
+              expr=f"count by (job) ({up} offset {ago})\n> on (job)\ncount by (job) ({up})",
+              summary=f"Fewer {what} targets than {ago} ago ({{{{ $labels.job }}}})",
+              description=(f"Job {{{{ $labels.job }}}} has {now} target(s); it had {{{{ $value }}}} {ago} "
+                           f"ago. Gone from discovery: {gone}."),
+              doc=Doc(what=f"Fewer {what} targets than before: some left service discovery",
+                      threshold=f"count(up) < count(up offset {ago})",
+                      window=f"for {down_for}; resolves {ago} after a deliberate scale-down",
+                      why="One of several targets dropped by discovery raises no up == 0; counting "
+                          "targets catches it and leaves a restart under a new instance name alone.")),
+    ]
+
+
 def groups(p: Profile) -> list[Group]:
     s, t, w = p.selectors, p.thresholds, p.windows
     srv, exp = s.server_service, s.exporter_service
@@ -34,6 +72,12 @@ def groups(p: Profile) -> list[Group]:
     dropped = f"rate({sel(m.TIMER_DROPPED.name, s.server)}[{drop_w}])"
     timed = f"rate({sel(m.REGION_GPU_SECONDS.series('_count'), s.server)}[{drop_w}])"
     gpu_vars = ("instance", "gpu")
+    gpus, gpus_w = sel(m.EXPORTER_GPUS.name, s.exporter), duration(w.gpus_missing)
+    gpus_max = query_value(f"max_over_time({m.EXPORTER_GPUS.name}{{job='%s',instance='%s'}}[{gpus_w}])",
+                           ("job", "instance"), "humanize")
+    init_errors = f"{m.EXPORTER_ERRORS.name}{{job='%s',instance='%s',call='nvmlInit'}}"
+    nvml_init = (f'{{{{ with printf "{init_errors}" $labels.job $labels.instance | query }}}}'
+                 f'{{{{ . | first | value | humanize }}}}{{{{ else }}}}0{{{{ end }}}}')
     alerts = [
         Alert(name="GPUServerDown", expr=f"up{{{s.server}}} == 0", for_s=w.scrape_down_for,
               severity="critical", service=srv, dashboard="gpuscope-fleet",
@@ -53,6 +97,22 @@ def groups(p: Profile) -> list[Group]:
               doc=Doc(what="Exporter not scraped", threshold="up == 0",
                       window=f"for {duration(w.scrape_down_for)}",
                       why="The GPUs keep serving; only their visibility is lost, so a warning.")),
+        *_targets_missing(p, "GPUServerTargetMissing", s.server, srv, "inference server", "critical"),
+        *_targets_missing(p, "GPUExporterTargetMissing", s.exporter, exp, "GPU exporter", "warning"),
+        Alert(name="GPUExporterGPUsMissing",
+              expr=(f"{gpus}\n< on (job, instance)\nmax_over_time({gpus}[{gpus_w}])"),
+              for_s=w.scrape_down_for, severity="warning", service=exp, dashboard="gpuscope-fleet",
+              summary="The exporter on {{ $labels.instance }} sees fewer GPUs than it did",
+              description=(f"The exporter on {{{{ $labels.instance }}}} sees {{{{ $value }}}} GPU(s); it "
+                           f"saw {gpus_max} within the last {gpus_w}. NVML initialisation failures since "
+                           f"it started: {nvml_init}. GPUs it no longer sees have no gpu_up, so GPULost "
+                           f"cannot fire for them."),
+              doc=Doc(what="The exporter sees fewer GPUs than it did (NVML gone after a restart, a GPU "
+                           "missing from enumeration)",
+                      threshold=f"exporter_gpus < its maximum over {gpus_w}",
+                      window=f"{gpus_w}, for {duration(w.scrape_down_for)}",
+                      why="An exporter that restarts without NVML still answers scrapes and /healthz "
+                          "with 0 GPUs: no GPU alert can fire. A host that never had GPUs stays silent.")),
         Alert(name="GPUExporterStale",
               expr=f"{sel(m.EXPORTER_STALENESS.name, s.exporter)} > {num(t.exporter_stale_s)}",
               for_s=w.exporter_stale_for, severity="warning", service=exp, dashboard="gpuscope-fleet",

@@ -49,12 +49,25 @@ QUEUE_SAMPLES_RATE = quantile(m.REQUEST_QUEUE, "samples_rate")
 SLO_TTFT_BURN_RATE = "gpuscope:slo_ttft:burn_rate"
 SLO_AVAILABILITY_BURN_RATE = "gpuscope:slo_availability:burn_rate"
 
+# Memory floor growth (memory.py): bytes per second. The slow one is the slowest growth of the floor
+# over any interval of the leak span, present only with enough history and growth that is not fading.
+#: {job, instance, device}
+MEMORY_GROWTH_RATE = f"gpuscope:{_base(m.DEVICE_MEMORY_ALLOCATED)}:floor_growth_rate"
+MEMORY_GROWTH_RATE_FAST = f"gpuscope:{_base(m.DEVICE_MEMORY_ALLOCATED)}:floor_growth_rate_fast"
+#: {job, instance, gpu}
+GPU_MEMORY_GROWTH_RATE = f"gpuscope:{_base(m.GPU_MEMORY_USED)}:floor_growth_rate"
+GPU_MEMORY_GROWTH_RATE_FAST = f"gpuscope:{_base(m.GPU_MEMORY_USED)}:floor_growth_rate_fast"
+
 #: Share of the instance's tenant GPU time each tenant got over the starvation window. {job, instance, tenant}
 TENANT_GPU_SHARE = f"gpuscope:{_base(m.TENANT_GPU_SECONDS).removesuffix('_total')}:share"
 
 #: 1 while a degradation dimension holds on a server instance, else 0; label ``dimension`` is one of
-#: ``DIMENSIONS``. {job, instance, dimension}. GPUServiceDegraded fires when two or more are 1.
+#: ``DIMENSIONS``. {job, instance, dimension}. For dashboards; the composite reads the per-device one.
 DEGRADATION = "gpuscope:degradation:active"
+#: 1 while a dimension holds on one device of a server instance (absent otherwise); starvation, a
+#: property of the instance's queues, is recorded on every device of the instance.
+#: {job, instance, device, dimension}. GPUServiceDegraded fires when two are 1 on the same device.
+DEGRADATION_DEVICE = "gpuscope:degradation:device_active"
 DIMENSIONS = ("latency_spike", "memory_leak", "starvation")
 
 # Bottleneck classification, per host. {instance, host} where instance is the node_exporter's.

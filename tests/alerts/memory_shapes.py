@@ -1,0 +1,365 @@
+"""Memory shapes for the leak rules, written as promtool unit tests for both alert profiles.
+
+``python -m tests.alerts.memory_shapes`` rewrites ``alerts/tests/memory.test.yml`` (production) and
+``alerts/tests/test-profile/memory.test.yml``; ``tests/alerts/test_rules.py`` fails when either is
+stale. Each shape is one function of time, in production minutes and fractions of an 80 GiB device,
+so both profiles see the same shape: the test profile's file compresses time 15× (scrape interval,
+evaluation times) and keeps the values. Horizons that are thresholds (``leak_horizon_s``) are not
+compressed, so a compressed leak runs out 15× sooner in real time; where that changes what an alert
+says, the expectation is given per profile.
+
+Leaks must fire (checked silent just before, firing with full labels and annotations after):
+
+- ``leak``: 40 GiB + 15 GiB/h from the series' first sample (out of memory at 160m);
+- ``steps``: 70% for an hour, then +1% of capacity every 10 minutes (out of memory at 360m);
+- ``cycles``: 10-minute allocate/free cycles (+25% in 3 min, held 5, freed in 2) whose floor rises
+  1.5% a cycle from 60m (their peaks reach capacity at ~233m);
+- ``noisy``: 50%, then +10%/h from 60m, with ±1% allocation noise on 30-second scrapes (360m);
+- ``fast``: 40% for an hour, then +3% a minute (out of memory at 80m): GPUMemoryRunningOut.
+
+Healthy shapes must stay silent at every check (every 5 minutes for 6 hours, all four alerts):
+
+- ``warmup``: 2 GB → 52 GB in 20 minutes, then flat;
+- ``sawtooth``: 10 → 20 GB allocate/free in 5-minute cycles;
+- ``creep``: warm-up to 90% in 10 minutes, then creeping towards 95% (never above it, τ = 1 h);
+- ``warm95``: warm-up to 95% in 10 minutes, then +1 MiB a minute (68 hours to exhaustion);
+- ``saw60``: a 60-minute allocate/free sawtooth 30% → 70% with constant peaks;
+- ``plateau``: 90% with ±1% noise on 30-second scrapes;
+- ``surge``: a traffic peak, 40% → 80% in 5 minutes at 60m, held 20 minutes, back in 5.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CAPACITY = 80 << 30
+MIB = 1 << 20
+SERVER = 'job="gpuscope-server"'
+EXPORTER = 'job="gpuscope-exporter"'
+GPU_HOST = "gpu-host:9400"
+RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
+GRAFANA = "http://localhost:3000/d/gpuscope-fleet"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    compression: int
+    evaluation_interval_s: int
+    path: str
+    rules: str
+
+
+PROFILES = (
+    Profile("production", 1, 30, "alerts/tests/memory.test.yml",
+            "../prometheus/production/gpuscope.rules.yml"),
+    Profile("test", 15, 5, "alerts/tests/test-profile/memory.test.yml",
+            "../../prometheus/test/gpuscope.rules.yml"),
+)
+
+
+# --- shapes: production minutes → fraction of capacity -------------------------------------------------
+
+def _noise(seed: int) -> Callable[[float], float]:
+    """±1% of capacity, uniform, fixed per sample time (the same in both profiles)."""
+    rng, drawn = random.Random(seed), {}
+
+    def at(t: float) -> float:
+        if t not in drawn:
+            drawn[t] = rng.uniform(-0.01, 0.01)
+        return drawn[t]
+    return at
+
+
+def leak(t: float) -> float:
+    return min(40 / 80 + 15 / 80 * t / 60, 1.0)
+
+
+def steps(t: float) -> float:
+    return 0.70 if t < 60 else min(0.70 + 0.01 * (math.floor((t - 60) / 10) + 1), 1.0)
+
+
+def cycles(t: float) -> float:
+    def floor(k: int) -> float:
+        return 0.50 + 0.015 * max(0, k - 6)
+    k = math.floor(t / 10)
+    phase, low, high = t - 10 * k, floor(k), floor(k) + 0.25
+    if phase < 3:
+        return low + (high - low) * phase / 3
+    if phase < 8:
+        return high
+    return high + (floor(k + 1) - high) * (phase - 8) / 2
+
+
+_NOISY = _noise(4)
+_PLATEAU = _noise(6)
+
+
+def noisy(t: float) -> float:
+    return (0.50 if t < 60 else 0.50 + 0.10 * (t - 60) / 60) + _NOISY(t)
+
+
+def fast(t: float) -> float:
+    return 0.40 if t < 60 else min(0.40 + 0.03 * (t - 60), 1.0)
+
+
+def warmup(t: float) -> float:
+    return (2e9 + 2.5e9 * min(t, 20)) / CAPACITY
+
+
+def sawtooth(t: float) -> float:
+    return (10e9 + 2.5e9 * (round(t) % 5)) / CAPACITY
+
+
+def creep(t: float) -> float:
+    return 0.90 * t / 10 if t < 10 else 0.95 - 0.05 * math.exp(-(t - 10) / 60)
+
+
+def warm95(t: float) -> float:
+    return 0.95 * t / 10 if t < 10 else 0.95 + (t - 10) * MIB / CAPACITY
+
+
+def saw60(t: float) -> float:
+    return 0.30 + 0.40 * (t % 60) / 60
+
+
+def plateau(t: float) -> float:
+    return 0.90 + _PLATEAU(t)
+
+
+def surge(t: float) -> float:
+    if t < 60 or t >= 90:
+        return 0.40
+    if t < 65:
+        return 0.40 + 0.40 * (t - 60) / 5
+    return 0.80 if t < 85 else 0.80 - 0.40 * (t - 85) / 5
+
+
+# --- cases ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Firing:
+    """An alert expected at one time; ``description`` per profile (values move with compression)."""
+
+    alertname: str
+    labels: dict[str, str]
+    description: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Check:
+    minute: float
+    alertname: str
+    firing: tuple[Firing, ...] = ()
+
+
+@dataclass
+class Case:
+    name: str
+    comment: str
+    minutes: int
+    step_s: int
+    server: dict[str, Callable[[float], float]]
+    gpus: dict[str, Callable[[float], float]] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+
+
+ALERTS = ("GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp", "GPUFramebufferRunningOut")
+HEALTHY = {"warmup": warmup, "sawtooth": sawtooth, "creep": creep, "warm95": warm95, "saw60": saw60,
+           "plateau": plateau, "surge": surge}
+
+
+def _server(instance: str, alertname: str, description: dict[str, str]) -> Firing:
+    labels = {"job": "gpuscope-server", "instance": instance, "device": "cuda:0"}
+    return Firing(alertname, labels, description)
+
+
+def _gpu(gpu: str, alertname: str, description: dict[str, str]) -> Firing:
+    return Firing(alertname, {"job": "gpuscope-exporter", "instance": GPU_HOST, "gpu": gpu}, description)
+
+
+def _both(text: str) -> dict[str, str]:
+    return {"production": text, "test": text}
+
+
+def _slow(where: str, now: str, rate: str, left: str) -> str:
+    return (f"{where} holds {now} of 80GiB. Its floor (lowest value over {{floor}}) grew in every {{step}} "
+            f"of the last {{span}}, in the last {{rate_span}} by at least {rate}/s; at that rate the memory "
+            f"runs out in {left}.")
+
+
+def _fast(where: str, now: str, rate: str, left: str) -> str:
+    return (f"{where} holds {now} of 80GiB and grew {rate}/s over the last {{fast_step}}; at that rate "
+            f"the memory runs out in {left}.")
+
+
+def cases() -> list[Case]:
+    healthy = Case(
+        "healthy", "Healthy shapes, on the server and on GPU framebuffers: silent at every check.",
+        minutes=360, step_s=30, server=HEALTHY, gpus={str(i): fn for i, fn in enumerate(HEALTHY.values())},
+        checks=[Check(minute, name) for minute in range(0, 361, 5) for name in ALERTS])
+    s = "The server {i}:8000 on cuda:0"
+    return [
+        healthy,
+        Case("leak", "leak: 40 GiB + 15 GiB/h from the first sample; runs out at 160m. GPU 0 the same, "
+                     "GPU 1 flat.\nFires after its 95m of history + 10m; pages once 30m are left.",
+             minutes=160, step_s=60, server={"leak": leak}, gpus={"0": leak, "1": lambda t: 0.5},
+             checks=[
+                 Check(100, "GPUMemoryLeak"), Check(100, "GPUFramebufferFillingUp"),
+                 Check(110, "GPUMemoryLeak", (_server("leak:8000", "GPUMemoryLeak", {
+                     "production": _slow(s.format(i="leak"), "67.5GiB", "4.267MiB", "50m 0s"),
+                     "test": _slow(s.format(i="leak"), "67.5GiB", "64MiB", "3m 20s")}),)),
+                 Check(110, "GPUFramebufferFillingUp", (_gpu("0", "GPUFramebufferFillingUp", {
+                     "production": _slow("GPU 0 on gpu-host:9400", "67.5GiB", "4.267MiB", "50m 0s"),
+                     "test": _slow("GPU 0 on gpu-host:9400", "67.5GiB", "64MiB", "3m 20s")}),)),
+                 Check(110, "GPUMemoryRunningOut"),
+                 Check(150, "GPUMemoryRunningOut", (_server("leak:8000", "GPUMemoryRunningOut", {
+                     "production": _fast(s.format(i="leak"), "77.5GiB", "4.267MiB", "10m 0s"),
+                     "test": _fast(s.format(i="leak"), "77.5GiB", "76.8MiB", "33.33s")}),)),
+             ]),
+        Case("steps", "steps: 70%, then +1% of capacity every 10 minutes from 60m; runs out at 360m.\n"
+                      "The floor grows 2% in every 20m: fires ~85m after the leak starts.",
+             minutes=360, step_s=60, server={"steps": steps},
+             checks=[
+                 Check(140, "GPUMemoryLeak"),
+                 Check(160, "GPUMemoryLeak", (_server("steps:8000", "GPUMemoryLeak", {
+                     "production": _slow(s.format(i="steps"), "64.8GiB", "1.365MiB", "3h 10m 0s"),
+                     "test": _slow(s.format(i="steps"), "64.8GiB", "20.48MiB", "12m 40s")}),)),
+                 Check(160, "GPUMemoryRunningOut"),
+             ]),
+        Case("cycles", "cycles: 10-minute allocate/free cycles (+25% in 3m, held 5m, freed in 2m) whose\n"
+                       "floor rises 1.5% a cycle from 60m; their peaks reach capacity at ~233m.",
+             minutes=240, step_s=60, server={"cycles": cycles},
+             checks=[
+                 Check(140, "GPUMemoryLeak"),
+                 Check(150, "GPUMemoryLeak", (_server("cycles:8000", "GPUMemoryLeak", {
+                     "production": _slow(s.format(i="cycles"), "50.8GiB", "2.048MiB", "1h 26m 40s"),
+                     "test": _slow(s.format(i="cycles"), "50.8GiB", "30.72MiB", "5m 46s")}),)),
+                 Check(150, "GPUMemoryRunningOut"),
+             ]),
+        Case("noisy", "noisy: 50%, then +10%/h from 60m, with ±1% allocation noise on 30-second scrapes;\n"
+                      "runs out at 360m. The floor's slowest interval reads the rate low: fires later.",
+             minutes=360, step_s=30, server={"noisy": noisy},
+             checks=[
+                 Check(130, "GPUMemoryLeak"),
+                 Check(180, "GPUMemoryLeak", (_server("noisy:8000", "GPUMemoryLeak", {
+                     "production": _slow(s.format(i="noisy"), "55.66GiB", "1.894MiB", "3h 29m 48s"),
+                     "test": _slow(s.format(i="noisy"), "55.66GiB", "28.4MiB", "13m 59s")}),)),
+                 Check(180, "GPUMemoryRunningOut"),
+             ]),
+        Case("fast", "fast: 40%, then +3% a minute from 60m; runs out at 80m. GPU 0 the same.\n"
+                     "GPUMemoryLeak cannot see it in time; GPUMemoryRunningOut pages ~7m before the end.",
+             minutes=80, step_s=30, server={"fast": fast}, gpus={"0": fast},
+             checks=[
+                 Check(72, "GPUMemoryRunningOut"), Check(72, "GPUFramebufferRunningOut"),
+                 Check(75, "GPUMemoryRunningOut", (_server("fast:8000", "GPUMemoryRunningOut", {
+                     "production": _fast(s.format(i="fast"), "68GiB", "40.96MiB", "5m 0s"),
+                     "test": _fast(s.format(i="fast"), "68GiB", "614.4MiB", "20s")}),)),
+                 Check(75, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _fast("GPU 0 on gpu-host:9400", "68GiB", "40.96MiB", "5m 0s"),
+                     "test": _fast("GPU 0 on gpu-host:9400", "68GiB", "614.4MiB", "20s")}),)),
+                 Check(75, "GPUMemoryLeak"),
+             ]),
+    ]
+
+
+# --- rendering -----------------------------------------------------------------------------------------
+
+def _seconds(minutes: float, p: Profile) -> str:
+    return f"{minutes * 60 / p.compression:g}s"
+
+
+def _values(fn: Callable[[float], float], case: Case) -> str:
+    n = case.minutes * 60 // case.step_s
+    return " ".join(str(round(max(0.0, min(fn(i * case.step_s / 60), 1.0)) * CAPACITY))
+                    for i in range(n + 1))
+
+
+def _windows(p: Profile) -> dict[str, str]:
+    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
+    from gpuscope.alerting.rules import duration
+
+    w = ALERT_PROFILES[p.name].windows
+    span = w.leak - w.leak_floor
+    return {"floor": duration(w.leak_floor), "step": duration(w.leak_step), "span": duration(span),
+            "rate_span": duration(span - w.leak_step), "fast_step": duration(w.leak_fast_step)}
+
+
+def _annotations(f: Firing, p: Profile) -> list[str]:
+    server = f.labels["job"] == "gpuscope-server"
+    alert = {"GPUMemoryLeak": "Memory of {i} ({d}) leaks towards exhaustion",
+             "GPUMemoryRunningOut": "Memory of {i} ({d}) runs out within {h}",
+             "GPUFramebufferFillingUp": "GPU {g} on {i} fills its memory",
+             "GPUFramebufferRunningOut": "GPU {g} on {i} runs out of memory within {h}"}[f.alertname]
+    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
+    from gpuscope.alerting.rules import duration
+
+    horizon = duration(ALERT_PROFILES[p.name].windows.leak_fast_horizon)
+    summary = alert.format(i=f.labels["instance"], d=f.labels.get("device"), g=f.labels.get("gpu"), h=horizon)
+    url = f"{GRAFANA}?var-instance={f.labels['instance']}" + ("" if server else f"&var-gpu={f.labels['gpu']}")
+    description = f.description[p.name].format(**_windows(p))
+    return [f"summary: '{summary}'", f"description: '{description}'",
+            f"runbook_url: {RUNBOOK}#{f.alertname.lower()}", f"dashboard_url: {url}"]
+
+
+def render(p: Profile) -> str:
+    out = [f"# Generated by `python -m tests.alerts.memory_shapes` ({p.name} profile); do not edit. The",
+           "# shapes, their bounds and why each is there: tests/alerts/memory_shapes.py. Capacity 80 GiB.",
+           "rule_files:", f"  - {p.rules}", f"evaluation_interval: {p.evaluation_interval_s}s", "tests:"]
+    for case in cases():
+        out += [f"  # {line}" for line in case.comment.splitlines()]
+        out += [f"  - name: {case.name}", f"    interval: {case.step_s / p.compression:g}s",
+                "    input_series:"]
+        for instance, fn in case.server.items():
+            labels = f'{SERVER},instance="{instance}:8000",device="cuda:0"'
+            out += [f"      - series: 'gpuscope_device_memory_allocated_bytes{{{labels}}}'",
+                    f"        values: '{_values(fn, case)}'",
+                    f"      - series: 'gpuscope_device_memory_total_bytes{{{labels}}}'",
+                    f"        values: '{CAPACITY}+0x{case.minutes * 60 // case.step_s}'"]
+        for gpu, fn in case.gpus.items():
+            labels = f'{EXPORTER},instance="{GPU_HOST}",gpu="{gpu}"'
+            out += [f"      - series: 'gpuscope_gpu_memory_used_bytes{{{labels}}}'",
+                    f"        values: '{_values(fn, case)}'",
+                    f"      - series: 'gpuscope_gpu_memory_total_bytes{{{labels}}}'",
+                    f"        values: '{CAPACITY}+0x{case.minutes * 60 // case.step_s}'"]
+        out.append("    alert_rule_test:")
+        for check in case.checks:
+            out += [f"      - eval_time: {_seconds(check.minute, p)}",
+                    f"        alertname: {check.alertname}"]
+            if not check.firing:
+                out.append("        exp_alerts: []")
+                continue
+            out.append("        exp_alerts:")
+            for f in check.firing:
+                severity = "critical" if f.alertname.endswith("RunningOut") else "warning"
+                service = "gpuscope-server" if f.labels["job"] == "gpuscope-server" else "gpuscope-exporter"
+                out += ["          - exp_labels:", f"              severity: {severity}",
+                        f"              service: {service}"]
+                out += [f"              {k}: {v}" for k, v in f.labels.items()]
+                out.append("            exp_annotations:")
+                out += [f"              {line}" for line in _annotations(f, p)]
+    return "\n".join(out) + "\n"
+
+
+def outputs() -> dict[str, str]:
+    return {p.path: render(p) for p in PROFILES}
+
+
+def main() -> int:
+    for rel, text in outputs().items():
+        path = ROOT / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {rel}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
