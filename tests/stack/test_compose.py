@@ -166,7 +166,8 @@ def test_dockerfile_runs_as_non_root_and_installs_the_server_extra():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M)
     assert re.search(r"^USER 10001$", text, re.M)
-    assert 'pip install ".[server,loadtest]"' in text
+    # kubernetes: grpcio for the exporter's pod attribution (the image also runs the exporter).
+    assert 'pip install ".[server,loadtest,kubernetes]"' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {"!exporter/", "!loadtest/", "!pyproject.toml"} <= set(ignored)
 
