@@ -335,6 +335,17 @@ LOG_PUSH_FAILURES = _m("gpuscope_log_push_failures_total", "counter",
 LOG_QUEUE_RECORDS = _m("gpuscope_log_queue_records", "gauge", "Log records waiting to be pushed.",
                        "records", area=LOGS)
 
+# --- request tracing (gpuscope serve --tracing.endpoint) -----------------------
+TRACING = "Request tracing (`gpuscope serve --tracing.endpoint`)"
+TRACE_SPANS_EXPORTED = _m("gpuscope_trace_spans_exported_total", "counter",
+                          "Request spans the OTLP endpoint accepted.", "spans", area=TRACING)
+TRACE_SPANS_DROPPED = _m("gpuscope_trace_spans_dropped_total", "counter",
+                         "Request spans lost, by reason: backlog_full (finished requests waiting to become "
+                         "spans were at their bound; the request's whole trace), queue_full (the export "
+                         "queue had no room for the request's whole trace), export_failed (spans of an "
+                         "export batch the endpoint did not accept, after the exporter's retries).",
+                         "spans", ("reason",), area=TRACING)
+
 # --- alert receiver (gpuscope receiver) ----------------------------------------
 RECEIVER = "Alert receiver (`gpuscope receiver`)"
 RECEIVER_NOTIFICATIONS = _m("gpuscope_receiver_notifications_total", "counter",

@@ -8,7 +8,10 @@ does the same for what aiohttp's HTTP parser rejects before any route runs
 that hang up are counted in ``gpuscope_http_client_errors_total{reason}`` and
 never logged at ERROR: the Loki error-burst rule counts ERROR lines. Engine
 events arrive from the engine thread through ``loop.call_soon_threadsafe``, one
-call per step.
+call per step. With request tracing (``tracing.RequestTracing``, passed to
+``build_app``) the completions route starts each request's server span, takes the
+request's trace id from it and hands the finished request to the tracer; without
+it the route is the untraced one and nothing of OpenTelemetry is imported.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import signal
 import time
 import uuid
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
@@ -44,8 +47,12 @@ from .protocol import (
 from .scheduler import QueueFull
 from .service import Service
 
+if TYPE_CHECKING:
+    from .tracing import RequestTrace, RequestTracing
+
 log = logging.getLogger("gpuscope.server")
 SERVICE = web.AppKey("service", Service)
+TRACING = web.AppKey("tracing", object)
 CLIENT_ERRORS = web.AppKey("client_errors", Counter)
 CLIENT_ERROR_REASONS = ("malformed", "bad_body", "disconnect")
 
@@ -152,15 +159,39 @@ async def _on_cleanup(app: web.Application) -> None:
     await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].close)
 
 
+async def _close_tracing(app: web.Application) -> None:
+    # After _on_cleanup: the engine has finished (aborted) what was in flight, so those spans go too.
+    from .tracing import close_async
+
+    await close_async(app[TRACING])
+
+
 class Handlers:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, tracing: RequestTracing | None = None) -> None:
         self.service = service
         self.config = service.config
+        self.tracing = tracing
 
     # --- completions -------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        trace_id = parse_traceparent(request.headers.get("traceparent")) or new_trace_id()
-        headers = {"traceparent": traceparent(trace_id), "X-Trace-Id": trace_id}
+    async def completions_traced(self, request: web.Request) -> web.StreamResponse:
+        """``completions`` inside the request's server span (the route when tracing is on)."""
+        tracing = self.tracing
+        assert tracing is not None
+        rt = tracing.begin(request.headers)
+        response = None
+        try:
+            response = await self.completions(request, rt)
+            return response
+        finally:
+            tracing.end(rt, response.status if response is not None else None)
+
+    async def completions(self, request: web.Request, rt: RequestTrace | None = None) -> web.StreamResponse:
+        if rt is None:
+            trace_id = parse_traceparent(request.headers.get("traceparent")) or new_trace_id()
+            headers = {"traceparent": traceparent(trace_id), "X-Trace-Id": trace_id}
+        else:  # the server span's trace id and span id (a valid incoming traceparent is its parent)
+            trace_id = rt.trace_id
+            headers = {"traceparent": rt.traceparent, "X-Trace-Id": trace_id}
         try:
             tenant = resolve_tenant(self.config, request.headers.get("X-Tenant"))
             try:
@@ -177,6 +208,8 @@ class Handlers:
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         req = Request(tenant, completion.prompt_ids, completion.max_tokens, completion.temperature, trace_id,
                       channel=asyncio.Queue())
+        if rt is not None:
+            self.tracing.track(rt, req, tenant)
         try:
             self.service.engine.submit(req)
         except QueueFull as exc:
@@ -188,13 +221,14 @@ class Handlers:
                 "model": self.config.model_name}
         try:
             if completion.stream:
-                return await self._stream(request, req, meta, headers)
-            return await self._collect(req, meta, headers)
+                return await self._stream(request, req, meta, headers, rt)
+            return await self._collect(req, meta, headers, rt)
         finally:
             if req.outcome is None:
                 self.service.engine.cancel(req)
 
-    async def _collect(self, req: Request, meta: dict, headers: dict) -> web.Response:
+    async def _collect(self, req: Request, meta: dict, headers: dict,
+                       rt: RequestTrace | None = None) -> web.Response:
         parts: list[str] = []
         while True:
             event = await req.channel.get()
@@ -207,13 +241,19 @@ class Handlers:
                 return web.json_response(body, headers=headers)
             elif isinstance(event, Failed):
                 status = 503 if event.reason == "abort" else 500
+                if rt is not None:
+                    rt.error = event.message
                 return error_response(status, event.message, "server_error", headers=headers)
 
-    async def _stream(self, request: web.Request, req: Request, meta: dict,
-                      headers: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: Request, meta: dict, headers: dict,
+                      rt: RequestTrace | None = None) -> web.StreamResponse:
         response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        write = response.write
+        if rt is not None:
+            rt.stream_start = time.perf_counter()
+            write = rt.timed(response.write)
 
         def chunk(text: str, finish: str | None = None, **extra) -> bytes:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -224,20 +264,26 @@ class Handlers:
             while True:
                 event = await req.channel.get()
                 if isinstance(event, Token):
-                    await response.write(chunk(event.text))
+                    await write(chunk(event.text))
                     continue
                 if isinstance(event, Done):
-                    await response.write(chunk(event.text_tail, event.reason, usage=_usage(event)))
+                    await write(chunk(event.text_tail, event.reason, usage=_usage(event)))
                 elif isinstance(event, Failed):
+                    if rt is not None:
+                        rt.error = event.message
                     error = {"error": {"message": event.message, "type": "server_error", "code": 500}}
-                    await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-                await response.write(b"data: [DONE]\n\n")
+                    await write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                await write(b"data: [DONE]\n\n")
                 await response.write_eof()
+                if rt is not None:
+                    rt.stream_end = time.perf_counter()
                 return response
         except ConnectionResetError:
             # The client went away mid-stream: the engine drops the request at its next step.
             self.service.engine.cancel(req)
             _count(request, "disconnect")
+            if rt is not None:
+                rt.stream_end, rt.disconnected = time.perf_counter(), True
             return response
 
     # --- metadata, health, metrics -----------------------------------------------
@@ -309,11 +355,12 @@ class Handlers:
         return web.json_response({"name": request.match_info["name"], "cleared": removed})
 
 
-def build_app(service: Service) -> web.Application:
+def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Application:
     """The aiohttp application; the engine starts with the app and stops at its cleanup.
 
     Serve it with :class:`AppRunner` (or :func:`run`): a plain ``web.AppRunner`` answers what the
-    HTTP parser rejects in aiohttp's text/plain and logs it at ERROR.
+    HTTP parser rejects in aiohttp's text/plain and logs it at ERROR. With ``tracing`` every
+    completion gets a trace (it observes the engine's steps from now on, and closes after the engine).
     """
     limits = {"max_line_size": MAX_REQUEST_LINE, "max_field_size": MAX_HEADER_FIELD,
               "max_headers": MAX_HEADERS}
@@ -324,8 +371,8 @@ def build_app(service: Service) -> web.Application:
     for reason in CLIENT_ERROR_REASONS:
         client_errors.labels(reason)
     app[CLIENT_ERRORS] = client_errors
-    h = Handlers(service)
-    app.router.add_post("/v1/completions", h.completions)
+    h = Handlers(service, tracing)
+    app.router.add_post("/v1/completions", h.completions if tracing is None else h.completions_traced)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/healthz", h.healthz)
@@ -335,6 +382,10 @@ def build_app(service: Service) -> web.Application:
     app.router.add_delete("/admin/faults/{name}", h.fault_clear)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
+    if tracing is not None:
+        tracing.attach(service)
+        app[TRACING] = tracing
+        app.on_cleanup.append(_close_tracing)
     return app
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
@@ -19,6 +20,51 @@ _TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message is one line naming the setting."""
+
+
+#: Most step events a request's spans carry before a summary event (``--tracing.max-step-events``).
+TRACING_MAX_STEP_EVENTS = 100
+_OTLP_TRACES_PATH = "/v1/traces"
+
+
+def otlp_traces_url(base: str) -> str:
+    """OTLP/HTTP base URL (``http://collector:4318``) → traces URL (``.../v1/traces``), kept if given."""
+    base = base.strip()
+    return base if base.rstrip("/").endswith(_OTLP_TRACES_PATH) else base.rstrip("/") + _OTLP_TRACES_PATH
+
+
+def resolve_tracing(flag: str | None, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """(OTLP/HTTP traces URL, or None when tracing is off; where it came from: the flag or an env variable).
+
+    ``--tracing.endpoint`` (a base URL, like ``OTEL_EXPORTER_OTLP_ENDPOINT``) wins. Without it, the
+    OpenTelemetry variables turn tracing on: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the full URL), else
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` appended), unless ``OTEL_SDK_DISABLED=true`` or
+    ``OTEL_TRACES_EXPORTER=none``. Spans go out as OTLP over HTTP (protobuf) only.
+    """
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = environ.get(name, "").strip()
+        if protocol:
+            if protocol != "http/protobuf":
+                raise ConfigError(f"{name}={protocol!r}: gpuscope serve exports spans as OTLP over HTTP "
+                                  "(http/protobuf) only")
+            break
+    if flag:
+        return otlp_traces_url(flag), "--tracing.endpoint"
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None, "OTEL_SDK_DISABLED"
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter == "none":
+        return None, "OTEL_TRACES_EXPORTER"
+    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if not (traces or base):
+        return None, ""
+    if exporter not in ("", "otlp"):
+        raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter!r}: gpuscope serve exports spans over OTLP only "
+                          "(otlp or none)")
+    if traces:
+        return traces, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    return otlp_traces_url(base), "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 
 @dataclass(frozen=True)
@@ -144,6 +190,12 @@ class ServerConfig:
     faults_token: str | None = None
     loki_url: str | None = None
     instance: str = ""
+    #: OTLP/HTTP traces URL (``.../v1/traces``); None: no spans. ``tracing_source`` says what set it.
+    tracing_endpoint: str | None = None
+    tracing_source: str = ""
+    #: Head sampling ratio of root requests (parent-based); None: OTEL_TRACES_SAMPLER's, else always.
+    tracing_sample_ratio: float | None = None
+    tracing_max_step_events: int = 8
 
     @property
     def batch_size(self) -> int:
@@ -185,4 +237,11 @@ class ServerConfig:
             raise ConfigError("the fault-injection token must be at least 16 characters")
         if self.loki_url is not None and not re.match(r"^https?://[^\s/]+", self.loki_url):
             raise ConfigError(f"--loki.url {self.loki_url!r} is not an http(s) URL")
+        if self.tracing_endpoint is not None and not re.match(r"^https?://[^\s/]+", self.tracing_endpoint):
+            source = self.tracing_source or "--tracing.endpoint"
+            raise ConfigError(f"{source} {self.tracing_endpoint!r} is not an http(s) URL")
+        if self.tracing_sample_ratio is not None and not 0 <= self.tracing_sample_ratio <= 1:
+            raise ConfigError("--tracing.sample-ratio must be between 0 and 1")
+        if not 0 <= self.tracing_max_step_events <= TRACING_MAX_STEP_EVENTS:
+            raise ConfigError(f"--tracing.max-step-events must be between 0 and {TRACING_MAX_STEP_EVENTS}")
         return self

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from gpuscope.flags import FlagParser, parse_listen_address
 from gpuscope.ports import default_listen_address
 
-from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants
+from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants, resolve_tracing
 
 PROG = "gpuscope serve"
 
@@ -57,6 +57,14 @@ def build_parser() -> FlagParser:
     p.add_toggle("faults.enable", False, "fault-injection admin API (needs a token)")
     p.add_flag("--faults.token-file", default=None, help="file holding the fault-injection bearer token")
     p.add_flag("--loki.url", default=None, help="Loki base URL, e.g. http://loki:3100 (off when unset)")
+    p.add_flag("--tracing.endpoint", default=None,
+               help="OTLP/HTTP base URL for request spans, e.g. http://otel-collector:4318 (off when unset; "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT also turns it on)")
+    p.add_flag("--tracing.sample-ratio", type=float, default=None,
+               help="share of root requests traced, parent-based (default: OTEL_TRACES_SAMPLER's, else 1)")
+    p.add_flag("--tracing.max-step-events", type=int, default=8,
+               help="step events a request's spans carry at most (the first half, then the slowest), "
+                    "then a summary event; each costs ~30 µs of CPU to build and encode")
     p.add_flag("--log.level", default="info", help="debug, info, warning or error")
     return p
 
@@ -84,6 +92,7 @@ def config_from_args(ns) -> ServerConfig:
                       dtype=args["model.dtype"], hf=args["model.hf"])
     if model.checkpoint and not os.path.isfile(model.checkpoint):
         raise ConfigError(f"--model.checkpoint {model.checkpoint!r} is not a local file")
+    tracing_endpoint, tracing_source = resolve_tracing(args["tracing.endpoint"], os.environ)
     return ServerConfig(
         host=host, port=port, model=model, model_name=args["model.name"] or _default_model_name(model),
         tenants=tenants,
@@ -94,6 +103,9 @@ def config_from_args(ns) -> ServerConfig:
         timing=args["timing"], timing_budget=args["timing.budget"], faults_enabled=args["faults.enable"],
         faults_token=token if args["faults.enable"] else None, loki_url=args["loki.url"],
         instance=f"{socket.gethostname()}:{port}",
+        tracing_endpoint=tracing_endpoint, tracing_source=tracing_source,
+        tracing_sample_ratio=args["tracing.sample_ratio"],
+        tracing_max_step_events=args["tracing.max_step_events"],
     ).validate()
 
 
@@ -162,6 +174,20 @@ def main(argv: list[str]) -> int:
     from .service import Service
 
     log = logging.getLogger("gpuscope.server")
+    tracing_class = None
+    if config.tracing_endpoint is not None:
+        try:
+            from .tracing import RequestTracing as tracing_class
+        except ImportError as exc:
+            message = (f"{config.tracing_source} asks for request spans, but OpenTelemetry is not installed "
+                       f"({exc.name or exc}): pip install 'gpuscope[tracing]'")
+            if config.tracing_source == "--tracing.endpoint":
+                sys.stderr.write(f"{PROG}: error: {message}\n")
+                for handler in handlers:
+                    handler.close()
+                return 2
+            # Set in the environment (platforms inject OTEL_* everywhere): serve, without spans.
+            log.warning("%s; serving without spans", message)
     try:
         service = Service(config, registry)
     except ConfigError as exc:  # --model.hf: the folder is not a loadable model
@@ -170,10 +196,15 @@ def main(argv: list[str]) -> int:
     except (OSError, RuntimeError, ValueError) as exc:
         sys.stderr.write(f"{PROG}: error: cannot build the model: {exc}\n".replace("\n", " ").rstrip() + "\n")
         return 1
+    tracing = None
+    if tracing_class is not None:
+        tracing = tracing_class(config, registry)
+        log.info("tracing: spans over OTLP/HTTP to %s (from %s)", config.tracing_endpoint,
+                 config.tracing_source)
     log.info("listening on http://%s:%d (model %s on %s, scheduler %s, timing %s)", config.host, config.port,
              config.model_name, service.device, config.scheduler, config.timing)
     try:
-        run(build_app(service), config.host, config.port, shutdown_timeout=5.0)
+        run(build_app(service, tracing=tracing), config.host, config.port, shutdown_timeout=5.0)
     except OSError as exc:
         sys.stderr.write(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror}\n")
         service.close()
