@@ -71,7 +71,7 @@ from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
 from gpuscope import catalogue as cat
 from gpuscope.server.model import build_model
-from gpuscope.server.timer_glue import build_timer, instrument_model
+from gpuscope.server.step_timing import build_timer, instrument_model
 from gpuscope.timing import Timer
 
 ROOT = Path(__file__).resolve().parent.parent

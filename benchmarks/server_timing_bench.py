@@ -35,7 +35,7 @@ from tenancy_bench import Harness, Size
 from gpuscope import catalogue as cat
 from gpuscope.server.config import ModelSpec
 from gpuscope.server.model import build_model
-from gpuscope.server.timer_glue import build_timer, instrument_model
+from gpuscope.server.step_timing import build_timer, instrument_model
 
 MODES = ("off", "budget", "all")
 TIMER_GAUGES = (cat.TIMER_SAMPLING_RATIO.name, cat.TIMER_OVERHEAD_RATIO.name)

@@ -46,7 +46,7 @@ from gpuscope.server.config import ModelSpec, parse_tenants
 from gpuscope.server.engine import Done, Engine, Failed, Request
 from gpuscope.server.model import build_model, sample
 from gpuscope.server.scheduler import QueueFull, Scheduler
-from gpuscope.server.timer_glue import build_timer
+from gpuscope.server.step_timing import build_timer
 
 
 @dataclass(frozen=True)

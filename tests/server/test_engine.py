@@ -14,7 +14,7 @@ from gpuscope.server.engine import Done, Engine, Failed, Request
 from gpuscope.server.metrics import RequestMetrics
 from gpuscope.server.model import build_model, encode
 from gpuscope.server.scheduler import Scheduler
-from gpuscope.server.timer_glue import build_timer
+from gpuscope.server.step_timing import build_timer
 from tests.conftest import wait_for
 
 SPEC = ModelSpec(layers=1, dim=64, heads=4, context=256)

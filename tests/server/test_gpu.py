@@ -18,7 +18,7 @@ def test_engine_on_cuda_times_modules_and_charges_tenants():
     from gpuscope.server.metrics import RequestMetrics, StateCollector
     from gpuscope.server.model import build_model, encode
     from gpuscope.server.scheduler import Scheduler
-    from gpuscope.server.timer_glue import build_timer, instrument_model
+    from gpuscope.server.step_timing import build_timer, instrument_model
 
     registry = CollectorRegistry()
     model = build_model(ModelSpec(layers=4, dim=512, heads=8, context=512))
@@ -88,7 +88,7 @@ def test_an_engine_on_the_second_gpu_times_its_steps_there():
     from gpuscope.server.engine import Engine, Request
     from gpuscope.server.model import build_model, encode
     from gpuscope.server.scheduler import Scheduler
-    from gpuscope.server.timer_glue import build_timer
+    from gpuscope.server.step_timing import build_timer
 
     registry = CollectorRegistry()
     model = build_model(ModelSpec(layers=2, dim=256, heads=4, context=256, device="cuda:1"))
@@ -121,7 +121,7 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens_and_module
     from gpuscope.server.engine import Engine, Request
     from gpuscope.server.model import TinyRunner, build_model, encode
     from gpuscope.server.scheduler import Scheduler
-    from gpuscope.server.timer_glue import build_timer
+    from gpuscope.server.step_timing import build_timer
 
     def run(cuda_graphs: bool) -> tuple[list[list[int]], CollectorRegistry, object]:
         registry = CollectorRegistry()

@@ -28,7 +28,7 @@ from gpuscope.server.engine import Done, Engine, Failed, Request
 from gpuscope.server.hf import HFStreamDecoder, load_runner
 from gpuscope.server.model import encode
 from gpuscope.server.scheduler import Scheduler
-from gpuscope.server.timer_glue import build_timer
+from gpuscope.server.step_timing import build_timer
 from tests.conftest import wait_for
 from tests.server.conftest import ServerThread, small_config
 from tests.test_loki import Receiver, free_port

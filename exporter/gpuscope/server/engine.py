@@ -35,7 +35,7 @@ from .faults import FaultInjector
 from .metrics import RequestMetrics
 from .model import Decoder, ModelRunner, StreamDecoder, TinyGPT, TinyRunner, sample
 from .scheduler import Scheduler
-from .timer_glue import HostClock, trace_context
+from .step_timing import HostClock, trace_context
 
 log = logging.getLogger("gpuscope.server")
 request_log = logging.getLogger("gpuscope.server.requests")

@@ -328,7 +328,7 @@ class TinyRunner:
         self.module.set_extra_passes(passes)
 
     def instrument(self, timer) -> Any:
-        from .timer_glue import instrument_model
+        from .step_timing import instrument_model
 
         return instrument_model(timer, self.module)
 

@@ -17,7 +17,7 @@ from .faults import FAULTS, FaultInjector
 from .metrics import RequestMetrics, StateCollector
 from .model import ModelRunner, TinyRunner, build_model
 from .scheduler import Scheduler
-from .timer_glue import build_timer
+from .step_timing import build_timer
 
 log = logging.getLogger("gpuscope.server")
 
