@@ -14,7 +14,7 @@ UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_total", "_joules", "_hertz", 
 
 def test_docs_metrics_md_is_current():
     committed = (ROOT / "docs" / "metrics.md").read_text()
-    assert committed == catalogue.render_markdown(), "run: python -m gpuscope.catalogue > docs/metrics.md"
+    assert committed == catalogue.render_markdown(), "run: gpuscope generate"
 
 
 @pytest.mark.parametrize("metric", list(catalogue.all_metrics()), ids=lambda m: m.name)

@@ -2,9 +2,9 @@
 
 The exporter, the server, the timer, the dashboards and the alert rules all take
 metric names from here; ``docs/metrics.md`` is generated from this module
-(``python -m gpuscope.catalogue > docs/metrics.md``) and a test keeps it current.
+(``gpuscope generate``) and a test keeps it current.
 
-Naming rules (BRIEF.md): prefix ``gpuscope_``, base units in the name, bounded
+Naming rules (docs/design.md): prefix ``gpuscope_``, base units in the name, bounded
 label sets. Counter names carry ``_total`` here, as they appear on ``/metrics``.
 Request-latency histograms reuse vLLM's bucket layouts where the quantity is the
 same, so existing dashboards and habits carry over.
@@ -12,7 +12,6 @@ same, so existing dashboards and habits carry over.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -368,7 +367,7 @@ def render_markdown() -> str:
     lines = [
         "# gpuscope metrics",
         "",
-        "Generated from `exporter/gpuscope/catalogue.py` by `python -m gpuscope.catalogue`; do not edit.",
+        "Generated from `exporter/gpuscope/catalogue.py` by `gpuscope generate`; do not edit.",
         "",
     ]
     areas: dict[str, list[Metric]] = {}
@@ -385,6 +384,3 @@ def render_markdown() -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.stdout.write(render_markdown())
