@@ -17,7 +17,7 @@ RUN test -n "${TORCH_VERSION}" || { echo "build with docker compose, or pass --b
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
-RUN pip install ".[server,loadtest,kubernetes]"
+RUN pip install ".[server,loadtest,kubernetes,tracing]"
 COPY loadtest ./loadtest
 
 # Non-root; compose runs it with a read-only root filesystem and a tmpfs /tmp (HOME above).

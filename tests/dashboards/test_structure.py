@@ -76,12 +76,22 @@ def test_datasources_match_provisioning():
             assert uids.get(var["datasource"]["uid"]) == var["datasource"]["type"]
 
 
-def test_exemplar_link_opens_loki_with_the_trace_id():
-    prometheus = next(ds for ds in yaml.safe_load(PROVISIONED.read_text())["datasources"]
-                      if ds["type"] == "prometheus")
-    (dest,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
-    assert dest["name"] == "trace_id"  # the exemplar label the server and timer attach
-    assert "gpuscope-loki" in dest["url"] and "$${__value.raw}" in dest["url"]
+def test_exemplar_links_open_the_trace_in_tempo_and_the_logs_in_loki():
+    provisioned = yaml.safe_load(PROVISIONED.read_text())["datasources"]
+    prometheus = next(ds for ds in provisioned if ds["type"] == "prometheus")
+    tempo, logs = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    # trace_id: the exemplar label the server and timer attach
+    assert tempo == {"name": "trace_id", "datasourceUid": "gpuscope-tempo",
+                     "urlDisplayLabel": "Trace in Tempo"}
+    assert logs["name"] == "trace_id"
+    assert "gpuscope-loki" in logs["url"] and "$${__value.raw}" in logs["url"]
+    loki = next(ds for ds in provisioned if ds["type"] == "loki")
+    (derived,) = loki["jsonData"]["derivedFields"]
+    assert derived["datasourceUid"] == "gpuscope-tempo"
+    line = '{"msg": "request", "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "tenant": "alpha"}'
+    assert re.search(derived["matcherRegex"], line).group(1) == "4bf92f3577b34da6a3ce929d0e0e4736"
+    tempo_file = yaml.safe_load((PROVISIONED.parent / "tempo.yml").read_text())
+    assert [ds["uid"] for ds in tempo_file["datasources"]] == ["gpuscope-tempo"]
 
 
 def test_heatmaps_read_buckets_in_heatmap_format():

@@ -23,6 +23,9 @@ GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 
 #: Every repository path the compose file mounts, and the test that validates it.
 VALIDATED = {
+    "deploy/otel-collector/config.yaml": "tests/stack/test_tracing_configs.py (generated from the alert "
+                                         "config; documented keys; pipelines)",
+    "deploy/tempo/tempo.yml": "tests/stack/test_tracing_configs.py (documented keys, ports, paths)",
     "deploy/prometheus/prometheus.yml": "test_prometheus_config_passes_promtool, "
                                         "test_prometheus_jobs_and_ports",
     "alerts/prometheus/production": "test_rendered_stack_configs_pass_promtool_and_amtool (promtool "
@@ -166,8 +169,8 @@ def test_dockerfile_runs_as_non_root_and_installs_the_server_extra():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM \$\{PYTHON_IMAGE\}$", text, re.M)
     assert re.search(r"^USER 10001$", text, re.M)
-    # kubernetes: grpcio for the exporter's pod attribution (the image also runs the exporter).
-    assert 'pip install ".[server,loadtest,kubernetes]"' in text
+    # kubernetes: grpcio for the exporter's pod attribution; tracing: the server's OTLP spans.
+    assert 'pip install ".[server,loadtest,kubernetes,tracing]"' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {"!exporter/", "!loadtest/", "!pyproject.toml"} <= set(ignored)
 

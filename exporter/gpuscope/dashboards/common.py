@@ -32,6 +32,8 @@ from gpuscope.ports import PORTS
 PROMETHEUS_UID = "gpuscope-prometheus"
 LOKI_UID = "gpuscope-loki"
 ALERTMANAGER_UID = "gpuscope-alertmanager"
+#: Grafana Tempo (compose: deploy/grafana/provisioning/datasources/tempo.yml, docs/tracing.md).
+TEMPO_UID = "gpuscope-tempo"
 PROMETHEUS = {"type": "prometheus", "uid": PROMETHEUS_UID}
 LOKI = {"type": "loki", "uid": LOKI_UID}
 
@@ -65,13 +67,19 @@ def datasources_provisioning() -> dict[str, Any]:
                  "httpMethod": "POST",
                  "manageAlerts": False,
                  "alertmanagerUid": ALERTMANAGER_UID,
+                 # An exemplar opens the request's trace in Tempo and its log lines in Loki.
                  "exemplarTraceIdDestinations": [
+                     {"name": "trace_id", "datasourceUid": TEMPO_UID, "urlDisplayLabel": "Trace in Tempo"},
                      {"name": "trace_id", "url": trace_link, "urlDisplayLabel": "Logs of this request"},
                  ],
              }},
             {"name": "Loki", "type": "loki", "uid": LOKI_UID, "access": "proxy",
              "url": f"http://loki:{PORTS['loki']}", "editable": False,
-             "jsonData": {"maxLines": 1000}},
+             # The trace id of a request's log line (its JSON body) opens the trace in Tempo.
+             "jsonData": {"maxLines": 1000, "derivedFields": [
+                 {"name": "trace_id", "matcherRegex": '"trace_id": "([0-9a-f]{32})"',
+                  "datasourceUid": TEMPO_UID, "url": "$${__value.raw}",
+                  "urlDisplayLabel": "Trace in Tempo"}]}},
             {"name": "Alertmanager", "type": "alertmanager", "uid": ALERTMANAGER_UID, "access": "proxy",
              "url": f"http://alertmanager:{PORTS['alertmanager']}", "editable": False,
              "jsonData": {"implementation": "prometheus", "handleGrafanaManagedAlerts": False}},

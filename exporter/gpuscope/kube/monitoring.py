@@ -131,7 +131,11 @@ def datasources(root: Path, d: Deployment) -> dict:
         ds = {**ds, "name": f"gpuscope {ds['name']}", "url": urls[ds["type"]]}
         if ds["type"] == "prometheus":
             ds["isDefault"] = False
-            ds["jsonData"] = {**ds["jsonData"], "timeInterval": duration(d.cluster.scrape_interval_s)}
+            # No Tempo in this deployment: exemplars link to the logs only.
+            links = [link for link in ds["jsonData"]["exemplarTraceIdDestinations"]
+                     if "datasourceUid" not in link]
+            ds["jsonData"] = {**ds["jsonData"], "timeInterval": duration(d.cluster.scrape_interval_s),
+                              "exemplarTraceIdDestinations": links}
         kept.append(ds)
     return {"apiVersion": source["apiVersion"], "datasources": kept}
 
