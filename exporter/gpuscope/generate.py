@@ -10,6 +10,8 @@ alerting       Prometheus and Loki rule files and Alertmanager configs of both p
 dashboards     ``dashboards/json/<uid>.json`` and Grafana's datasource provisioning — from
                ``gpuscope.dashboards``
 metrics        ``docs/metrics.md`` — from ``gpuscope.catalogue``
+tracing        the compose stack's OpenTelemetry Collector configuration (its tail-sampling policy
+               keeps errors and requests slower than the TTFT objective) — from the alert config
 kubernetes     ``deploy/kubernetes/generated/`` (PrometheusRule, ServiceMonitors, Alertmanager
                Secret, dashboard ConfigMaps, HPA, prometheus-adapter rules) — from
                ``gpuscope.kube`` and the files above
@@ -47,6 +49,12 @@ def _metrics(root: Path) -> dict[str, str]:
     return {"docs/metrics.md": catalogue.render_markdown()}
 
 
+def _tracing(root: Path) -> dict[str, str]:
+    from gpuscope.server import collector_config
+
+    return collector_config.outputs()
+
+
 def _kubernetes(root: Path) -> dict[str, str]:
     from gpuscope.kube import generate
 
@@ -58,6 +66,7 @@ GENERATORS: dict[str, tuple[Generator, tuple[str, ...]]] = {
     "alerting": (_alerting, ()),
     "dashboards": (_dashboards, ("dashboards/json",)),
     "metrics": (_metrics, ()),
+    "tracing": (_tracing, ()),
     "kubernetes": (_kubernetes, ("deploy/kubernetes/generated",)),
 }
 

@@ -67,7 +67,7 @@ DROP_REASONS = ("backlog_full", "queue_full", "export_failed")
 
 # Span attributes. GenAI and HTTP semantic-convention names where one fits; the server's own under
 # ``gpuscope.``. The Collector's tail-sampling policy reads OUTCOME and TTFT_MS
-# (deploy/otel-collector/generate.py), Grafana's trace-to-metrics links read TENANT.
+# (gpuscope.server.collector_config), Grafana's trace-to-metrics links read TENANT.
 TENANT = "gpuscope.tenant"
 PRIORITY = "gpuscope.priority"
 OUTCOME = "gpuscope.outcome"  # stop, length, abort, error, rejected, invalid
