@@ -35,6 +35,8 @@ def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProc
     (["--faults.enable", "--faults.token-file", "/nonexistent/token"], "cannot read /nonexistent/token"),
     (["--model.checkpoint", "/nonexistent.pt"], "is not a local file"),
     (["--batch.max-size", "lots"], "invalid int value"),
+    (["--model.cuda-graphs", "--model.device", "cpu"], "--model.cuda-graphs needs a CUDA device"),
+    (["--model.cuda-graphs", "--model.hf", "/nonexistent"], "cannot go with --model.hf"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     result = serve(*args)

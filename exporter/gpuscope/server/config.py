@@ -145,8 +145,14 @@ class ModelSpec:
     device: str = "auto"
     dtype: str = "auto"
     hf: str | None = None
+    cuda_graphs: bool = False  # replay decode steps from CUDA graphs captured per batch size
 
     def validate(self) -> None:
+        if self.cuda_graphs and self.hf is not None:
+            raise ConfigError("--model.cuda-graphs replays the toy model's decode step; "
+                              "it cannot go with --model.hf")
+        if self.cuda_graphs and self.device == "cpu":
+            raise ConfigError("--model.cuda-graphs needs a CUDA device (--model.device is cpu)")
         if self.hf is not None:
             where = f"--model.hf {self.hf!r}"
             if self.checkpoint:

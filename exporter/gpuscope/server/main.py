@@ -42,6 +42,8 @@ def build_parser() -> FlagParser:
                help="local Hugging Face causal-LM folder to serve instead of the toy model (no downloads)")
     p.add_flag("--model.device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_flag("--model.dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, ...")
+    p.add_toggle("model.cuda-graphs", False, "replay decode steps from CUDA graphs captured per batch size, "
+                 "their modules timed on sampled replays (toy model, CUDA only)")
     p.add_flag("--tenants", default="default:1:normal", help="NAME:SHARE[:PRIORITY],... GPU-time shares")
     p.add_flag("--tenants.default", default=None, help="tenant of requests without X-Tenant (first listed)")
     p.add_flag("--tenants.unknown", default="reject", help="unknown X-Tenant: reject (400) or other")
@@ -89,7 +91,8 @@ def config_from_args(ns) -> ServerConfig:
     model = ModelSpec(layers=args["model.layers"], dim=args["model.dim"], heads=args["model.heads"],
                       context=args["model.context"], seed=args["model.seed"],
                       checkpoint=args["model.checkpoint"], device=args["model.device"],
-                      dtype=args["model.dtype"], hf=args["model.hf"])
+                      dtype=args["model.dtype"], hf=args["model.hf"],
+                      cuda_graphs=args["model.cuda_graphs"])
     if model.checkpoint and not os.path.isfile(model.checkpoint):
         raise ConfigError(f"--model.checkpoint {model.checkpoint!r} is not a local file")
     tracing_endpoint, tracing_source = resolve_tracing(args["tracing.endpoint"], os.environ)

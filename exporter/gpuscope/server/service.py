@@ -42,6 +42,8 @@ class Service:
         self.device = self.runner.device
         self.timer = build_timer(config.timing, self.registry, config.timing_budget)
         self.instrumentation = self.runner.instrument(self.timer) if config.timing != "off" else None
+        if config.model.cuda_graphs:
+            self.runner.use_cuda_graphs(self.timer)  # captured at the engine's warm-up
         names = [t.name for t in config.tenants]
         self.scheduler = Scheduler(config.tenants, config.scheduler, config.max_queue_per_tenant)
         self.faults = FaultInjector(set(names), self.device) if config.faults_enabled else None
