@@ -25,7 +25,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run through the device tool)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run the gpu-marked tests on a GPU host)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
