@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "exporter"))
+
+from gpuscope.ports import free_port  # noqa: E402
+
 SMI_QUERY = ("timestamp,name,pci.bus_id,driver_version,pstate,temperature.gpu,utilization.gpu,"
              "utilization.memory,memory.total,memory.free,memory.used,power.draw,clocks.sm,clocks.mem")
 TARGETS = {"scrape_p99_ms": 5.0, "exporter_cpu_pct": 1.0}
@@ -45,10 +48,6 @@ def log(message: str) -> None:
     print(f"[exporter_bench] {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT / "exporter"))
 
 import torch  # noqa: E402
 
+from gpuscope.ports import free_port  # noqa: E402
+
 PARTS = ("model", "concurrency", "timing")
 MODES = ("off", "budget", "all")
 TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
@@ -128,12 +130,6 @@ def build_model(folder: Path, quick: bool) -> dict[str, Any]:
 # --- serving ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

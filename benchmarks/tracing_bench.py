@@ -46,7 +46,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
+from gpuscope.ports import free_port  # noqa: E402
+
 TICKS = os.sysconf("SC_CLK_TCK")
 NEEDED = {"opentelemetry.sdk": "opentelemetry-sdk",
           "opentelemetry.exporter.otlp.proto.http": "opentelemetry-exporter-otlp-proto-http",
@@ -260,10 +261,6 @@ class Receiver:
         self.server.server_close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -21,13 +21,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpuscope.loki import LokiHandler, push_url
+from gpuscope.ports import free_port
 from tests.conftest import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_push(headers, raw: bytes) -> list[tuple[dict, list]]:

@@ -9,6 +9,8 @@ Prometheus, Alertmanager and Loki use inside compose.
 
 from __future__ import annotations
 
+import socket
+
 PORTS: dict[str, int] = {
     "server": 8000,
     "exporter": 9400,
@@ -28,3 +30,10 @@ LOCAL_HOST = "127.0.0.1"
 def default_listen_address(service: str) -> str:
     """``127.0.0.1:PORT`` for a service's default ``--web.listen-address``."""
     return f"{LOCAL_HOST}:{PORTS[service]}"
+
+
+def free_port(host: str = LOCAL_HOST) -> int:
+    """A TCP port that was free on ``host`` a moment ago (the caller binds it right after)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

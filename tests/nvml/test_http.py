@@ -16,6 +16,7 @@ import requests
 from gpuscope import catalogue as cat
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.server import ExporterServer
+from gpuscope.ports import free_port
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.nvml.conftest import value, wait_first_rounds
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess
@@ -85,15 +86,10 @@ def test_malformed_request_gets_json_4xx(served) -> None:
     assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_the_command_serves_without_nvml_and_stops_on_sigterm() -> None:
     """The real entry point on this machine (no libnvidia-ml): zero GPUs, health served, clean exit."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "GPUSCOPE_WEB_LISTEN_ADDRESS": f"127.0.0.1:{port}"}
     proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "exporter"], env=env,
                             stderr=subprocess.PIPE, text=True)
@@ -291,7 +287,7 @@ def test_openmetrics_answer_passes_a_strict_openmetrics_parser(served) -> None:
 
 
 def _run_exporter(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "exporter",
                              f"--web.listen-address=127.0.0.1:{port}", *args],
                             env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)

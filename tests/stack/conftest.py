@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+
+from gpuscope import ports
 
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from gpuscope.ports import free_port
+
 READY_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    """A port that was free a moment ago on 127.0.0.1 (the server binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerError(RuntimeError):
