@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpuscope import catalogue
 from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.httpjson import JsonRequestHandler
 from gpuscope.ports import default_listen_address
 
 STATUSES = ("firing", "resolved")
@@ -94,36 +95,24 @@ class NotificationLog:
 
 
 def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonRequestHandler):
         server_version = "gpuscope-receiver"
-        protocol_version = "HTTP/1.1"
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # stdout carries notifications only, one JSON line each
 
-        def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def _json(self, status: HTTPStatus, obj: Any) -> None:
-            self._send(status, json.dumps(obj).encode(), "application/json")
-
         def _error(self, status: HTTPStatus, message: str) -> None:
-            self._json(status, {"error": message, "status": int(status)})
+            self.send_json_error(status, message)
 
         def do_GET(self) -> None:
             url = urlsplit(self.path)
             try:
                 if url.path == "/alerts":
-                    self._json(HTTPStatus.OK, {"notifications": log.recent(_limit(url.query))})
+                    self.send_json(HTTPStatus.OK, {"notifications": log.recent(_limit(url.query))})
                 elif url.path == "/metrics":
-                    self._send(HTTPStatus.OK, generate_latest(log.registry), CONTENT_TYPE_LATEST)
+                    self.send_body(HTTPStatus.OK, generate_latest(log.registry), CONTENT_TYPE_LATEST)
                 elif url.path in ("/healthz", "/readyz"):
-                    self._json(HTTPStatus.OK, {"status": "ok"})
+                    self.send_json(HTTPStatus.OK, {"status": "ok"})
                 else:
                     self._error(HTTPStatus.NOT_FOUND, f"no such path {url.path!r} (try /alerts, /metrics)")
             except BadRequest as exc:
@@ -147,7 +136,7 @@ def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPReq
             except BadRequest as exc:
                 self._error(exc.status, str(exc))
                 return
-            self._json(HTTPStatus.OK, {"status": "ok"})
+            self.send_json(HTTPStatus.OK, {"status": "ok"})
 
         def _read_body(self) -> bytes:
             raw = self.headers.get("Content-Length")

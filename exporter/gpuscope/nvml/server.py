@@ -25,12 +25,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuscope import catalogue as cat
+from gpuscope.httpjson import JsonRequestHandler
 
 log = logging.getLogger("gpuscope.exporter")
 
@@ -224,9 +225,8 @@ class _DeadlineReader(io.RawIOBase):
             raise
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonRequestHandler):
     server: ExporterServer
-    protocol_version = "HTTP/1.1"
     # Headers and body go out in two writes; with Nagle on, the second waits for a delayed ACK
     # (up to 40 ms on Linux) on keep-alive connections, which is what Prometheus uses.
     disable_nagle_algorithm = True
@@ -257,40 +257,23 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             body, content_type = self.server.metrics_body(self.headers.get("Accept", ""))
-            self._send(200, body, content_type)
+            self.send_body(200, body, content_type)
         elif path == "/healthz":
-            self._json(200, self.server.health())
+            self.send_json(200, self.server.health())
         elif path == "/":
-            self._send(200, _PAGE, "text/html; charset=utf-8")
+            self.send_body(200, _PAGE, "text/html; charset=utf-8")
         else:
-            self._json(404, {"error": f"no such path: {path}", "endpoints": list(ENDPOINTS)})
+            self.send_json_error(404, f"no such path: {path}", endpoints=list(ENDPOINTS))
 
     def do_HEAD(self) -> None:
         self.do_GET()
 
     def _method_not_allowed(self) -> None:
         self.close_connection = True  # the request body is not read
-        self._json(405, {"error": f"method {self.command} not allowed", "allowed": ["GET", "HEAD"]})
+        self.send_json_error(405, f"method {self.command} not allowed", headers={"Allow": "GET, HEAD"},
+                             allowed=["GET", "HEAD"])
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _method_not_allowed
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        # Malformed requests (bad request line, oversized headers): JSON like every other error.
-        self.close_connection = True
-        self._json(code, {"error": message or explain or "bad request"})
-
-    def _json(self, status: int, body: dict) -> None:
-        self._send(status, json.dumps(body).encode() + b"\n", "application/json")
-
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if status == 405:
-            self.send_header("Allow", "GET, HEAD")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("http: " + format, *args)
