@@ -13,9 +13,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuscope.tenants import NAME_RULE, valid_tenant_name
+
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 OTHER = "other"
-_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class ConfigError(ValueError):
@@ -99,8 +100,8 @@ def parse_tenants(text: str, unknown: str = "reject") -> tuple[TenantSpec, ...]:
             raise ConfigError(f"--tenants entry {item!r} is not NAME:SHARE[:PRIORITY]")
         name, share_text = fields[0].strip(), fields[1].strip()
         priority = fields[2].strip() if len(fields) == 3 else "normal"
-        if not _TENANT_NAME.match(name):
-            raise ConfigError(f"--tenants name {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+        if not valid_tenant_name(name):
+            raise ConfigError(f"--tenants name {name!r} must be {NAME_RULE}")
         try:
             share = float(share_text)
         except ValueError:
