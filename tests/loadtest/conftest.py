@@ -6,8 +6,10 @@ child process here, exactly as users run it.
 
 The paced endpoint is a stand-in with known timing, not a model server: it lets
 a test check that the client measures TTFT and inter-token gaps that the server
-really produced. Everything that needs real serving behaviour runs against
-``gpuscope serve``.
+really produced. With ``dialect = "vllm"`` and a ``model`` it answers as vLLM's
+OpenAI server does (the chunk shapes of ``fixtures/vllm_*.sse``, ``/v1/models``,
+404 for a model it does not serve). Everything that needs real serving behaviour
+runs against ``gpuscope serve``.
 
 A run's outcome must not depend on how fast the machine is, so a test that needs
 users cut mid-stream, or counts that stop changing, does not end Locust after a
@@ -53,15 +55,42 @@ class PacedServer:
     gap_s: float = 0.05
     fail_every: int = 0  # every nth request gets HTTP 503 (0: never); held ones never fail
     hold_after: int | None = None
+    #: "plain": a chunk per token (text, no finish_reason), then [DONE]. "vllm": vLLM's chunks: the
+    #: second token's text is empty, the last carries finish_reason "length", and with
+    #: stream_options.include_usage a usage chunk ("choices": []) comes before [DONE].
+    dialect: str = "plain"
+    #: The model GET /v1/models lists and a vLLM-dialect request must name; None: no /v1/models (404).
+    model: str | None = None
     url: str = ""
     received: list[dict] = field(default_factory=list)
     held: list[dict] = field(default_factory=list)
     release: asyncio.Event | None = None  # set at teardown: held streams end
 
+    async def models(self, request: web.Request) -> web.Response:
+        if self.model is None:
+            raise web.HTTPNotFound()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model,
+             "parent": None, "max_model_len": 4096, "permission": []}]})
+
+    def _chunk(self, text: str, finish: str | None = None) -> bytes:
+        if self.dialect == "plain":
+            chunk: dict = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        else:
+            chunk = {"id": "cmpl-paced", "object": "text_completion", "created": 0, "model": self.model,
+                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                                  "stop_reason": None}], "usage": None}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         tenant = request.headers.get("X-Tenant")
-        self.received.append({"tenant": tenant, **body})
+        self.received.append({"tenant": tenant, "authorization": request.headers.get("Authorization"),
+                              **body})
+        if self.dialect == "vllm" and body.get("model") != self.model:
+            return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}},
+                                     status=404)
         hold = self.hold_after is not None and len(self.received) > self.hold_after
         if not hold and self.fail_every and len(self.received) % self.fail_every == 0:
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
@@ -69,11 +98,18 @@ class PacedServer:
         await response.prepare(request)
         try:
             await asyncio.sleep(self.first_s)
-            for i in range(1 if hold else int(body["max_tokens"])):
+            n, vllm = int(body["max_tokens"]), self.dialect == "vllm"
+            for i in range(1 if hold else n):
                 if i:
                     await asyncio.sleep(self.gap_s)
-                chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                text = "" if vllm and i == 1 else f" t{i}"
+                await response.write(self._chunk(text, "length" if vllm and i == n - 1 else None))
+            if not hold and vllm and (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"id": "cmpl-paced", "object": "text_completion", "created": 0, "model": self.model,
+                         "choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                  "total_tokens": len(body["prompt"]) + n,
+                                                  "completion_tokens": n}}
+                await response.write(f"data: {json.dumps(usage)}\n\n".encode())
             if hold:
                 self.held.append({"tenant": tenant})
                 assert self.release is not None
@@ -90,6 +126,7 @@ def paced_server() -> Iterator[PacedServer]:
     server = PacedServer()
     app = web.Application()
     app.router.add_post("/v1/completions", server.completions)
+    app.router.add_get("/v1/models", server.models)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     started = threading.Event()

@@ -1,10 +1,17 @@
 """``python -m gpuscope.loadtest.compare``: Locust against several server configurations, side by side.
 
-For every repetition, and within it every configuration (interleaved, so slow
-drift of the machine spreads over all configurations instead of biasing the
-last one), it starts ``gpuscope serve`` on a free local port, runs Locust
-headless with the same seed, users and duration, stops the server, and keeps
-gpuscope's exact figures of the window after warm-up. It writes:
+The configurations are gpuscope serve's (the sets of :mod:`gpuscope.loadtest.configs`,
+started here) and endpoints it does not start (``--target NAME=URL[#MODEL]``:
+vLLM or any server with OpenAI-style ``/v1/models`` and streaming
+``/v1/completions``), together or alone. For every repetition, and within it
+every configuration (interleaved, so slow drift of the machine spreads over all
+configurations instead of biasing the last one), it starts ``gpuscope serve`` on
+a free local port (a target is used as it runs), runs Locust headless with the
+same users, lengths and duration, stops the server, and keeps gpuscope's exact
+figures of the window after warm-up. Repetition r sends the requests of seed
+``--load.seed`` + r − 1: every configuration of a repetition gets the same
+requests, and a target, which keeps its prefix cache from one run to the next,
+is not sent the previous repetition's prompts again. It writes:
 
 * ``compare-NAME.md`` — tables of medians with [min–max] over repetitions, with plots;
 * ``compare-NAME.csv`` — one row per run and tenant scope, in base units;
@@ -25,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -45,8 +52,18 @@ from gpuscope.loadtest.runtools import (
 )
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess
 from gpuscope.loadtest.stats import summarise, tenants_of
+from gpuscope.loadtest.targets import (
+    API_KEY_ENV,
+    Target,
+    TargetError,
+    list_models,
+    parse_target,
+    resolve_model,
+)
 
 PROG = "python -m gpuscope.loadtest.compare"
+#: ``--sets`` value for no configuration sets (only ``--target`` endpoints).
+NO_SETS = "none"
 
 
 def _int_list(raw: str) -> list[int]:
@@ -60,10 +77,25 @@ def _int_list(raw: str) -> list[int]:
     return values
 
 
+class _Repeated(argparse.Action):
+    """A flag given several times collects every value; the first one replaces the environment's."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(current if isinstance(current, list) else []), values])
+
+
 def build_parser() -> FlagParser:
-    p = FlagParser(prog=PROG, description="Compare gpuscope serve configurations under the same Locust load.")
-    p.add_flag("--sets", default=",".join(config_sets.SETS),
-               help=f"configuration sets to run, comma-separated ({', '.join(config_sets.SETS)})")
+    p = FlagParser(prog=PROG, description="Compare gpuscope serve configurations and OpenAI-compatible "
+                                          "endpoints under the same Locust load.")
+    p.add_flag("--sets", default="",
+               help=f"gpuscope serve configuration sets to start and run, comma-separated "
+                    f"({', '.join(config_sets.SETS)}), or {NO_SETS}; default: all of them without "
+                    f"--target, none with it")
+    p.add_flag("--target", action=_Repeated, default=None, metavar="NAME=URL[#MODEL]",
+               help="an endpoint to load as it runs (repeatable; the environment variable takes several "
+                    "separated by spaces); MODEL defaults to the first one its GET /v1/models lists")
     p.add_flag("--repeats", type=int, default=3, help="repetitions of every configuration")
     p.add_flag("--run.duration", type=duration_arg, default=30.0, help="measured time of each run (30s, 2m)")
     p.add_flag("--run.warmup", type=duration_arg, default=5.0,
@@ -75,6 +107,8 @@ def build_parser() -> FlagParser:
     p.add_flag("--load.seed", type=int, default=DEFAULT_SEED, help="seed of every run's requests")
     p.add_flag("--load.prompt-tokens", default=DEFAULT_PROMPT_TOKENS, help="prompt length distribution")
     p.add_flag("--load.output-tokens", default=DEFAULT_OUTPUT_TOKENS, help="max_tokens distribution")
+    p.add_toggle("load.ignore-eos", True,
+                 "send ignore_eos: true, so vLLM generates max_tokens tokens (gpuscope serve ignores it)")
     p.add_flag("--batch.sizes", type=_int_list, default=[4, 8, 16], help="batch sizes of the batching set")
     p.add_flag("--server.args", default="", help="extra gpuscope serve flags for every configuration")
     p.add_flag("--output.dir", default="benchmarks/results", help="where the table, CSV and plots go")
@@ -105,15 +139,54 @@ class Settings:
     runs_dir: Path
     label: str
     keep_samples: bool = False
+    ignore_eos: bool = True
+
+    def seed_of(self, rep: int) -> int:
+        """Seed of repetition ``rep`` (from 1): the same for every configuration within it."""
+        return self.seed + rep - 1
+
+    @property
+    def started_configs(self) -> list[Config]:
+        return [c for c in self.configs if not c.is_target]
+
+    @property
+    def targets(self) -> list[Config]:
+        return [c for c in self.configs if c.is_target]
+
+
+def _targets(raw: str | list[str] | None) -> list[Target]:
+    """``--target`` values (a list), or ``GPUSCOPE_TARGET`` (one string, space-separated) → Targets."""
+    specs = raw.split() if isinstance(raw, str) else (raw or [])
+    targets = [parse_target(spec) for spec in specs]
+    names = [t.name for t in targets]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"target name {name!r} is given twice")
+    return targets
+
+
+def _sets(raw: str, have_targets: bool) -> list[str]:
+    names = [s.strip() for s in raw.split(",") if s.strip()]
+    if not names:
+        return [] if have_targets else list(config_sets.SETS)
+    if NO_SETS in names:
+        if len(names) > 1:
+            raise ValueError(f"--sets {raw!r}: {NO_SETS!r} cannot be combined with sets")
+        return []
+    return names
 
 
 def parse_settings(argv: Sequence[str]) -> Settings:
-    """Flags → Settings; every problem is one line from the parser and exit status 2."""
+    """Flags → Settings; every problem is one line from the parser and exit status 2.
+
+    Targets' models are not resolved here (that needs the network): see :func:`resolve_targets`.
+    """
     parser = build_parser()
     ns = vars(parser.parse_args(list(argv)))
-    sets = [s.strip() for s in ns["sets"].split(",") if s.strip()]
     try:
-        configs = config_sets.build(sets, ns["batch.sizes"])
+        targets = _targets(ns["target"])
+        configs = config_sets.build(_sets(ns["sets"], bool(targets)), ns["batch.sizes"])
+        configs += config_sets.for_targets([(t.name, t.url, t.model) for t in targets])
         for flag in ("load.prompt_tokens", "load.output_tokens"):
             parse_distribution(ns[flag])
         server_args = shlex.split(ns["server.args"])
@@ -125,7 +198,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     if ns["run.duration"] <= 0:
         parser.error("--run.duration must be positive")
     if not configs:
-        parser.error("--sets names no configuration set")
+        parser.error(f"nothing to compare: --sets {NO_SETS} and no --target")
     if not locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
     out_dir = Path(ns["output.dir"])
@@ -136,37 +209,59 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         seed=ns["load.seed"], prompt_tokens=ns["load.prompt_tokens"], output_tokens=ns["load.output_tokens"],
         server_args=server_args, out_dir=out_dir, name=name,
         runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
-        label=ns["output.label"], keep_samples=ns["output.keep_samples"])
+        label=ns["output.label"], keep_samples=ns["output.keep_samples"], ignore_eos=ns["load.ignore_eos"])
 
 
-def locust_command(settings: Settings, host: str, run_dir: Path) -> list[str]:
+def resolve_targets(settings: Settings) -> Settings:
+    """Ask every target for ``/v1/models`` (its model, or that it serves the one named); TargetError names
+    the target that failed."""
+    configs = []
+    for config in settings.configs:
+        if config.is_target:
+            try:
+                target = resolve_model(Target(config.label, config.url, config.model))
+            except TargetError as exc:
+                raise TargetError(f"target {config.label!r}: {exc}") from None
+            config = replace(config, model=target.model)
+        configs.append(config)
+    return replace(settings, configs=configs)
+
+
+def locust_command(settings: Settings, host: str, run_dir: Path, model: str = "", rep: int = 1) -> list[str]:
     command = [
         *locust_prefix(), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "--host", host, "-u", str(settings.users), "-r", str(settings.spawn_rate),
         "-t", f"{settings.warmup_s + settings.duration_s:g}s",
-        "--seed", str(settings.seed), "--prompt-tokens", settings.prompt_tokens,
+        "--seed", str(settings.seed_of(rep)), "--prompt-tokens", settings.prompt_tokens,
         "--output-tokens", settings.output_tokens,
+        "--ignore-eos", "true" if settings.ignore_eos else "false",
         "--html", str(run_dir / "locust.html"), "--samples-file", str(run_dir / "samples.json"),
     ]
+    if model:
+        command += ["--model", model]
     if settings.processes > 1:
         command += ["--processes", str(settings.processes)]
     return command
 
 
 def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> RunResult:
-    """One server start, one Locust run, one stop; the exact figures of the measured window."""
+    """One Locust run against one configuration (started for it, and stopped, unless it is a target);
+    the exact figures of the measured window."""
     run_dir = settings.runs_dir / f"{config.key}-r{rep}"
     run_dir.mkdir(parents=True, exist_ok=True)
     samples_path = run_dir / "samples.json"
     samples_path.unlink(missing_ok=True)
-    total_s = settings.warmup_s + settings.duration_s
-    server_args = [*settings.server_args, *config.server_args]
-    with ServerProcess(server_args, log_path=run_dir / "serve.log") as server, \
-            open(run_dir / "locust.log", "wb") as log:
-        env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(locust_command(settings, server.url, run_dir), stdout=log,
-                                   stderr=subprocess.STDOUT, env=env)
-        _wait_with_countdown(process, total_s, progress)
+    if config.is_target:
+        process = _run_locust(settings, config, rep, config.url, config.model, run_dir, progress)
+        model = config.model
+    else:
+        server_args = [*settings.server_args, *config.server_args]
+        with ServerProcess(server_args, log_path=run_dir / "serve.log") as server:
+            try:
+                model = list_models(server.url)[0]
+            except TargetError as exc:
+                raise RuntimeError(f"gpuscope serve: {exc}") from None
+            process = _run_locust(settings, config, rep, server.url, model, run_dir, progress)
     if not samples_path.exists():
         raise RuntimeError(f"Locust wrote no samples (exit {process.returncode}); "
                            f"see {run_dir / 'locust.log'}")
@@ -187,7 +282,18 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
     if summaries[ALL].requests == 0:
         notes.append("no request finished in the window: requests outlast it, lengthen --run.duration")
     note = "; ".join(notes)
-    return RunResult(config, rep, summaries, html=str(run_dir / "locust.html"), note=note)
+    return RunResult(config, rep, summaries, html=str(run_dir / "locust.html"), note=note, model=model)
+
+
+def _run_locust(settings: Settings, config: Config, rep: int, host: str, model: str, run_dir: Path,
+                progress: TextIO) -> subprocess.Popen[bytes]:
+    """Locust headless against ``host`` for warm-up + duration; returns the finished process."""
+    with open(run_dir / "locust.log", "wb") as log:
+        env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(locust_command(settings, host, run_dir, model, rep), stdout=log,
+                                   stderr=subprocess.STDOUT, env=env)
+        _wait_with_countdown(process, settings.warmup_s + settings.duration_s, progress)
+    return process
 
 
 def _wait_with_countdown(process: subprocess.Popen[bytes], total_s: float, progress: TextIO) -> None:
@@ -213,21 +319,30 @@ def _wait_with_countdown(process: subprocess.Popen[bytes], total_s: float, progr
         progress.write("\r" + " " * 20 + "\r")
 
 
-def header(settings: Settings, started: dt.datetime) -> dict[str, str]:
+def header(settings: Settings, started: dt.datetime, argv: Sequence[str] | None = None) -> dict[str, str]:
     from importlib.metadata import version
 
-    return {
+    seeds = (f"seed {settings.seed}" if settings.repeats == 1 else
+             f"seed {settings.seed}–{settings.seed_of(settings.repeats)} (one per repetition)")
+    head = {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": describe_machine(settings.label),
-        "load": (f"{settings.users} streaming users (closed loop), seed {settings.seed}, prompts "
-                 f"`{settings.prompt_tokens}`, max_tokens `{settings.output_tokens}`, Locust "
+        "load": (f"{settings.users} streaming users (closed loop), {seeds}, prompts "
+                 f"`{settings.prompt_tokens}` characters, max_tokens `{settings.output_tokens}`, "
+                 f"ignore_eos {'on' if settings.ignore_eos else 'off'}, Locust "
                  f"{version('locust')} × {settings.processes} process(es)"),
         "runs": (f"{settings.repeats} repetitions × {len(settings.configs)} configurations, interleaved; "
-                 f"{settings.warmup_s:g} s warm-up + {settings.duration_s:g} s measured each; "
-                 f"a fresh server per run"),
-        "server": f"`gpuscope serve {' '.join(settings.server_args)}` + the configuration's flags",
-        "command": "`" + " ".join([PROG, *map(shlex.quote, sys.argv[1:])]) + "`",
+                 f"{settings.warmup_s:g} s warm-up + {settings.duration_s:g} s measured each"
+                 + ("; a fresh server per run of a set" if settings.started_configs else "")
+                 + ("; targets loaded as they run, never restarted" if settings.targets else "")),
     }
+    if settings.started_configs:
+        head["server"] = f"`gpuscope serve {' '.join(settings.server_args)}` + the configuration's flags"
+    if settings.targets:
+        head["targets"] = ", ".join(f"{c.label} = {c.url} (model `{c.model}`)" for c in settings.targets)
+    args = sys.argv[1:] if argv is None else argv
+    head["command"] = "`" + " ".join([PROG, *map(shlex.quote, args)]) + "`"
+    return head
 
 
 def _one_line(result: RunResult) -> str:
@@ -239,7 +354,17 @@ def _one_line(result: RunResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None, progress: TextIO = sys.stdout) -> int:
-    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    settings = parse_settings(argv)
+    try:
+        settings = resolve_targets(settings)
+    except TargetError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 2
+    for config in settings.targets:
+        progress.write(f"target {config.label}: {config.url}, model {config.model!r}"
+                       + (f" (Authorization from {API_KEY_ENV})" if os.environ.get(API_KEY_ENV) else "")
+                       + "\n")
     started = dt.datetime.now(dt.timezone.utc)
     plan = [(rep, config) for rep in range(1, settings.repeats + 1) for config in settings.configs]
     per_run = settings.warmup_s + settings.duration_s + 5
@@ -256,7 +381,7 @@ def main(argv: Sequence[str] | None = None, progress: TextIO = sys.stdout) -> in
             return 1
         results.append(result)
         progress.write(f"    {_one_line(result)}\n")
-    write_outputs(settings, results, header(settings, started), progress)
+    write_outputs(settings, results, header(settings, started, argv), progress)
     return 0
 
 

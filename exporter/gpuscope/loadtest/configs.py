@@ -10,6 +10,9 @@ plus the command's ``--server-args``:
 * ``scheduler``: first come first served against GPU-time shares, with two
   tenants of equal share where one sends three times the load of the other
   (``--scheduler fcfs|share``): shares should protect the lighter tenant.
+
+Endpoints the command does not start (``--target NAME=URL[#MODEL]``) form one
+more set, ``targets``: each is a configuration with a URL instead of server flags.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 SETS = ("timing", "batching", "scheduler")
+#: The set of ``--target`` endpoints; not a name ``--sets`` takes.
+TARGETS_SET = "targets"
 #: Tenants of the scheduler set: equal shares on the server, unequal load from Locust.
 SHARE_TENANTS_SERVER = "alpha:0.5,beta:0.5"
 SHARE_TENANTS_LOAD = "alpha:3,beta:1"
@@ -26,12 +31,20 @@ SINGLE_TENANT_LOAD = "default:1"
 
 @dataclass(frozen=True)
 class Config:
-    """One server configuration: how to start it and which tenants load it."""
+    """One configuration: how to start its server (a target: where it runs) and which tenants load it."""
 
     set: str
     label: str
     server_args: tuple[str, ...]
     load_tenants: str = SINGLE_TENANT_LOAD
+    #: A target's root URL: the command loads it as it runs instead of starting gpuscope serve.
+    url: str = ""
+    #: A target's model (from ``#MODEL`` or its ``/v1/models``); "" for the servers the command starts.
+    model: str = ""
+
+    @property
+    def is_target(self) -> bool:
+        return bool(self.url)
 
     @property
     def key(self) -> str:
@@ -53,5 +66,10 @@ def build(sets: Sequence[str], batch_sizes: Sequence[int]) -> list[Config]:
             configs += [Config("scheduler", mode, ("--scheduler", mode, "--tenants", SHARE_TENANTS_SERVER),
                                SHARE_TENANTS_LOAD) for mode in ("fcfs", "share")]
         else:
-            raise ValueError(f"unknown configuration set {name!r} (one of: {', '.join(SETS)})")
+            raise ValueError(f"unknown configuration set {name!r} (one of: {', '.join(SETS)}, or none)")
     return configs
+
+
+def for_targets(targets: Sequence[tuple[str, str, str]]) -> list[Config]:
+    """One configuration per ``(name, url, model)`` target, in the order given."""
+    return [Config(TARGETS_SET, name, (), url=url, model=model) for name, url, model in targets]

@@ -53,6 +53,27 @@ def _checked_temperature(raw: str) -> str:
     return raw
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(raw: str | bool) -> bool:
+    """``true``/``false`` (also 1/0, yes/no, on/off) → bool; raises ValueError otherwise."""
+    if isinstance(raw, bool):
+        return raw
+    lowered = str(raw).strip().lower()
+    if lowered in _TRUE or lowered in _FALSE:
+        return lowered in _TRUE
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def _checked_bool(raw: str) -> str:
+    try:
+        parse_bool(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
 def add_locust_arguments(parser: Any) -> None:
     """Register gpuscope's options on Locust's parser (``init_command_line_parser``)."""
     parser.add_argument("--shape", type=_checked_shape, default="steady", env_var="GPUSCOPE_LOAD_SHAPE",
@@ -66,6 +87,13 @@ def add_locust_arguments(parser: Any) -> None:
                         help="seed of every user's prompt and length draws")
     parser.add_argument("--temperature", type=_checked_temperature, default="0",
                         env_var="GPUSCOPE_LOAD_TEMPERATURE", help="sampling temperature sent to the server")
+    parser.add_argument("--model", default="", env_var="GPUSCOPE_LOAD_MODEL",
+                        help="model name sent in every request (default: the first one the host's "
+                             "GET /v1/models lists)")
+    parser.add_argument("--ignore-eos", type=_checked_bool, default="true",
+                        env_var="GPUSCOPE_LOAD_IGNORE_EOS",
+                        help="send ignore_eos (vLLM generates exactly max_tokens); false for servers "
+                             "that reject unknown fields")
     parser.add_argument("--samples-file", default="", env_var="GPUSCOPE_LOAD_SAMPLES_FILE",
                         include_in_web_ui=False,
                         help="write exact per-request figures (JSON) here when Locust quits")
@@ -79,15 +107,32 @@ class Workload:
     output_tokens: LengthDistribution
     seed: int
     temperature: float
+    #: Model name sent; "" = the first one the host lists (resolved by the user), or none at all.
+    model: str = ""
+    ignore_eos: bool = True
 
-    def request_body(self, rng: random.Random) -> dict[str, Any]:
-        """The next streaming completion request of a user drawing from ``rng``."""
-        return {
+    def request_body(self, rng: random.Random, model: str | None = None) -> dict[str, Any]:
+        """The next streaming completion request of a user drawing from ``rng``.
+
+        The fields are those of vLLM's ``CompletionRequest``; ``ignore_eos`` is vLLM's own
+        sampling parameter (generate ``max_tokens`` whatever the model says), and
+        ``stream_options.include_usage`` asks for the final usage chunk, whose
+        ``completion_tokens`` is the token count. ``model`` overrides the workload's.
+        """
+        body: dict[str, Any] = {}
+        name = self.model if model is None else model
+        if name:
+            body["model"] = name
+        body.update({
             "prompt": make_prompt(rng, self.prompt_tokens.draw(rng)),
             "max_tokens": self.output_tokens.draw(rng),
             "temperature": self.temperature,
             "stream": True,
-        }
+            "stream_options": {"include_usage": True},
+        })
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
 
     @classmethod
     def from_options(cls, options: Any) -> Workload:
@@ -101,6 +146,8 @@ class Workload:
             output_tokens=parse_distribution(get("output_tokens", DEFAULT_OUTPUT_TOKENS)),
             seed=int(get("seed", DEFAULT_SEED)),
             temperature=float(get("temperature", 0)),
+            model=str(get("model", "")).strip(),
+            ignore_eos=parse_bool(get("ignore_eos", "true")),
         )
 
 

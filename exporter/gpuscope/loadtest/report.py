@@ -49,6 +49,7 @@ class RunResult:
     summaries: dict[str, Summary]
     html: str = ""
     note: str = ""
+    model: str = ""  # the model name the requests carried
 
 
 @dataclass
@@ -123,9 +124,10 @@ def _table(heads: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-#: Run identity, then every Summary field (base units: seconds, ratios), then where to look further.
+#: Run identity, then every Summary field (base units: seconds, ratios), then where to look further
+#: and what was loaded: gpuscope serve's flags, or a target's URL; the model the requests named.
 CSV_FIELDS = ("set", "configuration", "rep", "scope", *(f.name for f in fields(Summary)),
-              "html_report", "server_args")
+              "html_report", "server_args", "url", "model")
 
 
 def write_csv(results: Sequence[RunResult], path: Path) -> None:
@@ -137,7 +139,8 @@ def write_csv(results: Sequence[RunResult], path: Path) -> None:
             for scope, s in r.summaries.items():
                 row: dict[str, object] = {
                     "set": r.config.set, "configuration": r.config.label, "rep": r.rep, "scope": scope,
-                    "html_report": r.html, "server_args": " ".join(r.config.server_args)}
+                    "html_report": r.html, "server_args": " ".join(r.config.server_args),
+                    "url": r.config.url, "model": r.model or r.config.model}
                 for name, raw in s.as_dict().items():
                     row[name] = "" if raw is None else (f"{raw:.6g}" if isinstance(raw, float) else raw)
                 writer.writerow(row)

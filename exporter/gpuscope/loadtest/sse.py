@@ -1,10 +1,27 @@
 """Server-sent events of an OpenAI-style streaming completion, and the timings they give.
 
-The server sends ``data: {json}`` lines, each chunk carrying ``choices[0].text``,
-and ends with ``data: [DONE]``. A chunk without ``finish_reason`` is one token,
-even when its text is empty (a byte-level tokenizer streams half a UTF-8
-character as an empty string); the last chunk has the ``finish_reason`` and may
-carry ``usage.completion_tokens``, which is the token count when present.
+The server sends ``data: {json}`` lines and ends with ``data: [DONE]``. Two
+dialects reach this parser, and one rule covers both:
+
+* vLLM's OpenAI server (``tests/loadtest/fixtures/`` holds its format): one
+  chunk per engine step, ``choices[0].text`` the new text (empty for a special
+  token or half a UTF-8 character); the chunk of the last step carries
+  ``finish_reason`` (``length``, or ``stop`` at EOS or a stop string) *and* that
+  step's text. With ``stream_options: {"include_usage": true}`` a last chunk
+  follows with ``"choices": []`` and ``usage.completion_tokens``.
+* gpuscope serve: a chunk per token that decodes to text; then a closing chunk
+  with ``finish_reason``, the decoder's flush as ``text`` (usually empty) and
+  ``usage`` on the same chunk.
+
+A chunk with a choice is a token arrival, whatever its text, as in vLLM's
+benchmark client: vLLM's last chunk
+is its last step, even when that step's text is empty (the EOS token). The one
+exception is a chunk with ``finish_reason`` and ``usage`` together: gpuscope
+serve's closing summary, sent in the same step as its last token, whose text is
+the decoder's flush of bytes that already arrived. A chunk without a choice
+(vLLM's usage chunk) is never a token. The token count is
+``usage.completion_tokens`` when the stream gives it, else the number of token
+arrivals.
 
 Timings follow vLLM's benchmark: TTFT is first token chunk − send, inter-token
 latency is every gap between token chunks, end-to-end is last byte − send.
@@ -25,15 +42,28 @@ class StreamError(Exception):
 
 @dataclass(frozen=True)
 class Chunk:
-    """One completion chunk: a token unless ``finish_reason`` is set."""
+    """One completion chunk: its first choice's text and finish reason, and the usage's token count."""
 
     text: str
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    #: False for a chunk without choices (vLLM's usage chunk, ``"choices": []``).
+    has_choice: bool = True
 
     @property
     def is_token(self) -> bool:
-        return self.finish_reason is None
+        """Whether this chunk's arrival is a token arrival (see the module docstring)."""
+        return self.has_choice and (self.finish_reason is None or self.completion_tokens is None)
+
+
+def _error_message(chunk: dict) -> str | None:
+    """The message of an error event: ``{"error": {...}}``, or older vLLM's ``{"object": "error", ...}``."""
+    if "error" in chunk:
+        error = chunk["error"]
+        return str(error.get("message", error) if isinstance(error, dict) else error)
+    if chunk.get("object") == "error":
+        return str(chunk.get("message", chunk))
+    return None
 
 
 def parse_sse_line(line: bytes | str) -> Chunk | object | None:
@@ -55,19 +85,24 @@ def parse_sse_line(line: bytes | str) -> Chunk | object | None:
         raise StreamError(f"chunk is not JSON: {payload[:80]!r}") from None
     if not isinstance(chunk, dict):
         raise StreamError(f"chunk is not an object: {payload[:80]!r}")
-    if "error" in chunk:
-        error = chunk["error"]
-        message = error.get("message", error) if isinstance(error, dict) else error
+    message = _error_message(chunk)
+    if message is not None:
         raise StreamError(f"server error in stream: {message}")
+    usage = chunk.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+    choices = chunk.get("choices")
+    if choices == []:  # vLLM's usage chunk; some gateways send one before the first token too
+        return Chunk("", None, tokens, has_choice=False)
     try:
-        choice = chunk["choices"][0]
+        choice = choices[0]
         text = choice.get("text") or ""
         finish = choice.get("finish_reason")
     except (KeyError, IndexError, TypeError, AttributeError):
-        raise StreamError(f"chunk without choices[0].text: {payload[:80]!r}") from None
-    usage = chunk.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return Chunk(text, finish, tokens if isinstance(tokens, int) else None)
+        raise StreamError(f"chunk without choices[0].text or usage: {payload[:80]!r}") from None
+    if not isinstance(text, str):
+        raise StreamError(f"choices[0].text is not a string: {payload[:80]!r}")
+    return Chunk(text, finish, tokens)
 
 
 @dataclass
@@ -78,9 +113,21 @@ class StreamTiming:
     token_times: list[float] = field(default_factory=list)
     ended: float | None = None
     reported_tokens: int | None = None
+    finish_reason: str | None = None
 
     def token(self, now: float) -> None:
         self.token_times.append(now)
+
+    def chunk(self, chunk: Chunk, now: float) -> None:
+        """Account for one parsed chunk that arrived at ``now``."""
+        if chunk.is_token or (chunk.has_choice and not self.token_times):
+            # A stream whose only chunk with a choice is the last one still has a first token
+            # (vLLM answers a stream it cannot stream, such as n > 1 with best_of, in one chunk).
+            self.token(now)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.completion_tokens is not None:
+            self.reported_tokens = chunk.completion_tokens
 
     def end(self, now: float) -> None:
         self.ended = now

@@ -10,6 +10,12 @@ geventhttpclient response's ``readline``, which returns as soon as one SSE line
 is complete (``tests/loadtest`` checks this against a server that pauses
 between tokens).
 
+Requests carry what vLLM's OpenAI server reads (``model``, ``prompt``,
+``max_tokens``, ``temperature``, ``stream``, ``stream_options.include_usage``,
+``ignore_eos``: see :meth:`Workload.request_body`). Without ``--model`` a user
+asks its host's ``GET /v1/models`` for the first model, once per process; a host
+without that route gets requests without ``model`` (gpuscope serve needs none).
+
 Each request shows up in Locust as these entries:
 
 =====================  =====  =====================================================
@@ -22,18 +28,40 @@ Each request shows up in Locust as these entries:
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any, ClassVar
 
 from gevent import GreenletExit
+from gevent.lock import Semaphore
 from locust import FastHttpUser, task
 
 from gpuscope.loadtest.options import Workload, user_seed
 from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_sse_line
+from gpuscope.loadtest.targets import TargetError, auth_headers, list_models
 
 COMPLETIONS_PATH = "/v1/completions"
 TENANT_HEADER = "X-Tenant"
+log = logging.getLogger("gpuscope.loadtest")
+
+#: Model each host serves, asked once per process ("" where the host lists none).
+_served_models: dict[str, str] = {}
+_served_models_lock = Semaphore()
+
+
+def served_model(host: str) -> str:
+    """The first model ``host`` lists at ``GET /v1/models``; "" (and one warning) when it cannot say."""
+    with _served_models_lock:  # the first user asks; the others wait for its answer
+        if host not in _served_models:
+            try:
+                _served_models[host] = list_models(host)[0]
+                log.info("gpuscope: %s serves %r; requests name it", host, _served_models[host])
+            except TargetError as exc:
+                log.warning("gpuscope: %s; requests are sent without 'model' (set --model)", exc)
+                _served_models[host] = ""
+        return _served_models[host]
+
 
 class CompletionsUser(FastHttpUser):
     """Sends streaming completions back to back (a closed loop: concurrency = users)."""
@@ -58,20 +86,25 @@ class CompletionsUser(FastHttpUser):
         process = getattr(self.environment.runner, "worker_index", 0) or 0
         self.workload = Workload.from_options(self.environment.parsed_options)
         self.rng = random.Random(user_seed(self.workload.seed, process, CompletionsUser._started_per_process))
+        self.model = self.workload.model or served_model(self.host or "")
+        # An OpenAI client's base URL (``http://host:8000/v1``) works as --host too.
+        self.completions_path = COMPLETIONS_PATH
+        if (self.host or "").rstrip("/").endswith("/v1"):
+            self.completions_path = COMPLETIONS_PATH.removeprefix("/v1")
 
     @task
     def complete(self) -> None:
-        self.stream_completion(self.workload.request_body(self.rng))
+        self.stream_completion(self.workload.request_body(self.rng, self.model))
 
     def stream_completion(self, body: dict[str, Any]) -> StreamTiming:
         """POST one streaming completion; fire Locust entries and record exact figures."""
         headers = {TENANT_HEADER: self.tenant, "Accept": "text/event-stream",
-                   "Accept-Encoding": "identity"}
+                   "Accept-Encoding": "identity", **auth_headers()}
         sent_wall = time.time()
         timing = StreamTiming(sent=time.perf_counter())
         error: str | None = None
         try:
-            with self.client.post(COMPLETIONS_PATH, json=body, headers=headers, stream=True,
+            with self.client.post(self.completions_path, json=body, headers=headers, stream=True,
                                   catch_response=True, name="end_to_end") as response:
                 if response.status_code != 200:
                     error = _http_error(response)
@@ -116,11 +149,7 @@ class CompletionsUser(FastHttpUser):
                 if chunk is DONE:
                     done = True
                 elif isinstance(chunk, Chunk):
-                    if chunk.is_token or not timing.token_times:
-                        # A stream whose only chunk is the last one still has a first token.
-                        timing.token(now)
-                    if chunk.completion_tokens is not None:
-                        timing.reported_tokens = chunk.completion_tokens
+                    timing.chunk(chunk, now)
         except StreamError as exc:
             return str(exc)
         except OSError as exc:
