@@ -7,6 +7,7 @@ import random
 import pytest
 
 from gpuscope.loadtest.options import Workload, make_prompt, parse_tenants, user_seed
+from gpuscope.loadtest.users import tenant_class_name
 from gpuscope.server.model import encode
 
 
@@ -45,7 +46,10 @@ def test_options_from_locust_override_defaults():
 
 def test_tenant_specs():
     assert parse_tenants("alpha:3, beta") == {"alpha": 3.0, "beta": 1.0}
-    for bad, needle in [("9x:1", "must be a letter"), ("a:x", "not a number"), ("a:1,a:2", "unique"),
-                        ("", "no tenants")]:
+    # The server's tenant-name rule: whatever the server serves, the load test can send.
+    assert parse_tenants("9x:1,team.a,low-prio_2") == {"9x": 1.0, "team.a": 1.0, "low-prio_2": 1.0}
+    assert tenant_class_name("team.a") == "TenantTeamA"
+    for bad, needle in [("a b:1", "must be 1-64 of"), ("x" * 65, "must be 1-64 of"), ("a:x", "not a number"),
+                        ("a:1,a:2", "unique"), ("", "no tenants")]:
         with pytest.raises(ValueError, match=needle):
             parse_tenants(bad)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from gpuscope.loadtest.distributions import LengthDistribution, parse_distribution
 from gpuscope.loadtest.shapes import shape_names
+from gpuscope.tenants import NAME_RULE, valid_tenant_name
 
 DEFAULT_PROMPT_TOKENS = "lognormal:median=64,sigma=0.5,min=8,max=256"
 DEFAULT_OUTPUT_TOKENS = "uniform:min=16,max=64"
@@ -177,7 +177,6 @@ def user_seed(base: int, process: int, number: int) -> str:
     return f"gpuscope-{base}-{process}-{number}"
 
 
-_TENANT = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 
 
 def parse_tenants(spec: str) -> dict[str, float]:
@@ -185,8 +184,8 @@ def parse_tenants(spec: str) -> dict[str, float]:
     tenants: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, weight = item.partition(":")
-        if not _TENANT.match(name):
-            raise ValueError(f"tenant name {name!r} must be a letter then letters, digits, '_' or '-'")
+        if not valid_tenant_name(name):  # the server's rule: the names must be ones it can serve
+            raise ValueError(f"tenant name {name!r} must be {NAME_RULE}")
         try:
             value = float(weight) if weight else 1.0
         except ValueError:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from typing import Any, ClassVar
 
@@ -180,8 +181,9 @@ def _http_error(response: Any) -> str:
 
 
 def tenant_class_name(tenant: str) -> str:
-    """``alpha`` → ``TenantAlpha``; ``low-prio`` → ``TenantLowPrio`` (what Locust's UI lists)."""
-    return "Tenant" + "".join(part.capitalize() for part in tenant.replace("_", "-").split("-"))
+    """``alpha`` → ``TenantAlpha``; ``low-prio`` → ``TenantLowPrio``; ``a.b`` → ``TenantAB`` (what Locust's
+    UI lists)."""
+    return "Tenant" + "".join(part.capitalize() for part in re.split(r"[-_.]", tenant))
 
 
 def tenant_users(tenants: dict[str, float], module: str) -> dict[str, type[CompletionsUser]]:
