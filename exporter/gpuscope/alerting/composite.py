@@ -27,6 +27,7 @@ from gpuscope import catalogue as m
 from gpuscope.alerting import latency, memory, names, scheduling
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, sel
+from gpuscope.dashboards import uids
 
 COMPONENTS = {  # dimension → the alerts that are its symptoms (inhibited by the composite)
     "latency_spike": ("GPUKernelLatencySpike",),
@@ -88,7 +89,7 @@ def groups(p: Profile) -> list[Group]:
         for_s=for_s, severity="critical", service=p.selectors.server_service,
         # Its dimensions are its components' conditions: two at once need the slower one's evidence.
         evidence_s=max(a.evidence_s for a in components),
-        dashboard="gpuscope-fleet",
+        dashboard=uids.FLEET,
         summary=f"{{{{ $labels.instance }}}} is degraded: {dims}",
         description=(f"{{{{ $value }}}} of {len(COMPONENTS)} degradation dimensions hold at once on one "
                      f"device of {{{{ $labels.instance }}}}: {dims}. Their component alerts on this "

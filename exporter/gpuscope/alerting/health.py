@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpuscope import catalogue as m
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
+from gpuscope.dashboards import uids
 
 
 def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
@@ -14,7 +15,7 @@ def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
     return Alert(
         name=name, expr=f"max by (job, instance, gpu) (rate({clock}[{window}])) > {num(t.throttle_ratio)}",
         for_s=w.throttle_for, severity="warning", service=p.selectors.exporter_service,
-        dashboard="gpuscope-fleet", dashboard_vars=("instance", "gpu"),
+        dashboard=uids.FLEET, dashboard_vars=("instance", "gpu"),
         summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} is {cause} throttled",
         description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} ran with its clocks held back "
                      f"for {cause} reasons {{{{ $value | humanizePercentage }}}} of the last {window}."),
@@ -38,7 +39,7 @@ def _targets_missing(p: Profile, name: str, job: str, service: str, what: str,
     gone = (f'{{{{ range $i, $s := printf "up{{job=\'%s\'}} offset {ago} unless on (instance) '
             f'up{{job=\'%s\'}}" $labels.job $labels.job | query }}}}{{{{ if $i }}}}, {{{{ end }}}}'
             f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
-    common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": "gpuscope-fleet",
+    common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": uids.FLEET,
               "dashboard_vars": ()}
     return [
         Alert(**common, expr=f"absent({up})", severity=none_severity, labels={"missing": "all"},
@@ -80,7 +81,7 @@ def groups(p: Profile) -> list[Group]:
                  f'{{{{ . | first | value | humanize }}}}{{{{ else }}}}0{{{{ end }}}}')
     alerts = [
         Alert(name="GPUServerDown", expr=f"up{{{s.server}}} == 0", for_s=w.scrape_down_for,
-              severity="critical", service=srv, dashboard="gpuscope-fleet",
+              severity="critical", service=srv, dashboard=uids.FLEET,
               summary="Inference server {{ $labels.instance }} is down",
               description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
                            f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
@@ -89,7 +90,7 @@ def groups(p: Profile) -> list[Group]:
                       window=f"for {duration(w.scrape_down_for)}",
                       why="Without the server's metrics no other server alert can fire.")),
         Alert(name="GPUExporterDown", expr=f"up{{{s.exporter}}} == 0", for_s=w.scrape_down_for,
-              severity="warning", service=exp, dashboard="gpuscope-fleet",
+              severity="warning", service=exp, dashboard=uids.FLEET,
               summary="GPU exporter {{ $labels.instance }} is down",
               description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
                            f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
@@ -101,7 +102,7 @@ def groups(p: Profile) -> list[Group]:
         *_targets_missing(p, "GPUExporterTargetMissing", s.exporter, exp, "GPU exporter", "warning"),
         Alert(name="GPUExporterGPUsMissing",
               expr=(f"{gpus}\n< on (job, instance)\nmax_over_time({gpus}[{gpus_w}])"),
-              for_s=w.scrape_down_for, severity="warning", service=exp, dashboard="gpuscope-fleet",
+              for_s=w.scrape_down_for, severity="warning", service=exp, dashboard=uids.FLEET,
               summary="The exporter on {{ $labels.instance }} sees fewer GPUs than it did",
               description=(f"The exporter on {{{{ $labels.instance }}}} sees {{{{ $value }}}} GPU(s); it "
                            f"saw {gpus_max} within the last {gpus_w}. NVML initialisation failures since "
@@ -115,7 +116,7 @@ def groups(p: Profile) -> list[Group]:
                           "with 0 GPUs: no GPU alert can fire. A host that never had GPUs stays silent.")),
         Alert(name="GPUExporterStale",
               expr=f"{sel(m.EXPORTER_STALENESS.name, s.exporter)} > {num(t.exporter_stale_s)}",
-              for_s=w.exporter_stale_for, severity="warning", service=exp, dashboard="gpuscope-fleet",
+              for_s=w.exporter_stale_for, severity="warning", service=exp, dashboard=uids.FLEET,
               summary="GPU exporter {{ $labels.instance }} serves stale {{ $labels.collector }} values",
               description=("The {{ $labels.collector }} collector of {{ $labels.instance }} serves values "
                            "{{ $value | humanizeDuration }} old: its NVML sampling is stuck or failing."),
@@ -124,7 +125,7 @@ def groups(p: Profile) -> list[Group]:
                       why="Scrapes never wait on NVML, so a hung NVML call shows up as age, not as a "
                           "failed scrape.")),
         Alert(name="GPULost", expr=f"{sel(m.EXPORTER_GPU_UP.name, s.exporter)} == 0", for_s=w.gpu_lost_for,
-              severity="critical", service=exp, dashboard="gpuscope-fleet", dashboard_vars=gpu_vars,
+              severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} stopped answering",
               description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} has not answered "
                            f"NVML for {duration(w.gpu_lost_for)} (lost from the bus or failing)."),
@@ -133,7 +134,7 @@ def groups(p: Profile) -> list[Group]:
                       why="Work on that GPU has stopped; usually needs a reset or a node drain.")),
         Alert(name="GPUFellOffBus",
               expr=f"increase({sel(m.EXPORTER_GPUS_LOST.name, s.exporter)}[{xid_w}]) > 0", for_s=0,
-              severity="critical", service=exp, dashboard="gpuscope-fleet",
+              severity="critical", service=exp, dashboard=uids.FLEET,
               summary="A GPU fell off the bus on {{ $labels.instance }}",
               description=(f"NVML reported {{{{ $value | humanize }}}} GPU(s) lost from the bus on "
                            f"{{{{ $labels.instance }}}} in the last {xid_w}."),
@@ -144,7 +145,7 @@ def groups(p: Profile) -> list[Group]:
                     f"[{xid_w}]) > 0\nor\n"
                     f'time() - {sel(m.GPU_XID_LAST.name, s.exporter, f"xid=~{chr(34)}{xids}{chr(34)}")}'
                     f" < {w.xid}"),
-              for_s=0, severity="critical", service=exp, dashboard="gpuscope-fleet", dashboard_vars=gpu_vars,
+              for_s=0, severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} reported critical XID "
                        "{{ $labels.xid }}"),
               description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} reported XID "
@@ -160,7 +161,7 @@ def groups(p: Profile) -> list[Group]:
               expr=(f"sum by (job, instance, reason) ({dropped})\n/ on (job, instance) group_left ()\n"
                     f"(\n  (sum by (job, instance) ({timed}) or sum by (job, instance) ({dropped}) * 0)\n"
                     f"  + sum by (job, instance) ({dropped})\n)\n> {num(t.timer_drop_ratio)}"),
-              for_s=w.timer_drop_for, severity="warning", service=srv, dashboard="gpuscope-kernels",
+              for_s=w.timer_drop_for, severity="warning", service=srv, dashboard=uids.KERNELS,
               summary="The kernel timer on {{ $labels.instance }} drops samples ({{ $labels.reason }})",
               description=(f"{{{{ $value | humanizePercentage }}}} of sampled regions on "
                            f"{{{{ $labels.instance }}}} lost their timing over {drop_w} (reason "

@@ -18,6 +18,7 @@ from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, by, duration, num, query_value, sel
+from gpuscope.dashboards import uids
 
 KERNEL_LABELS = ("job", "instance", "op", "device")
 ENDPOINT_LABELS = ("job", "instance")
@@ -36,15 +37,15 @@ def quantile_expr(metric: m.Metric, q: float, labels: Sequence[str], selector: s
 def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile, baseline: bool) -> list[Record]:
     s, w = p.selectors.server, p.windows.latency
     records = [
-        Record(names.quantile(metric, "p50"), quantile_expr(metric, 0.5, labels, s, w)),
-        Record(names.quantile(metric, "p99"), quantile_expr(metric, 0.99, labels, s, w)),
+        Record(names.quantile(metric, names.P50), quantile_expr(metric, 0.5, labels, s, w)),
+        Record(names.quantile(metric, names.P99), quantile_expr(metric, 0.99, labels, s, w)),
     ]
     if baseline:
-        p99 = names.quantile(metric, "p99")
+        p99 = names.quantile(metric, names.P99)
         records += [
-            Record(names.quantile(metric, "p99_baseline"),
+            Record(names.quantile(metric, names.P99_BASELINE),
                    f"quantile_over_time(0.5, {p99}[{duration(p.windows.latency_baseline)}])"),
-            Record(names.quantile(metric, "samples_rate"),
+            Record(names.quantile(metric, names.SAMPLES_RATE),
                    f"sum by ({by(labels)}) (rate({sel(metric.series('_count'), s)}[{duration(w)}]))"),
         ]
     return records
@@ -52,8 +53,8 @@ def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile, basel
 
 def spike_expr(metric: m.Metric, min_rate: float, p: Profile) -> str:
     """Short p99 over baseline p99 (the alert's value), with the minimum-traffic guard."""
-    p99, base = names.quantile(metric, "p99"), names.quantile(metric, "p99_baseline")
-    rate = names.quantile(metric, "samples_rate")
+    p99, base = names.quantile(metric, names.P99), names.quantile(metric, names.P99_BASELINE)
+    rate = names.quantile(metric, names.SAMPLES_RATE)
     return f"{p99} / {base} > {num(p.thresholds.latency_spike_ratio)}\nand\n{rate} >= {num(min_rate)}"
 
 
@@ -64,8 +65,8 @@ def kernel_spike_condition(p: Profile) -> str:
 
 def _detail(metric: m.Metric, labels: Sequence[str]) -> tuple[str, str]:
     match = ",".join(f"{label}='%s'" for label in labels)
-    p99 = query_value(f"{names.quantile(metric, 'p99')}{{{match}}}", labels, "humanizeDuration")
-    base = query_value(f"{names.quantile(metric, 'p99_baseline')}{{{match}}}", labels, "humanizeDuration")
+    p99 = query_value(f"{names.quantile(metric, names.P99)}{{{match}}}", labels, "humanizeDuration")
+    base = query_value(f"{names.quantile(metric, names.P99_BASELINE)}{{{match}}}", labels, "humanizeDuration")
     return p99, base
 
 
@@ -78,7 +79,7 @@ def groups(p: Profile) -> list[Group]:
         Alert(
             name="GPUKernelLatencySpike", expr=kernel_spike_condition(p), for_s=w.latency_for,
             evidence_s=w.latency,
-            severity="warning", service=p.selectors.server_service, dashboard="gpuscope-kernels",
+            severity="warning", service=p.selectors.server_service, dashboard=uids.KERNELS,
             dashboard_vars=("instance", "op"),
             summary="GPU time of op {{ $labels.op }} spiked on {{ $labels.instance }}",
             description=(f"p99 GPU time of op {{{{ $labels.op }}}} on {{{{ $labels.instance }}}} "
@@ -98,7 +99,7 @@ def groups(p: Profile) -> list[Group]:
         alerts.append(Alert(
             name="GPURequestLatencySpike", expr=spike_expr(metric, t.request_min_requests_per_s, p),
             for_s=w.latency_for, severity="warning", service=p.selectors.server_service,
-            dashboard="gpuscope-slo", labels={"latency": key},
+            dashboard=uids.SLO, labels={"latency": key},
             summary=f"Request {key.upper()} spiked on {{{{ $labels.instance }}}}",
             description=(f"p99 {key.upper()} on {{{{ $labels.instance }}}} is {p99} over {window}, "
                          f"{{{{ $value | humanize }}}}× its baseline of {base} "

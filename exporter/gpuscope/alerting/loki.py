@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, duration, num
+from gpuscope.dashboards import uids
 
 LABELS = "service, instance"
 
@@ -18,7 +19,7 @@ def groups(p: Profile) -> list[Group]:
     s, t, w = p.selectors, p.thresholds, p.windows
     window = duration(w.logs)
     stream = f"{{{s.server_logs}}}"
-    common = {"service": s.server_service, "dashboard": "gpuscope-logs"}
+    common = {"service": s.server_service, "dashboard": uids.LOGS}
     alerts = (
         Alert(name="GPUServerCUDAOutOfMemory",
               expr=f'sum by ({LABELS}) (count_over_time({stream} |= "{t.oom_log_line}" [{window}])) > 0',

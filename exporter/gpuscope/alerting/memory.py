@@ -46,6 +46,7 @@ from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value, sel
+from gpuscope.dashboards import uids
 
 SERVER_LABELS = ("job", "instance", "device")
 GPU_LABELS = ("job", "instance", "gpu")
@@ -173,7 +174,7 @@ def groups(p: Profile) -> list[Group]:
     g_used, g_total = _gpu(p)
     server_where = "The server {{ $labels.instance }} on {{ $labels.device }}"
     gpu_where = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
-    common = {"dashboard": "gpuscope-fleet"}
+    common = {"dashboard": uids.FLEET}
     srv = {**common, "service": p.selectors.server_service}
     exp = {**common, "service": p.selectors.exporter_service}
     records = [

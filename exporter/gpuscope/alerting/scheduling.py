@@ -13,6 +13,7 @@ from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value, sel
+from gpuscope.dashboards import uids
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"
@@ -49,7 +50,7 @@ def groups(p: Profile) -> list[Group]:
     quota = query_value(f"{m.TENANT_SHARE_QUOTA.name}{{{match}}}", LABELS, "humanizePercentage")
     q_p99 = query_value(f"{names.QUEUE_P99}{{{match}}}", LABELS, "humanizeDuration")
     q_base = query_value(f"{names.QUEUE_P99_BASELINE}{{{match}}}", LABELS, "humanizeDuration")
-    common = {"service": p.selectors.server_service, "dashboard": "gpuscope-tenants",
+    common = {"service": p.selectors.server_service, "dashboard": uids.TENANTS,
               "dashboard_vars": ("instance", "tenant")}
     share = Record(
         names.TENANT_GPU_SHARE,

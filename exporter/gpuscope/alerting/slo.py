@@ -12,6 +12,7 @@ from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num, sel
+from gpuscope.dashboards import uids
 
 LABELS = "job"
 
@@ -72,7 +73,7 @@ def _alerts(p: Profile, name: str, record: str, objective: str) -> list[Alert]:
     page_expr = ("max without (window) (\n  (" + _pair(record, *fast).replace("\n", "\n   ") + ")\n"
                  "  or ignoring (window)\n  (" + _pair(record, *slow).replace("\n", "\n   ") + ")\n)")
     ticket_expr = "max without (window) (\n" + _pair(record, *ticket) + "\n)"
-    common = {"name": name, "service": p.selectors.server_service, "dashboard": "gpuscope-slo",
+    common = {"name": name, "service": p.selectors.server_service, "dashboard": uids.SLO,
               "dashboard_vars": ()}
     return [
         Alert(**common, expr=page_expr, for_s=w.slo_page_for, severity="critical", evidence_s=fast[0],
