@@ -41,8 +41,8 @@ from prometheus_client.exposition import choose_encoder  # noqa: E402
 
 from gpuscope.nvml.config import COLLECTORS, Config  # noqa: E402
 from gpuscope.nvml.exporter import Exporter  # noqa: E402
+from gpuscope.nvml.http import ExporterServer  # noqa: E402
 from gpuscope.nvml.main import GIL_SWITCH_INTERVAL_S  # noqa: E402
-from gpuscope.nvml.server import ExporterServer  # noqa: E402
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess  # noqa: E402
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"

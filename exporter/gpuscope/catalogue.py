@@ -322,8 +322,8 @@ HTTP_CLIENT_ERRORS = _m("gpuscope_http_client_errors_total", "counter",
                         "while its body was read or its stream written).", "requests", ("reason",),
                         area=SERVER)
 
-# --- Loki log shipping (gpuscope.loki) -----------------------------------------
-LOGS = "Loki log shipping (`gpuscope.loki`)"
+# --- Loki log shipping (gpuscope.loki_push) -----------------------------------------
+LOGS = "Loki log shipping (`gpuscope.loki_push`)"
 LOG_RECORDS_SENT = _m("gpuscope_log_records_sent_total", "counter", "Log records Loki accepted.",
                       "records", area=LOGS)
 LOG_RECORDS_DROPPED = _m("gpuscope_log_records_dropped_total", "counter",

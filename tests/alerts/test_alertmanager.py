@@ -11,9 +11,11 @@ import yaml
 
 from gpuscope.alerting import alertmanager, composite
 from gpuscope.alerting.config import PROFILES, TEST
-from gpuscope.alerting.generate import ROOT, alertmanager_path, all_alerts
+from gpuscope.alerting.generate import alertmanager_path, all_alerts
 from tests.alerts.conftest import Alertmanager, Sink, start_alertmanager
 from tests.conftest import require_binary, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.distro
 CONFIGS = [alertmanager_path(p) for p in PROFILES.values()]

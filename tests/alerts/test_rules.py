@@ -24,7 +24,7 @@ from gpuscope.alerting.rules import DASHBOARDS
 from tests.alerts import memory_shapes
 from tests.conftest import require_binary
 
-ROOT = generate.ROOT
+ROOT = Path(__file__).resolve().parents[2]
 #: Production cases, and test-profile copies of some of them (the same series, time compressed 15×).
 UNIT_TESTS = sorted((ROOT / "alerts/tests").glob("*.test.yml"))
 TEST_PROFILE_CASES = sorted((ROOT / "alerts/tests/test-profile").glob("*.test.yml"))
@@ -42,11 +42,12 @@ def _rules(path: str) -> list[dict]:
 
 @pytest.mark.parametrize("rel", sorted(generate.outputs()))
 def test_generated_file_is_current(rel: str) -> None:
-    assert (ROOT / rel).read_text() == generate.outputs()[rel], "run: python -m gpuscope.alerting.generate"
+    assert (ROOT / rel).read_text() == generate.outputs()[rel], "run: gpuscope generate"
 
 
-def test_generate_check_reports_stale_files(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "gpuscope.alerting.generate", "--root", str(tmp_path)]
+def test_generate_check_reports_stale_alerting_files(tmp_path: Path) -> None:
+    (tmp_path / "exporter" / "gpuscope").mkdir(parents=True)  # a checkout's shape, without its files
+    cmd = [sys.executable, "-m", "gpuscope", "generate", "--only", "alerting", "--root", str(tmp_path)]
     stale = subprocess.run([*cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert stale.returncode == 1 and "alerts/alertmanager.yml" in stale.stderr
     assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0

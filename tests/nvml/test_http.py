@@ -15,7 +15,7 @@ import requests
 
 from gpuscope import catalogue as cat
 from gpuscope.nvml.exporter import Exporter
-from gpuscope.nvml.server import ExporterServer
+from gpuscope.nvml.http import ExporterServer
 from gpuscope.ports import free_port
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.nvml.conftest import value, wait_first_rounds

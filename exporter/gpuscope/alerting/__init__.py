@@ -4,7 +4,7 @@
 - ``names``: recording-rule names for dashboards to import;
 - one module per area (``latency``, ``slo``, ``memory``, ``scheduling``, ``composite``, ``health``,
   ``bottleneck``, ``loki``) building rule groups; ``alertmanager`` building alertmanager.yml;
-- ``generate``: ``python -m gpuscope.alerting.generate`` writes ``alerts/`` and ``docs/alerts.md``.
+- ``generate``: ``gpuscope generate`` writes ``alerts/`` and ``docs/alerts.md``.
 """
 
 from gpuscope.alerting import names

@@ -9,7 +9,7 @@ modules only turn it into PromQL/LogQL. Two profiles come from the same source:
   within a minute or two (``alerts/prometheus/test/``, ``alerts/alertmanager-test-profile.yml``).
 
 Durations are in seconds. After changing anything, regenerate:
-``python -m gpuscope.alerting.generate`` (tests fail on a stale file).
+``gpuscope generate`` (tests fail on a stale file).
 """
 
 from __future__ import annotations

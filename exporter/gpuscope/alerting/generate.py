@@ -1,24 +1,19 @@
-"""Write every generated alerting file: ``python -m gpuscope.alerting.generate [--check]``.
+"""Every generated alerting file, for ``gpuscope generate``.
 
 Files (paths relative to the repository root) for each profile in ``config.PROFILES``:
 Prometheus rules, Loki ruler rules and the Alertmanager configuration; plus ``docs/alerts.md``.
-``--check`` writes nothing and exits 1, naming the files that differ from what would be generated.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
 
 from gpuscope.alerting import (
     alertmanager,
     bottleneck,
     composite,
     docs,
-    health,
+    health_rules,
     latency,
-    loki,
+    log_rules,
     memory,
     scheduling,
     slo,
@@ -26,9 +21,8 @@ from gpuscope.alerting import (
 from gpuscope.alerting.config import PROFILES, Profile
 from gpuscope.alerting.rules import Alert, Group, render_rule_file
 
-ROOT = Path(__file__).resolve().parents[3]
 #: Rule groups in evaluation order: the composite reads records of the groups before it.
-PROMETHEUS_AREAS = (latency, slo, memory, scheduling, composite, health, bottleneck)
+PROMETHEUS_AREAS = (latency, slo, memory, scheduling, composite, health_rules, bottleneck)
 
 
 def prometheus_groups(p: Profile) -> list[Group]:
@@ -37,7 +31,7 @@ def prometheus_groups(p: Profile) -> list[Group]:
 
 def all_alerts(p: Profile) -> list[Alert]:
     """Every alert of a profile, Prometheus and Loki."""
-    return [a for g in (*prometheus_groups(p), *loki.groups(p)) for a in g.alerts()]
+    return [a for g in (*prometheus_groups(p), *log_rules.groups(p)) for a in g.alerts()]
 
 
 def prometheus_rules_path(p: Profile) -> str:
@@ -59,33 +53,7 @@ def outputs() -> dict[str, str]:
     files: dict[str, str] = {}
     for p in PROFILES.values():
         files[prometheus_rules_path(p)] = render_rule_file(prometheus_groups(p), p, p.evaluation_interval)
-        files[loki_rules_path(p)] = render_rule_file(loki.groups(p), p, None)
+        files[loki_rules_path(p)] = render_rule_file(log_rules.groups(p), p, None)
         files[alertmanager_path(p)] = alertmanager.render(p)
     files["docs/alerts.md"] = docs.render({name: all_alerts(p) for name, p in PROFILES.items()})
     return files
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpuscope.alerting.generate", description=__doc__)
-    parser.add_argument("--check", action="store_true", help="report stale files instead of writing")
-    parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
-    args = parser.parse_args(argv)
-    stale = []
-    for rel, content in outputs().items():
-        path = args.root / rel
-        if path.exists() and path.read_text() == content:
-            continue
-        if args.check:
-            stale.append(rel)
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-        print(f"wrote {rel}")
-    if stale:
-        print("stale (run python -m gpuscope.alerting.generate): " + ", ".join(stale), file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

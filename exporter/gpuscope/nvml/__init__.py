@@ -9,6 +9,6 @@ Modules, one job each: ``api`` (the NVML boundary), ``devices`` (discovery, labe
 
 from gpuscope.nvml.config import Config, parse
 from gpuscope.nvml.exporter import Exporter
-from gpuscope.nvml.server import ExporterServer
+from gpuscope.nvml.http import ExporterServer
 
 __all__ = ["Config", "Exporter", "ExporterServer", "parse"]

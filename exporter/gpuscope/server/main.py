@@ -133,7 +133,7 @@ def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry)
     root.addHandler(logging.handlers.QueueHandler(records))
     handlers: list[logging.Handler] = []
     if config.loki_url:
-        from gpuscope.loki import LokiHandler
+        from gpuscope.loki_push import LokiHandler
 
         # The server's own registry: that is what its /metrics serves.
         loki = LokiHandler(config.loki_url, service="gpuscope-server", instance=config.instance,

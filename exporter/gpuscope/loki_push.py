@@ -2,7 +2,7 @@
 
 Two lines of set-up::
 
-    from gpuscope.loki import LokiHandler
+    from gpuscope.loki_push import LokiHandler
     logging.getLogger().addHandler(LokiHandler("http://loki:3100", service="my-app"))
 
 ``emit`` formats the record and appends it to a bounded buffer (O(1); when the
@@ -43,7 +43,7 @@ from gpuscope import catalogue as c
 
 PUSH_PATH = "/loki/api/v1/push"
 DROP_REASONS = ("queue_full", "rejected", "shutdown")
-_self_log = logging.getLogger("gpuscope.loki")
+_self_log = logging.getLogger("gpuscope.loki_push")
 
 Entry = tuple[str, str, dict[str, str]]
 
