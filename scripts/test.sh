@@ -2,7 +2,8 @@
 # The one test command (README's quickstart; .ci/run calls it with GPUSCOPE_STRICT=1).
 # On a fresh Debian machine it installs everything the tests need, then runs every test:
 #   - Debian packages (when run as root): Prometheus + promtool, Alertmanager + amtool,
-#     node_exporter, docker-compose (for `config` validation), Node.js + npm (LogQL grammar);
+#     node_exporter, docker-compose (for `config` validation), Node.js + npm (LogQL grammar),
+#     VictoriaMetrics + vmagent + vmalert (the fleet profile's test);
 #   - a virtual environment in .venv with torch's CPU build (installed first, by exact pin, so pip
 #     does not fetch a multi-GB CUDA build) and gpuscope with its extras;
 #   - npm packages for the LogQL syntax check;
@@ -17,7 +18,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   need=()
   for pair in prometheus:prometheus promtool:prometheus alertmanager:prometheus-alertmanager \
               amtool:prometheus-alertmanager prometheus-node-exporter:prometheus-node-exporter \
-              docker-compose:docker-compose node:nodejs npm:npm; do
+              docker-compose:docker-compose node:nodejs npm:npm victoria-metrics:victoria-metrics \
+              vmagent:victoria-metrics vmalert:victoria-metrics; do
     command -v "${pair%%:*}" >/dev/null || need+=("${pair##*:}")
   done
   if [ ${#need[@]} -gt 0 ]; then

@@ -14,6 +14,11 @@ Tests and scripts use it as a context manager (docs/stack.md)::
         requests.get(stack.url("prometheus") + "/api/v1/query", params={"query": "up"})
 
 Loki and Grafana are not part of it: neither is packaged for Debian.
+
+``--stack.hosts N`` hands over to gpuscope.fleet: N "hosts" on this machine, each remote-writing
+through its own agent to one central VictoriaMetrics (docs/fleet.md). The fleet reuses this module's
+pieces: a Stack per host and one for the central Alertmanager and receiver, started with ``launch()``,
+and the process helpers below (``find_binary``, ``Process``, ``wait_healthy``, ``stop_processes``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,12 +40,15 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
-from gpuscope.flags import FlagParser, env_name
-from gpuscope.ports import LOCAL_HOST, PORTS
+from gpuscope.flags import FlagParser, checked, env_name
+from gpuscope.ports import LOCAL_HOST, PORTS, free_port
+
+if TYPE_CHECKING:
+    from gpuscope.fleet import Fleet
 
 Profile = Literal["production", "test"]
 PROFILES: tuple[str, ...] = ("production", "test")
@@ -86,23 +93,18 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def free_port(host: str = LOCAL_HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # --- configuration templating ---------------------------------------------------------------------------
 
 
-def localize(text: str, addresses: dict[str, str]) -> str:
-    """Rewrite compose ``SERVICE:PORT`` addresses (ports.PORTS) in ``text`` to ``addresses[SERVICE]``.
+def localize(text: str, addresses: dict[str, str], ports: dict[str, int] = PORTS) -> str:
+    """Rewrite compose ``SERVICE:PORT`` addresses (``ports``, default ports.PORTS) in ``text`` to
+    ``addresses[SERVICE]``.
 
     Only a service name standing alone before its own default port is rewritten, so
     ``gpuscope-server:8000`` or ``server:1234`` stay as they are.
     """
     for service, address in addresses.items():
-        pattern = rf"(?<![\w.-]){re.escape(service)}:{PORTS[service]}(?!\d)"
+        pattern = rf"(?<![\w.-]){re.escape(service)}:{ports[service]}(?!\d)"
         text = re.sub(pattern, address, text)
     return text
 
@@ -138,13 +140,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def find_binary(part: str, names: Sequence[str], package: str) -> str:
+    """Path of the first of ``names`` on PATH; StackError naming the Debian package when none is."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise StackError(f"{part}: none of {', '.join(names)} is on PATH (Debian: apt-get install {package})")
+
+
 @dataclass
 class Process:
+    """One child process. Healthy means a 200 from ``url + health_path`` (default: HEALTH_PATHS[name])."""
+
     name: str
     argv: list[str]
     url: str
     log_path: Path
     popen: subprocess.Popen | None = None
+    health_path: str | None = None
 
     def start(self, env: dict[str, str]) -> None:
         log = self.log_path.open("ab")
@@ -158,7 +172,8 @@ class Process:
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + HEALTH_PATHS[self.name], timeout=2) as response:
+            path = self.health_path or HEALTH_PATHS[self.name]
+            with urllib.request.urlopen(self.url + path, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -172,6 +187,50 @@ class Process:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_healthy(processes: dict[str, Process], timeout_s: float, log: Callable[[str], None]) -> None:
+    """Poll until every process is healthy; StackError (with the log's last lines) if one exits or
+    is not healthy within ``timeout_s``. Keys name the processes in messages."""
+    pending = dict(processes)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_report = start
+    while pending:
+        for name, process in list(pending.items()):
+            code = process.exited()
+            if code is not None:
+                raise StackError(f"{name} exited with status {code} while starting; last lines of "
+                                 f"{process.log_path}:\n{process.log_tail()}")
+            if process.healthy():
+                log(f"ready    {name:14s} {process.url} ({time.monotonic() - start:.1f}s)")
+                del pending[name]
+        now = time.monotonic()
+        if pending and now > deadline:
+            name = next(iter(pending))
+            raise StackError(f"{', '.join(pending)} not healthy after {timeout_s:g}s; last lines of "
+                             f"{pending[name].log_path}:\n{pending[name].log_tail()}")
+        if pending and now - last_report > 10:
+            log(f"waiting for {', '.join(pending)} ({now - start:.0f}s)")
+            last_report = now
+        if pending:
+            time.sleep(0.2)  # poll interval of the readiness loop, bounded by the deadline above
+
+
+def stop_processes(processes: dict[str, Process], timeout: float, log: Callable[[str], None]) -> None:
+    """SIGTERM the running ones in reverse (start) order, SIGKILL what is left after ``timeout``."""
+    running = [(name, p) for name, p in reversed(processes.items()) if p.exited() is None]
+    for _, process in running:
+        with contextlib.suppress(ProcessLookupError):
+            process.popen.terminate()
+    deadline = time.monotonic() + timeout
+    for name, process in running:
+        try:
+            process.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log(f"{name} did not stop within {timeout:g}s; killing it")
+            process.popen.kill()
+            process.popen.wait()
 
 
 @dataclass
@@ -229,32 +288,27 @@ class Stack:
     def start(self) -> None:
         """Render configs, start every part, wait until all are healthy (StackError if one is not)."""
         try:
-            self.render_configs()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            for name in self.options.components:
-                self.processes[name] = process = self._process(name)
-                self._log(f"starting {name:14s} {' '.join(process.argv)}")
-                process.start(env)
-            self._wait_healthy()
+            self.launch()
+            wait_healthy(self.processes, self.options.health_timeout_s, self._log)
         except BaseException:
             self.stop()
             raise
 
+    def launch(self) -> None:
+        """Render configs and start every part without waiting for health (``start()`` waits; the
+        fleet launches several stacks and then waits for all their parts at once). On an exception
+        the caller must ``stop()``."""
+        self.render_configs()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for name in self.options.components:
+            self.processes[name] = process = self._process(name)
+            self._log(f"starting {name:14s} {' '.join(process.argv)}")
+            process.start(env)
+
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every part in reverse start order, SIGKILL what is left after ``timeout``."""
         with self._lock:
-            running = [p for p in reversed(list(self.processes.values())) if p.exited() is None]
-            for process in running:
-                with contextlib.suppress(ProcessLookupError):
-                    process.popen.terminate()
-            deadline = time.monotonic() + timeout
-            for process in running:
-                try:
-                    process.popen.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._log(f"{process.name} did not stop within {timeout:g}s; killing it")
-                    process.popen.kill()
-                    process.popen.wait()
+            stop_processes(self.processes, timeout, self._log)
             self.processes.clear()
             if self._owns_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -290,31 +344,31 @@ class Stack:
         return f"[{host}]:{self.ports[part]}" if ":" in host else f"{host}:{self.ports[part]}"
 
     def render_configs(self) -> None:
-        """Write prometheus.yml and alertmanager.yml for local addresses into the run directory."""
+        """Write prometheus.yml and alertmanager.yml for local addresses into the run directory
+        (each only when its part is one of the stack's components, as it is by default)."""
         root = self.options.root
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         addresses = {name: self._address(name) for name in COMPONENTS}
         prometheus_src = root / "deploy" / "prometheus" / "prometheus.yml"
         am_src = alertmanager_source(root, self.options.profile)
-        for path in (prometheus_src, am_src):
-            if not path.exists():
+        wanted = {"prometheus": prometheus_src, "alertmanager": am_src}
+        for part, path in wanted.items():
+            if part in self.options.components and not path.exists():
                 raise StackError(f"{path} is missing (run from a gpuscope checkout, or pass its root)")
-        rules = rule_dir(root, self.options.profile)
-        interval = self.options.evaluation_interval or (
-            TEST_EVALUATION_INTERVAL if self.options.profile == "test" else None)
-        (self.run_dir / "prometheus.yml").write_text(render_prometheus_config(
-            prometheus_src.read_text(), addresses, [str(rules / "*.yml")], interval))
-        (self.run_dir / "alertmanager.yml").write_text(
-            f"# Rendered by gpuscope stack from {am_src.relative_to(root)}; edit that file.\n"
-            + localize(am_src.read_text(), addresses))
+        if "prometheus" in self.options.components:
+            rules = rule_dir(root, self.options.profile)
+            interval = self.options.evaluation_interval or (
+                TEST_EVALUATION_INTERVAL if self.options.profile == "test" else None)
+            (self.run_dir / "prometheus.yml").write_text(render_prometheus_config(
+                prometheus_src.read_text(), addresses, [str(rules / "*.yml")], interval))
+        if "alertmanager" in self.options.components:
+            (self.run_dir / "alertmanager.yml").write_text(
+                f"# Rendered by gpuscope stack from {am_src.relative_to(root)}; edit that file.\n"
+                + localize(am_src.read_text(), addresses))
 
     def _binary(self, part: str) -> str:
         names, package = BINARIES[part]
-        for name in names:
-            path = shutil.which(name)
-            if path:
-                return path
-        raise StackError(f"{part}: none of {', '.join(names)} is on PATH (Debian: apt-get install {package})")
+        return find_binary(part, names, package)
 
     def _process(self, name: str) -> Process:
         listen = self._address(name)
@@ -339,32 +393,6 @@ class Stack:
         else:
             argv = [self._binary(name), f"--web.listen-address={listen}"]
         return Process(name, argv, self.url(name), run / "logs" / f"{name}.log")
-
-    def _wait_healthy(self) -> None:
-        pending = dict(self.processes)
-        start = time.monotonic()
-        deadline = start + self.options.health_timeout_s
-        last_report = start
-        while pending:
-            for name, process in list(pending.items()):
-                code = process.exited()
-                if code is not None:
-                    raise StackError(f"{name} exited with status {code} while starting; last lines of "
-                                     f"{process.log_path}:\n{process.log_tail()}")
-                if process.healthy():
-                    self._log(f"ready    {name:14s} {process.url} ({time.monotonic() - start:.1f}s)")
-                    del pending[name]
-            now = time.monotonic()
-            if pending and now > deadline:
-                name = next(iter(pending))
-                raise StackError(f"{', '.join(pending)} not healthy after "
-                                 f"{self.options.health_timeout_s:g}s; last lines of "
-                                 f"{pending[name].log_path}:\n{pending[name].log_tail()}")
-            if pending and now - last_report > 10:
-                self._log(f"waiting for {', '.join(pending)} ({now - start:.0f}s)")
-                last_report = now
-            if pending:
-                time.sleep(0.2)  # poll interval of the readiness loop, bounded by the deadline above
 
 
 # --- command ----------------------------------------------------------------------------------------------
@@ -398,7 +426,29 @@ def _parser() -> FlagParser:
                         help="listen port of one part (repeatable), e.g. server=18000")
     parser.add_flag("--stack.server", dest="server", action=argparse.BooleanOptionalAction, default=True,
                     help="start the reference server (--no-stack.server: run your own on its port)")
+    parser.add_flag("--stack.hosts", dest="hosts", type=checked(_host_count), default=0, metavar="N",
+                    help="run the fleet profile instead (docs/fleet.md): N hosts of server, exporter, "
+                         "node_exporter and vmagent remote-writing to one VictoriaMetrics, with vmalert, "
+                         "Alertmanager and the receiver")
     return parser
+
+
+def _host_count(text: str) -> int:
+    from gpuscope.fleet import MAX_HOSTS  # the fleet imports this module
+
+    if not text.strip().isdigit() or int(text) > MAX_HOSTS:
+        raise ValueError(f"{text!r} is not a number of hosts from 0 (no fleet) to {MAX_HOSTS}")
+    return int(text)
+
+
+def _fleet(args: argparse.Namespace, server_args: list[str]) -> Fleet:
+    """``--stack.hosts N``: the same command runs gpuscope.fleet, with the same ports, run
+    directory, profile and server flags."""
+    from gpuscope.fleet import Fleet, FleetOptions
+
+    return Fleet(FleetOptions(hosts=args.hosts, profile=args.profile, address=args.host,
+                              ports="free" if args.free_ports else "default", run_dir=Path(args.run_dir),
+                              server_args=server_args))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -416,13 +466,16 @@ def main(argv: list[str]) -> int:
         ports: str | dict[str, int] = "free" if args.free_ports else _parse_ports(args.port) or "default"
     except ValueError as exc:
         parser.error(str(exc))
+    if args.hosts and (args.port or not args.server):
+        parser.error("--stack.port and --no-stack.server are for the single-host stack; "
+                     "with --stack.hosts use --stack.free-ports")
     components = [c for c in COMPONENTS if c != "server" or args.server]
     options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
                            server_args=server_args, components=components)
     # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        stack = Stack(options)
+        stack: Stack | Fleet = Stack(options) if not args.hosts else _fleet(args, server_args)
         with stack:
             print(stack.summary(), flush=True)
             while not (dead := stack.dead()):
