@@ -12,6 +12,7 @@ dashboards     ``dashboards/json/<uid>.json`` and Grafana's datasource provision
 metrics        ``docs/metrics.md`` — from ``gpuscope.catalogue``
 tracing        the compose stack's OpenTelemetry Collector configuration (its tail-sampling policy
                keeps errors and requests slower than the TTFT objective) — from the alert config
+fleet          the fleet profile's Grafana datasources (compose's, with VictoriaMetrics)
 kubernetes     ``deploy/kubernetes/generated/`` (PrometheusRule, ServiceMonitors, Alertmanager
                Secret, dashboard ConfigMaps, HPA, prometheus-adapter rules) — from
                ``gpuscope.kube`` and the files above
@@ -55,6 +56,12 @@ def _tracing(root: Path) -> dict[str, str]:
     return collector_config.outputs()
 
 
+def _fleet(root: Path) -> dict[str, str]:
+    from gpuscope import fleet
+
+    return fleet.outputs()
+
+
 def _kubernetes(root: Path) -> dict[str, str]:
     from gpuscope.kube import generate
 
@@ -67,6 +74,7 @@ GENERATORS: dict[str, tuple[Generator, tuple[str, ...]]] = {
     "dashboards": (_dashboards, ("dashboards/json",)),
     "metrics": (_metrics, ()),
     "tracing": (_tracing, ()),
+    "fleet": (_fleet, ()),
     "kubernetes": (_kubernetes, ("deploy/kubernetes/generated",)),
 }
 

@@ -88,9 +88,19 @@ class StackError(RuntimeError):
     """The stack cannot start; the message is one line naming the part and the reason."""
 
 
-def repo_root() -> Path:
-    """The checkout this module runs from (``exporter/gpuscope/stack.py`` → repository root)."""
-    return Path(__file__).resolve().parents[2]
+#: Files of a checkout that the stack runs with (as compose does): their folder is the root.
+ROOT_MARKERS = ("deploy/prometheus/prometheus.yml", "alerts/alertmanager.yml")
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The gpuscope checkout at or above ``start`` (default: the current directory) whose
+    configuration files the stack runs with; StackError when there is none."""
+    here = (start or Path.cwd()).resolve()
+    for candidate in (here, *here.parents):
+        if all((candidate / marker).is_file() for marker in ROOT_MARKERS):
+            return candidate
+    raise StackError(f"no gpuscope checkout at or above {here} (one holds {ROOT_MARKERS[0]}): "
+                     "run from one, or pass --stack.root DIR")
 
 
 # --- configuration templating ---------------------------------------------------------------------------
@@ -250,7 +260,7 @@ class StackOptions:
     server_args: Sequence[str] = ()
     exporter_args: Sequence[str] = ()
     components: Sequence[str] = COMPONENTS
-    root: Path = field(default_factory=repo_root)
+    root: Path = field(default_factory=find_root)
     evaluation_interval: str | None = None  # None: the profile's (test: 1s; production: the file's)
     health_timeout_s: float = 180.0
 
@@ -420,6 +430,9 @@ def _parser() -> FlagParser:
     parser.add_flag("--stack.run-dir", dest="run_dir", default=".stack",
                     help="directory for rendered configs, data and logs")
     parser.add_flag("--stack.host", dest="host", default=LOCAL_HOST, help="address every part listens on")
+    parser.add_flag("--stack.root", dest="root", type=Path, default=None,
+                    help="the gpuscope checkout whose configuration files to run with (default: the one at "
+                         "or above the current directory)")
     parser.add_flag("--stack.free-ports", dest="free_ports", action=argparse.BooleanOptionalAction,
                     default=False, help="pick a free port for every part instead of the defaults")
     parser.add_argument("--stack.port", dest="port", action="append", default=[], metavar="PART=PORT",
@@ -448,7 +461,7 @@ def _fleet(args: argparse.Namespace, server_args: list[str]) -> Fleet:
 
     return Fleet(FleetOptions(hosts=args.hosts, profile=args.profile, address=args.host,
                               ports="free" if args.free_ports else "default", run_dir=Path(args.run_dir),
-                              server_args=server_args))
+                              server_args=server_args, root=find_root(args.root)))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -470,8 +483,12 @@ def main(argv: list[str]) -> int:
         parser.error("--stack.port and --no-stack.server are for the single-host stack; "
                      "with --stack.hosts use --stack.free-ports")
     components = [c for c in COMPONENTS if c != "server" or args.server]
+    try:
+        root = find_root(args.root)
+    except StackError as exc:
+        parser.error(str(exc))
     options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
-                           server_args=server_args, components=components)
+                           server_args=server_args, components=components, root=root)
     # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

@@ -33,7 +33,7 @@ from tests.dashboards.no_data_allowlist import ALLOWED_EMPTY, MAY_BE_EMPTY
 from tests.dashboards.panels import queries
 from tests.dashboards.test_live import _target_ref, evaluate
 
-ROOT = st.repo_root()
+ROOT = st.find_root()
 FLEET = ROOT / "deploy" / "fleet"
 HOSTS = ("hostA", "hostB")
 BINARIES = ("victoria-metrics", "vmagent", "vmalert", "prometheus-alertmanager", "prometheus-node-exporter")
@@ -69,7 +69,7 @@ def test_agent_scrapes_what_the_single_host_prometheus_scrapes():
 def test_fleet_datasources_are_composes_with_victoria_metrics_for_prometheus():
     compose = yaml.safe_load((ROOT / fl.COMPOSE_DATASOURCES).read_text())
     committed = (ROOT / fl.FLEET_DATASOURCES).read_text()
-    assert committed == fl.datasources(ROOT), "stale: run python -m gpuscope.fleet"
+    assert committed == fl.datasources(), "stale: run gpuscope generate"
     fleet = yaml.safe_load(committed)
     prometheus = next(d for d in fleet["datasources"] if d["uid"] == fl.PROMETHEUS_UID)
     assert prometheus["url"] == f"http://victoria-metrics:{fl.FLEET_PORTS['victoria-metrics']}"

@@ -30,7 +30,7 @@ def test_localize_rewrites_only_compose_addresses():
 
 
 def test_render_prometheus_config():
-    source = (Path(st.repo_root()) / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    source = (Path(st.find_root()) / "deploy" / "prometheus" / "prometheus.yml").read_text()
     addresses = {name: f"127.0.0.1:{20000 + i}" for i, name in enumerate(st.COMPONENTS)}
     config = yaml.safe_load(st.render_prometheus_config(source, addresses, ["/rules/*.yml"], "1s"))
     targets = {j["job_name"]: j["static_configs"][0]["targets"][0] for j in config["scrape_configs"]}
@@ -42,7 +42,7 @@ def test_render_prometheus_config():
 
 
 def test_profiles_pick_their_rules_and_alertmanager_config():
-    root = st.repo_root()
+    root = st.find_root()
     assert st.rule_dir(root, "test") == root / "alerts" / "prometheus" / "test"
     assert st.alertmanager_source(root, "production").name == "alertmanager.yml"
     assert st.alertmanager_source(root, "test").name == "alertmanager-test-profile.yml"
