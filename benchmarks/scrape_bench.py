@@ -19,6 +19,7 @@ Absolute times depend on the machine; the shape (flat vs growing with GPUs) is t
 
     python benchmarks/scrape_bench.py --out benchmarks/results/scrape-cpu.json
     python benchmarks/scrape_bench.py --gpus 1,64 --rounds 2 --scrapes 20     # quick
+    python benchmarks/scrape_bench.py --replot benchmarks/results/scrape-h200-host.json
 """
 
 from __future__ import annotations
@@ -139,6 +140,33 @@ def exporter_render_cpu(exporter: Exporter) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def plot(report: dict, path: Path) -> None:
+    """Scrape latency against GPU count, cached vs rendered per scrape (log scales), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    gpus = [r["gpus"] for r in report["results"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label, color in (("cached", "served from the background rendering", "tab:blue"),
+                              ("render_per_scrape", "rendered per scrape", "tab:red")):
+        ax.plot(gpus, [r[key]["p50_ms"] for r in report["results"]], "o-", color=color, label=f"{label}, p50")
+        ax.plot(gpus, [r[key]["p99_ms"] for r in report["results"]], "o--", color=color, alpha=0.6,
+                label=f"{label}, p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.set_xlabel("GPUs (fake NVML, every default collector + processes)")
+    ax.set_ylabel("scrape latency, ms")
+    ax.set_title(f"gpuscope exporter /metrics ({report['machine']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", default="1,2,8,16,64", help="comma-separated GPU counts")
@@ -146,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scrapes", type=int, default=50, help="scrapes per server per round")
     p.add_argument("--switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S,
                    help=f"sys.setswitchinterval for the run (gpuscope exporter's: {GIL_SWITCH_INTERVAL_S})")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scrape-cpu.json"), help="JSON path")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scrape-cpu.json"),
+                   help="JSON path (the plot goes beside it, .png)")
+    p.add_argument("--replot", metavar="JSON", help="only draw the plot of an earlier run's JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return 0
     sys.setswitchinterval(args.switch_interval)
     results = []
     for gpus in (int(g) for g in args.gpus.split(",")):
@@ -173,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out.with_suffix(".png"))
     print(f"{'GPUs':>5}  {'bytes':>8}  {'cached p50/p99 ms':>18}  {'per-scrape p50/p99 ms':>22}  "
           "renderer CPU %")
     for r in results:
