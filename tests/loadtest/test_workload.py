@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from gpuscope.loadtest.options import Workload, make_prompt, parse_tenants, user_seed
-from gpuscope.loadtest.users import tenant_class_name
+from gpuscope.loadtest.options import Workload, make_prompt, parse_tenants, tenant_class_name, user_seed
 from gpuscope.server.model import encode
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,12 @@ def user_seed(base: int, process: int, number: int) -> str:
     return f"gpuscope-{base}-{process}-{number}"
 
 
+
+
+def tenant_class_name(tenant: str) -> str:
+    """``alpha`` → ``TenantAlpha``; ``low-prio`` → ``TenantLowPrio``; ``a.b`` → ``TenantAB`` (what Locust's
+    UI lists)."""
+    return "Tenant" + "".join(part.capitalize() for part in re.split(r"[-_.]", tenant))
 
 
 def parse_tenants(spec: str) -> dict[str, float]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from typing import Any, ClassVar
 
@@ -38,7 +37,7 @@ from gevent import GreenletExit
 from gevent.lock import Semaphore
 from locust import FastHttpUser, task
 
-from gpuscope.loadtest.options import Workload, user_seed
+from gpuscope.loadtest.options import Workload, tenant_class_name, user_seed
 from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_sse_line
 from gpuscope.loadtest.targets import TargetError, auth_headers, list_models
 
@@ -178,12 +177,6 @@ def _http_error(response: Any) -> str:
     except Exception:  # the body of a failed response is only decoration for the message
         text = ""
     return f"HTTP {code}: {text[:200]}"
-
-
-def tenant_class_name(tenant: str) -> str:
-    """``alpha`` → ``TenantAlpha``; ``low-prio`` → ``TenantLowPrio``; ``a.b`` → ``TenantAB`` (what Locust's
-    UI lists)."""
-    return "Tenant" + "".join(part.capitalize() for part in re.split(r"[-_.]", tenant))
 
 
 def tenant_users(tenants: dict[str, float], module: str) -> dict[str, type[CompletionsUser]]:
