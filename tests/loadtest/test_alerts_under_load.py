@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gpuscope.loadtest import alerts
+from gpuscope.loadtest import fault_drill as alerts
 from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time, rule_for_s
 
 from ..conftest import require_binary
@@ -57,7 +57,7 @@ def test_alertmanager_times_with_nanoseconds_parse():
 
 
 def test_unknown_scenario_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "gpuscope.loadtest.alerts", "--scenarios", "meteor"],
+    result = subprocess.run([sys.executable, "-m", "gpuscope.loadtest.fault_drill", "--scenarios", "meteor"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "unknown scenario 'meteor'" in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -10,7 +10,7 @@ Modules, one job each:
 * ``plugin`` – Locust listeners: options, and the exact recorder across processes;
 * ``recorder`` / ``stats`` – exact per-request records, percentiles and rates;
 * ``compare`` – the comparison command (``python -m gpuscope.loadtest.compare``);
-* ``alerts`` – the alert scenario runner (``python -m gpuscope.loadtest.alerts``).
+* ``alerts`` – the alert scenario runner (``python -m gpuscope.loadtest.fault_drill``).
 
 Importing this package imports nothing from Locust, so the pure parts work
 without gevent's monkey-patching.

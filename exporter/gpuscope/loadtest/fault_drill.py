@@ -1,4 +1,4 @@
-"""``python -m gpuscope.loadtest.alerts``: prove the alert rules under load, without Docker.
+"""``python -m gpuscope.loadtest.fault_drill``: prove the alert rules under load, without Docker.
 
 It starts the no-Docker stack (``gpuscope stack``'s context manager) with the
 test alerting profile and fault injection enabled, puts steady streaming load
@@ -56,7 +56,7 @@ from gpuscope.loadtest.runtools import (
     locust_prefix,
 )
 
-PROG = "python -m gpuscope.loadtest.alerts"
+PROG = "python -m gpuscope.loadtest.fault_drill"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
 LOAD_TENANTS = "alpha:1,beta:1"
 STARVED_TENANT = "beta"
