@@ -18,10 +18,10 @@ Detection latency is fault start → first notification of the expected alert at
 the receiver. Alongside, the report gives when Alertmanager says the alert
 started firing and two targets:
 
-- ``target_s``: the rule's ``for`` plus two evaluation intervals, as issue #7 states it;
+- ``target_s``: the rule's ``for`` plus two evaluation intervals (the drill's first target);
 - ``target_with_window_s``: that, plus the rule's evidence window (``Alert.evidence_s``: the range
   its expression must see the fault over before it can be true, 20 s without tokens for
-  starvation, the 4 min regression of the leak) plus Alertmanager's ``group_wait``. A windowed
+  starvation, the floor's growth over 5 min for the leak) plus Alertmanager's ``group_wait``. A windowed
   rule cannot beat its window, and shortening windows is what the steady run's zero false alerts
   would pay for.
 """
