@@ -37,7 +37,8 @@ def _targets_missing(p: Profile, name: str, job: str, service: str, what: str,
     up, ago, down_for = sel("up", job), duration(w.target_missing), duration(w.scrape_down_for)
     now = query_value("count(up{job='%s'})", ("job",), "humanize")
     gone = (f'{{{{ range $i, $s := printf "up{{job=\'%s\'}} offset {ago} unless on (instance) '
-            f'up{{job=\'%s\'}}" $labels.job $labels.job | query }}}}{{{{ if $i }}}}, {{{{ end }}}}'
+            f'up{{job=\'%s\'}}" $labels.job $labels.job | query | sortByLabel "instance" }}}}'
+            f'{{{{ if $i }}}}, {{{{ end }}}}'
             f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
     common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": uids.FLEET,
               "dashboard_vars": ()}
