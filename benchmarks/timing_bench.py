@@ -13,6 +13,7 @@ Configurations (24 timed regions a forward: attention and MLP of 12 blocks):
     gpuscope_default   Timer() + instrument(): 1% overhead budget, exact regions
     gpuscope_full   every region timed, exact mode (48 records a forward)
     gpuscope_full_partition   every region timed, shared boundaries (25 records a forward)
+    ..._python      the same with the Python hot path (the fallback where the C extension is not built)
     naive_torch     forward hooks creating and recording torch.cuda.Event, a polling thread
     torch_profiler  torch.profiler with CPU and CUDA activities
 """
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
-from gpuscope.timing import Timer
+from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import CudartCtypesRoute
 
 
@@ -92,26 +93,30 @@ def idle_costs(cuda: bool, n: int, reps: int) -> dict:
             samples.append((time.thread_time_ns() - t0) / n / 1e3)
             torch.cuda.synchronize()
         out["naive_torch_us_per_region"] = statistics.median(samples)
-    timer = Timer(None, sample_rate=1.0, pool_size=2 * n + 64, ring_size=n + 16, resolve_interval=0.05)
-    region = timer.region("idle")
-    samples, walls = [], []
-    for _ in range(reps):
-        timer.flush(30)
-        # CPU time of this thread: the resolver's work, which takes the GIL meanwhile, is its own
-        # thread's cost (reported in the throughput runs), not the hot path's.
-        t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-        for _ in range(n):
-            with region:
-                pass
-        samples.append((time.thread_time_ns() - t0) / n / 1e3)
-        walls.append((time.perf_counter_ns() - w0) / n / 1e3)
-        if cuda:
-            torch.cuda.synchronize()
-    out["hot_path_us_per_region"] = statistics.median(samples)
-    out["hot_path_wall_us_per_region_with_resolver"] = statistics.median(walls)
-    out["hot_path_dropped"] = dict(timer.dropped)
-    out["route"] = timer.route.name
-    timer.close()
+    for suffix, native in (("", None), ("_python", False)):
+        if native is None and not hot.native_available():
+            continue
+        timer = Timer(None, sample_rate=1.0, pool_size=2 * n + 64, ring_size=n + 16, resolve_interval=0.05,
+                      native=native)
+        region = timer.region("idle")
+        samples, walls = [], []
+        for _ in range(reps):
+            timer.flush(30)
+            # CPU time of this thread: the resolver's work, which takes the GIL meanwhile, is its own
+            # thread's cost (reported in the throughput runs), not the hot path's.
+            t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            for _ in range(n):
+                with region:
+                    pass
+            samples.append((time.thread_time_ns() - t0) / n / 1e3)
+            walls.append((time.perf_counter_ns() - w0) / n / 1e3)
+            if cuda:
+                torch.cuda.synchronize()
+        out[f"hot_path_us_per_region{suffix}"] = statistics.median(samples)
+        out[f"hot_path_wall_us_per_region_with_resolver{suffix}"] = statistics.median(walls)
+        out[f"hot_path_dropped{suffix}"] = dict(timer.dropped)
+        out["route"] = timer.route.name
+        timer.close()
     return out
 
 
@@ -130,10 +135,11 @@ class Config:
         self.stop_poll = threading.Event()
         self.poller: threading.Thread | None = None
         self.pending: collections.deque = collections.deque()
+        native = False if name.endswith("_python") else None  # C where it is built
         if name == "gpuscope_default":
-            self.timer = Timer(None)
-        elif name in ("gpuscope_full", "gpuscope_full_partition"):
-            self.timer = Timer(None, sample_rate=1.0)
+            self.timer = Timer(None, native=native)
+        elif name.startswith("gpuscope_full"):
+            self.timer = Timer(None, sample_rate=1.0, native=native)
         if name == "raw_records" and cuda:
             self.route = CudartCtypesRoute()
             self.raw = {path: (self.route.create(), self.route.create()) for path, _ in mods}
@@ -144,7 +150,7 @@ class Config:
             # One instrumentation for the whole run, detached between measurements, so the budget's
             # cost estimates and sampling state persist as they would in a long-running server.
             if self.inst is None:
-                mode = "partition" if name.endswith("partition") else "exact"
+                mode = "partition" if "partition" in name else "exact"
                 self.inst = self.timer.instrument(self.model, include=("attn", "mlp"), mode=mode)
             else:
                 self.inst.attach()
@@ -319,7 +325,7 @@ def throughput(cuda: bool, label: str, bs: int, seq: int, iters: int, rounds: in
             entry["overhead_ratio_estimate"] = timer.budget_controller.overhead_ratio
             entry["hot_path_us_in_context"] = timer.core.hot_path_s * 1e6
             entry["dropped"] = dict(timer.dropped)
-            entry["samples"] = sum(h.count for op in timer.ops() for h in op.hists.values())
+            entry["samples"] = sum(h.count for op in timer.core.ops() for h in op.hists.values())
         result["configs"][name] = entry
     for cfg in cfgs.values():
         cfg.close()
@@ -398,9 +404,12 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     quick = args.quick
     configs = ["raw_records", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
-               "naive_torch", "torch_profiler"]
+               "gpuscope_full_python", "gpuscope_full_partition_python", "naive_torch", "torch_profiler"]
+    if not hot.native_available():
+        print("the C hot path is not built: the gpuscope_* rows without _python use Python too", flush=True)
     out: dict = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "none (CPU)",
+        "hot_path": "C" if hot.native_available() else "Python (C extension not built)",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "method": "medians of interleaved paired rounds (base, config) with quartiles; docs/design.md",
@@ -408,7 +417,8 @@ def main() -> int:
     progress("idle microbenchmark")
     out["idle"] = idle_costs(cuda, n=2000 if quick else 20000, reps=3 if quick else 5)
     out["raw_record_us"] = out["idle"].get("raw_record_us")
-    out["hot_path_us_per_region"] = out["idle"]["hot_path_us_per_region"]
+    out["hot_path_us_per_region"] = out["idle"].get("hot_path_us_per_region")
+    out["hot_path_us_per_region_python"] = out["idle"]["hot_path_us_per_region_python"]
     out["naive_torch_us_per_region"] = out["idle"].get("naive_torch_us_per_region")
     workloads = {"large": (8, 512, 60), "small": (1, 64, 100)}
     if quick:
@@ -427,13 +437,20 @@ def main() -> int:
     out["tps_loss_pct_default"] = loss("gpuscope_default")
     out["tps_loss_pct_full"] = loss("gpuscope_full_partition")
     out["tps_loss_pct_full_exact"] = loss("gpuscope_full")
+    out["tps_loss_pct_full_python"] = loss("gpuscope_full_partition_python")
+    out["tps_loss_pct_full_exact_python"] = loss("gpuscope_full_python")
     out["tps_loss_pct_raw_records"] = loss("raw_records")
     out["tps_loss_pct_naive_torch"] = loss("naive_torch")
     out["tps_loss_pct_profiler"] = loss("torch_profiler")
-    out["in_context_ratio_to_raw_records"] = {
-        label: tp[label]["configs"]["gpuscope_full"]["main_thread_cpu_us_added_per_forward"]
-        / max(1e-9, tp[label]["configs"]["raw_records"]["main_thread_cpu_us_added_per_forward"])
-        for label in tp}
+
+    def in_context_ratio(name: str) -> dict:
+        """CPU added per forward by ``name`` over that of two raw records per region (same regions)."""
+        return {label: tp[label]["configs"][name]["main_thread_cpu_us_added_per_forward"]
+                / max(1e-9, tp[label]["configs"]["raw_records"]["main_thread_cpu_us_added_per_forward"])
+                for label in tp}
+
+    out["in_context_ratio_to_raw_records"] = in_context_ratio("gpuscope_full")
+    out["in_context_ratio_to_raw_records_python"] = in_context_ratio("gpuscope_full_python")
     if cuda:
         progress("accuracy against CUPTI")
         acc = accuracy(5 if quick else 30, 50 if quick else 300)
@@ -446,11 +463,13 @@ def main() -> int:
     print(f"\nwrote {args.out}\n")
     print(f"{'':28s} {'large':>10s} {'small':>10s}")
     for key in ("tps_loss_pct_raw_records", "tps_loss_pct_default", "tps_loss_pct_full",
-                "tps_loss_pct_full_exact",
-                "tps_loss_pct_naive_torch", "tps_loss_pct_profiler", "in_context_ratio_to_raw_records"):
+                "tps_loss_pct_full_exact", "tps_loss_pct_full_python", "tps_loss_pct_full_exact_python",
+                "tps_loss_pct_naive_torch", "tps_loss_pct_profiler", "in_context_ratio_to_raw_records",
+                "in_context_ratio_to_raw_records_python"):
         row = out[key]
         print(f"{key:34s} {row.get('large', float('nan')):10.2f} {row.get('small', float('nan')):10.2f}")
-    for key in ("raw_record_us", "hot_path_us_per_region", "naive_torch_us_per_region",
+    for key in ("raw_record_us", "hot_path_us_per_region", "hot_path_us_per_region_python",
+                "naive_torch_us_per_region",
                 "accuracy_pct_ms_kernel", "accuracy_us_short_region"):
         if out.get(key) is not None:
             print(f"{key:34s} {out[key]:10.2f}")

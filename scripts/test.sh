@@ -22,6 +22,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
               vmagent:victoria-metrics vmalert:victoria-metrics; do
     command -v "${pair%%:*}" >/dev/null || need+=("${pair##*:}")
   done
+  # A C compiler and Python's headers build the timer's C hot path (optional at install time,
+  # but the tests run both hot paths and, with GPUSCOPE_STRICT=1, fail if the C one is missing).
+  command -v gcc >/dev/null || need+=(gcc)
+  "${PYTHON:-python3}" -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+    2>/dev/null || need+=(python3-dev)
   if [ ${#need[@]} -gt 0 ]; then
     step "apt-get install ${need[*]}"
     apt-get update -qq

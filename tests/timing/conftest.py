@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuscope.timing import Timer
+from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import HostRoute
 
 
@@ -52,12 +54,24 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
+@pytest.fixture(params=["native", "python"])
+def hot_path(request) -> bool:
+    """Each timer test runs on both hot paths: the C extension and the Python fallback."""
+    native = request.param == "native"
+    if native and not hot.native_available():
+        if os.environ.get("GPUSCOPE_STRICT") == "1":
+            pytest.fail("the C hot path is not built (a C compiler and Python headers are needed)")
+        pytest.skip("the C hot path is not built")
+    return native
+
+
 @pytest.fixture
-def make_timer(registry):
+def make_timer(registry, hot_path):
     timers: list[Timer] = []
 
     def make(**kwargs) -> Timer:
         kwargs.setdefault("backend", "host")
+        kwargs.setdefault("native", hot_path)
         timer = Timer(registry if "registry" not in kwargs else kwargs.pop("registry"), **kwargs)
         timers.append(timer)
         return timer

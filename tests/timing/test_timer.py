@@ -1,3 +1,4 @@
+import ctypes
 import logging
 import threading
 import time
@@ -6,7 +7,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from gpuscope.timing import Timer, trace
+from gpuscope.timing import Timer, capture, hot, trace
+from gpuscope.timing.routes import HostRoute
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.timing.conftest import ScriptedRoute, prepared
 
@@ -135,10 +137,23 @@ def test_exemplars_carry_the_active_trace_id(make_timer, registry):
     assert '# {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"}' in text
 
 
-def test_graph_capture_skips_with_one_warning(make_timer, registry, caplog):
-    timer = make_timer(sample_rate=1.0)
-    timer.core._captures = [1]  # a capture is in progress somewhere...
-    timer.core._capturing = lambda: True  # ...and it is on this thread's stream
+class CapturingRoute(HostRoute):
+    """The current stream is capturing a CUDA graph."""
+
+    def is_capturing(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def capture_in_progress():
+    """A CUDA graph capture is in progress somewhere in the process."""
+    capture.in_progress[0] += 1
+    yield
+    capture.in_progress[0] -= 1
+
+
+def test_graph_capture_skips_with_one_warning(make_timer, registry, caplog, capture_in_progress):
+    timer = make_timer(sample_rate=1.0, route=CapturingRoute())
     with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
         for _ in range(3):
             with timer.region("captured"):
@@ -265,3 +280,93 @@ def test_budget_leaves_to_sampled_regions_only_what_always_timed_regions_do_not_
     assert timer.flush(5)
     assert len(charged) == timer.op_state("step").always  # every step still timed
     assert registry.get_sample_value("gpuscope_timer_overhead_ratio") > 0.01  # the excess is shown
+
+
+RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+CUDA_ERROR_INVALID_RESOURCE_HANDLE = 400
+
+
+class AddressRoute(HostRoute):
+    """Integer event handles recorded through a C function pointer, as the cudart route offers
+    cudaEventRecord's address; here the "C function" is a ctypes callback that stamps the time."""
+
+    def __init__(self) -> None:
+        self.stamps: dict[int, int] = {}
+        self.streams: list[int] = []
+        self.calls = 0  # through the function: the hot path's and record()'s
+        self.python_calls = 0  # through record()
+        self.failing = False
+        self._next = 1000
+
+        def record(event: int, stream: int | None) -> int:
+            self.calls += 1
+            if self.failing:
+                return CUDA_ERROR_INVALID_RESOURCE_HANDLE
+            self.stamps[event] = time.perf_counter_ns()
+            self.streams.append(stream or 0)
+            return 0
+
+        self._callback = RECORD_FN(record)  # kept alive as long as the route
+        self.record_address = ctypes.cast(self._callback, ctypes.c_void_p).value
+
+    def current_stream(self, device: int) -> int:
+        return 0x7F00
+
+    def create(self) -> int:
+        self._next += 1
+        return self._next
+
+    def record(self, event: int, stream: int) -> int:
+        """Off the hot path (calibration, a sequence's last boundary): the same function, counted."""
+        self.python_calls += 1
+        return self._callback(event, stream)
+
+    def elapsed_s(self, start: int, end: int) -> float:
+        return (self.stamps[end] - self.stamps[start]) * 1e-9
+
+
+def time_exact_and_shared_regions(timer: Timer) -> None:
+    for _ in range(10):
+        with timer.region("exact"):
+            pass
+    seq = timer.sequence()
+    for _ in range(5):
+        seq.begin()
+        seq.split("first")
+        seq.split("second")
+        seq.end()
+
+
+@pytest.mark.parametrize("failing", [False, True], ids=["records", "every-record-fails"])
+def test_the_c_hot_path_records_through_the_routes_function_address(registry, failing):
+    """Exact regions (two records each) and shared-boundary sequences (three records a pass) both
+    record through the route's C function, on the current stream; failed records are counted and
+    their regions dropped, never raised."""
+    if not hot.native_available():
+        pytest.skip("the C hot path is not built")
+    route = AddressRoute()
+    timer = prepared(Timer(registry, route=route, sample_rate=1.0, native=True))
+    try:
+        before, python_before, errors_before = route.calls, route.python_calls, timer.dropped["error"]
+        route.failing = failing
+        time_exact_and_shared_regions(timer)
+        assert timer.flush(5)
+    finally:
+        timer.close(timeout=1.0)
+
+    def samples(op: str) -> float:
+        labels = {"op": op, "device": "cpu"}
+        return registry.get_sample_value("gpuscope_region_gpu_seconds_count", labels) or 0
+
+    if failing:
+        # Each exact region fails at its start; each pass fails at both splits and has nothing to end.
+        assert route.calls - before == 10 + 5 * 2
+        assert route.python_calls == python_before
+        assert timer.dropped["error"] - errors_before == 20
+        assert samples("exact") == samples("first") == samples("second") == 0
+    else:
+        assert route.calls - before == 10 * 2 + 5 * 3
+        assert route.python_calls - python_before == 5  # only each pass's end is recorded from Python
+        assert set(route.streams[before:]) == {0x7F00}
+        assert (samples("exact"), samples("first"), samples("second")) == (10, 5, 5)
+        assert timer.dropped["error"] == errors_before

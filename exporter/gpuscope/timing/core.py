@@ -8,11 +8,12 @@
 - ``period``: the sampling period the budget controller sets (1 = every region);
 - the op states (``op_state``, ``ops``) and the per-pass samplers (``samplers``).
 
-and the hot path: ``begin``/``end`` (a sampled region costs two event records, one pop from a
-free list and one append to the bounded ring; an unsampled one a counter decrement),
-``record_start``, ``record_failed`` and ``capture_in_progress``. The hot path takes no lock,
-does no I/O and allocates no CUDA resource; everything else (waiting for the GPU, elapsed times,
-baselines, histograms, sampling adaptation) happens on the resolver thread.
+and the hot path: ``begin``, ``record_start`` and ``end`` (a sampled region costs two event
+records, one pop from a free list and one append to the bounded ring; an unsampled one a counter
+decrement). ``record_start`` and ``end`` come from ``hot.py``: C where the extension is built,
+Python otherwise. The hot path takes no lock, does no I/O and allocates no CUDA resource;
+everything else (waiting for the GPU, elapsed times, baselines, histograms, sampling adaptation)
+happens on the resolver thread.
 
 Counters are plain attributes bumped under the GIL; with several inference threads an increment
 can very rarely be lost to a thread switch, which is the price of taking no lock.
@@ -23,14 +24,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from gpuscope.catalogue import REGION_SECONDS_BUCKETS
-from gpuscope.timing import capture
+from gpuscope.timing import capture, hot
 from gpuscope.timing.histogram import BucketHistogram
 from gpuscope.timing.routes import Route, on_device
 
@@ -105,7 +105,7 @@ class TimerCore:
     """Shared state and hot path of one timer (module docstring)."""
 
     def __init__(self, route: Route, *, pool_size: int, ring_size: int, period: int, fixed_rate: bool,
-                 budget: float) -> None:
+                 budget: float, native: bool | None = None) -> None:
         self.route = route
         self.is_host = bool(getattr(route, "on_host", False))
         self.pool_size = pool_size
@@ -116,8 +116,6 @@ class TimerCore:
         self.pools: dict[int, list[Any]] = {}
         self.ring: deque[Pending] = deque()
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
-        self.sampled = 0  # pairs ended through end(): paces the in-context cost measurement
-        self.hot_path_s = 0.0  # cost of a sampled region, measured in context (see end)
         self.closed = False
         #: called (under the ops lock) with a device whose pool was just made; the resolver calibrates it
         self.on_new_device: Callable[[int], None] = lambda device: None
@@ -126,9 +124,8 @@ class TimerCore:
         self._all_events: dict[int, list[Any]] = {}
         self._ops_lock = threading.Lock()  # only taken when a new op, sampler or device appears
         self._warned_capture = False
-        self._measure_every = 16
         self._graph_local = threading.local()  # .recorder while this thread captures a timed graph
-        # The hot path's calls, bound once (sequence.py uses them too).
+        # The calls the hot path and graphs.py make, bound once.
         self.record_event = route.record
         self.current_device = route.current_device
         self.current_stream = route.current_stream
@@ -137,6 +134,25 @@ class TimerCore:
         self._capturing = route.is_capturing  # asked only while some capture is in progress
         if route.gpu_queue:
             capture.install()
+        self.native = hot.use_native(native)
+        self.hot = hot.hot_path_class(self.native)(
+            core=self, pools=self.pools, ring=self.ring, ring_size=ring_size, dropped=self.dropped,
+            record=route.record, record_address=getattr(route, "record_address", 0) or 0,
+            current_device=route.current_device, current_stream=route.current_stream, trace_var=_trace_id,
+            captures=capture.in_progress, capturing=route.is_capturing, pending_type=Pending,
+            graph_token_type=GraphToken, measure_every=hot.MEASURE_EVERY)
+        self.record_start: Callable[[], Any] = self.hot.record_start
+        self.end: Callable[[OpState, Any, Callable[[float], None] | None], None] = self.hot.end
+
+    @property
+    def sampled(self) -> int:
+        """Pairs ended through ``end()`` (paces the in-context cost measurement)."""
+        return self.hot.sampled
+
+    @property
+    def hot_path_s(self) -> float:
+        """CPU seconds of one sampled region, measured in context every few pairs."""
+        return self.hot.hot_path_s
 
     # --- ops and samplers ---------------------------------------------------------------------
 
@@ -256,7 +272,7 @@ class TimerCore:
             self._warned_capture = True
             log.warning("gpuscope: regions inside CUDA graph capture are not timed (capture left intact)")
 
-    # --- hot path -----------------------------------------------------------------------------
+    # --- the hot path's rare branches (hot.py calls them) --------------------------------------
 
     def begin(self, op: OpState) -> Any:
         """Count the region; if it is sampled, record its start event and return the token."""
@@ -268,58 +284,11 @@ class TimerCore:
         op.countdown = op.period - 1
         return self.record_start()
 
-    def record_start(self) -> Any:
-        # No "closed" test here: close_pools() empties the pools, so a late region finds none.
-        # Sequence.split repeats these few lines rather than call a shared helper: one Python
-        # frame more per region costs about as much as a record does in context.
-        device = self.current_device()
-        if self._captures[0] and self._capturing():
-            recorder = getattr(self._graph_local, "recorder", None)
-            if recorder is None:
-                self.note_capture()
-                return None
-            return recorder.start(device, self.current_stream(device))
-        try:
-            free = self.pools[device]
-        except KeyError:
-            free = self.add_device(device)
-        if not free:
-            self.dropped["pool_empty"] += 1
+    def record_captured(self, device: int) -> Any:
+        """A region's start while this thread's stream captures a CUDA graph: an event node of the
+        timed copy being captured (graphs.py), or nothing (counted) in a capture we do not time."""
+        recorder = getattr(self._graph_local, "recorder", None)
+        if recorder is None:
+            self.note_capture()
             return None
-        event = free.pop()
-        stream = self.current_stream(device)
-        if self.record_event(event, stream):
-            free.append(event)
-            self.record_failed()
-            return None
-        return (event, device, stream)
-
-    def end(self, op: OpState, token: tuple, callback: Callable[[float], None] | None) -> None:
-        if token.__class__ is GraphToken:
-            token.recorder.end(op, token)
-            return
-        start, device, stream = token
-        free = self.pools[device]
-        self.sampled = sampled = self.sampled + 1
-        measure = not sampled % self._measure_every
-        if measure:
-            t0 = time.perf_counter_ns()
-        if not free:
-            free.append(start)
-            self.dropped["pool_empty"] += 1
-            return
-        if len(self.ring) >= self.ring_size:
-            free.append(start)
-            self.dropped["ring_full"] += 1
-            return
-        end = free.pop()
-        if self.record_event(end, stream):
-            free.append(end)
-            free.append(start)
-            self.record_failed()
-            return
-        self.ring.append(Pending(op, device, stream, start, end, self.active_trace_id(), callback, False))
-        if measure:
-            # One end costs about what one start costs (a record and a container op each).
-            cost = 2e-9 * (time.perf_counter_ns() - t0)
-            self.hot_path_s = cost if not self.hot_path_s else 0.9 * self.hot_path_s + 0.1 * cost
+        return recorder.start(device, self.current_stream(device))

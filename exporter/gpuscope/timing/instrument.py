@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuscope.timing.core import OpState, TimerCore
 from gpuscope.timing.sequence import Sequence as RegionSequence
+from gpuscope.timing.sequence import new_sequence
 
 if TYPE_CHECKING:
     from gpuscope.timing.timer import Timer
@@ -121,7 +122,7 @@ class Instrumentation:
         try:
             return self._local.seq
         except AttributeError:
-            seq = self._local.seq = RegionSequence(self.core, "forward")
+            seq = self._local.seq = new_sequence(self.core, "forward")
             return seq
 
     def entered_scale(self) -> float:

@@ -48,6 +48,9 @@ class Route(Protocol):
 
     name: str
     on_host: bool  # True when events are host timestamps: samples are labelled device="cpu"
+    #: Optional: the address of a C ``int record(void *event, void *stream)`` the C hot path may
+    #: call instead of ``record`` (events and streams are then integer handles); 0 or absent: none.
+    record_address: int
     gpu_queue: bool  # True when the baseline must be calibrated behind queued GPU work
 
     def current_device(self) -> int: ...
@@ -193,6 +196,8 @@ class CudartCtypesRoute(_TorchCurrent):
         self.record = keep_gil.cudaEventRecord
         self.record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self.record.restype = ctypes.c_int
+        #: where the C hot path (hot.py) calls cudaEventRecord directly, without ctypes' conversions
+        self.record_address = ctypes.cast(self.record, ctypes.c_void_p).value
         self._record_with_flags = keep_gil.cudaEventRecordWithFlags
         self._record_with_flags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self._record_with_flags.restype = ctypes.c_int

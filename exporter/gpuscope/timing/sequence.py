@@ -2,22 +2,27 @@
 
 ``split(op)`` ends the open region and starts ``op``'s with one record; ``end()`` closes the
 last. Sampling is decided per pass (``begin``): a sampled pass times every region in it.
+``split`` and the queueing of pairs are the hot path and come from ``hot.py`` (C or Python,
+as the core chose); this module holds the rest. ``new_sequence(core)`` makes one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpuscope.timing.core import OpState, Pending, TimerCore
+from gpuscope.timing.core import OpState, TimerCore
+from gpuscope.timing.hot import native_available, sequence_base
 
 
 class Sequence:
-    """One pass of contiguous regions; one sequence per thread at a time."""
+    """One pass of contiguous regions; one sequence per thread at a time. ``split(op)`` comes from
+    the hot path's sequence base (``hot.py``)."""
 
-    __slots__ = ("_core", "_device", "_event", "_op", "_pass", "_recorder", "_shared", "_stream", "active")
+    __slots__ = ()
 
     def __init__(self, core: TimerCore, name: str = "sequence") -> None:
         self._core = core
+        self._hot = core.hot
         self._pass = core.new_pass_state(name)
         self._op: OpState | None = None
         self._event: Any = None
@@ -57,36 +62,6 @@ class Sequence:
         self._shared = False
         return True
 
-    def split(self, op: OpState | str) -> None:
-        """End the open region (if any) and start ``op``'s at this point of the stream."""
-        core = self._core
-        if isinstance(op, str):
-            op = core.op_state(op)
-        op.entered += 1
-        if not self.active:
-            return
-        device = core.current_device()
-        if self._recorder is not None:
-            self._split_captured(op, device)
-            return
-        try:
-            free = core.pools[device]
-        except KeyError:
-            free = core.add_device(device)
-        if not free:
-            core.dropped["pool_empty"] += 1
-            self._close_open(None)
-            return
-        event = free.pop()
-        stream = core.current_stream(device)
-        if core.record_event(event, stream):
-            free.append(event)
-            core.record_failed()
-            self._close_open(None)
-            return
-        self._shared = self._close_open(event)
-        self._op, self._event, self._device, self._stream = op, event, device, stream
-
     def end(self) -> None:
         """Close the last region of the pass."""
         if not self.active:
@@ -112,7 +87,7 @@ class Sequence:
             core.record_failed()
             self._close_open(None)
             return
-        self._close_open(event, last=True)
+        self._close_open(event, True)
         self._op = None
 
     def _split_captured(self, op: OpState, device: int) -> None:
@@ -126,33 +101,24 @@ class Sequence:
             self._recorder.add_pair(self._op, self._event, event)
         self._op, self._event, self._device, self._stream = op, event, device, stream
 
-    def _close_open(self, end: Any, last: bool = False) -> bool:
-        """Queue (open start → end); True when ``end`` is now shared with a queued pair.
-
-        A start that is the end of an earlier queued pair may be re-recorded only after that pair
-        is resolved, so even dropped pairs go through the ring (with no op) to release in order.
-        """
-        core, op, start = self._core, self._op, self._event
-        if op is None:
-            return False
-        self._op = None
-        ring = core.ring
-        if end is None:  # the boundary could not be recorded: the open region is lost
-            if self._shared:
-                ring.append(Pending(None, self._device, self._stream, start, None, None, None, False))
-            else:
-                core.pools[self._device].append(start)
-            return False
-        if len(ring) >= core.ring_size:
-            core.dropped["ring_full"] += 1
-            op = None
-        ring.append(Pending(op, self._device, self._stream, start, end, core.active_trace_id(), None,
-                            not last))
-        return not last
-
     def __enter__(self) -> Sequence:
         self.begin()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.end()
+
+
+class _PySequence(Sequence, sequence_base(native=False)):
+    __slots__ = ()
+
+
+if native_available():
+    class _NativeSequence(Sequence, sequence_base(native=True)):
+        __slots__ = ()
+
+
+def new_sequence(core: TimerCore, name: str = "sequence") -> Sequence:
+    """A sequence on ``core``'s hot path (C or Python, as the core chose)."""
+    cls = _NativeSequence if core.native else _PySequence
+    return cls(core, name)

@@ -22,7 +22,7 @@ from gpuscope.timing.graphs import TimedGraph
 from gpuscope.timing.instrument import Instrumentation, instrument
 from gpuscope.timing.resolver import Resolver
 from gpuscope.timing.routes import Route, pick_route
-from gpuscope.timing.sequence import Sequence
+from gpuscope.timing.sequence import Sequence, new_sequence
 
 __all__ = ["DROP_REASONS", "Handle", "OpState", "Region", "Sequence", "Timer", "current_trace_id", "trace"]
 
@@ -91,6 +91,8 @@ class Timer:
         pool_size: events preallocated per device (on the first region timed on that device).
         ring_size: sampled regions that may wait for the GPU before new ones are dropped.
         calibrate_every: seconds between baseline re-calibrations (0: only when a device is new).
+        native: the C hot path (True), the Python one (False), or None: C where it is built, unless
+            the environment sets ``GPUSCOPE_TIMING_NATIVE=0`` (``timing/hot.py``).
 
     The timer records on the current device's current stream: a thread that runs work on a GPU
     other than device 0 makes it current (``torch.cuda.set_device``), as serving engines do.
@@ -108,6 +110,7 @@ class Timer:
         ring_size: int = 2048,
         calibrate_every: float = 60.0,
         route: Route | None = None,
+        native: bool | None = None,
     ) -> None:
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
@@ -123,7 +126,7 @@ class Timer:
         # would open a CUDA context (hundreds of MiB) on a GPU the program never uses.
         self.core = TimerCore(route or pick_route(backend), pool_size=pool_size, ring_size=ring_size,
                               period=period, fixed_rate=sample_rate is not None,
-                              budget=0.0 if sample_rate is not None else budget)
+                              budget=0.0 if sample_rate is not None else budget, native=native)
         self.budget_controller = BudgetController(self.core)
         self.resolver = Resolver(self.core, self.budget_controller, resolve_interval=resolve_interval,
                                  calibrate_every=calibrate_every)
@@ -179,7 +182,7 @@ class Timer:
 
     def sequence(self) -> Sequence:
         """Contiguous regions that share boundary events (N+1 records for N regions)."""
-        return Sequence(self.core)
+        return new_sequence(self.core)
 
     def instrument(self, model: Any, include: Any = None, *, mode: str = "exact",
                    op_name: Callable[[str], str] | None = None) -> Instrumentation:

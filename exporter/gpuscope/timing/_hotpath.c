@@ -1,0 +1,589 @@
+/* The timer's hot path in C: the same steps as hot.py's PyHotPath and PySequenceBase, without the
+ * Python frames, the ctypes argument conversion and the NamedTuple constructor that made a region
+ * cost about 1.5x two raw event records in context (docs/design.md, "The hot path in C").
+ *
+ * It links nothing from CUDA: the route hands over the address of cudaEventRecord in the libcudart
+ * torch already loaded (routes.py), so a CPU-only machine builds and tests this file with the host
+ * route, whose record is a Python callable. Everything rare (a new device's pool, graph capture,
+ * a failed record) calls back into the Python methods that handle it there.
+ *
+ * Every function here runs with the GIL held, as the Python version does; the hot path takes no
+ * lock and does no I/O.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <time.h>
+
+typedef int (*record_fn_t)(void *event, void *stream);
+
+static PyObject *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
+    *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* HotPath: record_start() and end(op, token, callback) of one TimerCore                            */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core;             /* the TimerCore: add_device, record_failed, record_captured */
+    PyObject *pools;            /* dict: device -> list of free events */
+    PyObject *ring;             /* collections.deque of Pending */
+    PyObject *ring_append;      /* ring.append, bound once */
+    Py_ssize_t ring_size;
+    PyObject *dropped;          /* dict: reason -> count */
+    PyObject *record;           /* route.record(event, stream) -> error code */
+    record_fn_t record_fn;      /* cudaEventRecord itself, when the route gave its address */
+    PyObject *current_device;   /* route.current_device() */
+    PyObject *current_stream;   /* route.current_stream(device) */
+    PyObject *trace_var;        /* the ContextVar of the active trace id */
+    PyObject *captures;         /* capture.in_progress: [number of captures in progress] */
+    PyObject *capturing;        /* route.is_capturing() */
+    PyTypeObject *pending_type; /* core.Pending (a tuple subclass) */
+    PyObject *graph_token_type; /* core.GraphToken */
+    long long sampled;
+    double hot_path_s;
+    int measure_every;
+} HotPath;
+
+static int bump(PyObject *dropped, PyObject *reason) {
+    PyObject *old = PyDict_GetItemWithError(dropped, reason);
+    if (old == NULL && PyErr_Occurred()) return -1;
+    long long n = old ? PyLong_AsLongLong(old) : 0;
+    PyObject *value = PyLong_FromLongLong(n + 1);
+    if (value == NULL) return -1;
+    int rc = PyDict_SetItem(dropped, reason, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* The free list of ``device``, made by core.add_device on first use (new reference). */
+static PyObject *free_list(HotPath *h, PyObject *device) {
+    PyObject *free = PyDict_GetItemWithError(h->pools, device);
+    if (free != NULL) {
+        Py_INCREF(free);
+        return free;
+    }
+    if (PyErr_Occurred()) return NULL;
+    free = PyObject_CallMethodOneArg(h->core, s_add_device, device);
+    if (free != NULL && !PyList_Check(free)) {
+        Py_DECREF(free);
+        PyErr_SetString(PyExc_TypeError, "add_device must return the device's free list");
+        return NULL;
+    }
+    return free;
+}
+
+/* Last event of a non-empty free list, removed from it (new reference). */
+static PyObject *pop_event(PyObject *free) {
+    Py_ssize_t n = PyList_GET_SIZE(free);
+    PyObject *event = PyList_GET_ITEM(free, n - 1);
+    Py_INCREF(event);
+    if (PyList_SetSlice(free, n - 1, n, NULL) < 0) {
+        Py_DECREF(event);
+        return NULL;
+    }
+    return event;
+}
+
+/* Record ``event`` on ``stream``: 0 on success, a CUDA error code (> 0), or -1 with a Python error. */
+static int record(HotPath *h, PyObject *event, PyObject *stream) {
+    if (h->record_fn != NULL) {
+        void *e = PyLong_AsVoidPtr(event);
+        void *s = PyLong_AsVoidPtr(stream);
+        if (PyErr_Occurred()) return -1;
+        return h->record_fn(e, s);
+    }
+    PyObject *args[2] = {event, stream};
+    PyObject *rc = PyObject_Vectorcall(h->record, args, 2, NULL);
+    if (rc == NULL) return -1;
+    long err = PyLong_AsLong(rc);
+    Py_DECREF(rc);
+    if (err == -1 && PyErr_Occurred()) return -1;
+    return err ? (int)(err < 0 ? 1 : err) : 0;
+}
+
+static int record_failed(HotPath *h) {
+    PyObject *rc = PyObject_CallMethodNoArgs(h->core, s_record_failed);
+    if (rc == NULL) return -1;
+    Py_DECREF(rc);
+    return 0;
+}
+
+/* True (1) while the current stream captures a CUDA graph; asks CUDA only while some capture runs. */
+static int capturing(HotPath *h) {
+    PyObject *count = PyList_GET_ITEM(h->captures, 0);
+    int some = PyObject_IsTrue(count);
+    if (some <= 0) return some;
+    PyObject *rc = PyObject_CallNoArgs(h->capturing);
+    if (rc == NULL) return -1;
+    int yes = PyObject_IsTrue(rc);
+    Py_DECREF(rc);
+    return yes;
+}
+
+static PyObject *current_device(HotPath *h) { return PyObject_CallNoArgs(h->current_device); }
+
+static PyObject *current_stream(HotPath *h, PyObject *device) {
+    return PyObject_CallOneArg(h->current_stream, device);
+}
+
+static PyObject *trace_id(HotPath *h) {
+    PyObject *value = NULL;
+    if (PyContextVar_Get(h->trace_var, Py_None, &value) < 0) return NULL;
+    return value;
+}
+
+/* Pending(op, device, stream, start, end, trace_id, callback, keep_end), built without the
+ * NamedTuple's Python-level __new__. Steals nothing; NULL arguments become None. */
+static PyObject *pending(HotPath *h, PyObject *op, PyObject *device, PyObject *stream, PyObject *start,
+                         PyObject *end, PyObject *trace, PyObject *callback, int keep_end) {
+    PyObject *item = h->pending_type->tp_alloc(h->pending_type, 8);
+    if (item == NULL) return NULL;
+    PyObject *values[8] = {op, device, stream, start, end, trace, callback, keep_end ? Py_True : Py_False};
+    for (int i = 0; i < 8; i++) {
+        PyObject *v = values[i] ? values[i] : Py_None;
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(item, i, v);
+    }
+    return item;
+}
+
+static int ring_push(HotPath *h, PyObject *item) {
+    PyObject *rc = PyObject_CallOneArg(h->ring_append, item);
+    Py_DECREF(item);
+    if (rc == NULL) return -1;
+    Py_DECREF(rc);
+    return 0;
+}
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static PyObject *HotPath_record_start(HotPath *h, PyObject *Py_UNUSED(ignored)) {
+    PyObject *device = current_device(h);
+    if (device == NULL) return NULL;
+    int cap = capturing(h);
+    if (cap != 0) {
+        PyObject *rc = cap < 0 ? NULL : PyObject_CallMethodOneArg(h->core, s_record_captured, device);
+        Py_DECREF(device);
+        return rc;
+    }
+    PyObject *free = free_list(h, device), *event = NULL, *stream = NULL, *token = NULL;
+    if (free == NULL) goto done;
+    if (PyList_GET_SIZE(free) == 0) {
+        if (bump(h->dropped, s_pool_empty) == 0) token = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((event = pop_event(free)) == NULL) goto done;
+    if ((stream = current_stream(h, device)) == NULL) goto done;
+    int err = record(h, event, stream);
+    if (err != 0) {
+        if (err > 0 && PyList_Append(free, event) == 0 && record_failed(h) == 0) token = Py_NewRef(Py_None);
+        goto done;
+    }
+    token = PyTuple_Pack(3, event, device, stream);
+done:
+    Py_XDECREF(stream);
+    Py_XDECREF(event);
+    Py_XDECREF(free);
+    Py_DECREF(device);
+    return token;
+}
+
+static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "end(op, token, callback)");
+        return NULL;
+    }
+    PyObject *op = args[0], *token = args[1], *callback = args[2];
+    if ((PyObject *)Py_TYPE(token) == h->graph_token_type) {
+        PyObject *recorder = PyTuple_GET_ITEM(token, 3);
+        PyObject *call_args[3] = {recorder, op, token};
+        return PyObject_VectorcallMethod(s_end, call_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    if (!PyTuple_Check(token) || PyTuple_GET_SIZE(token) != 3) {
+        PyErr_SetString(PyExc_TypeError, "end(): token must be what record_start returned");
+        return NULL;
+    }
+    PyObject *start = PyTuple_GET_ITEM(token, 0), *device = PyTuple_GET_ITEM(token, 1),
+             *stream = PyTuple_GET_ITEM(token, 2);
+    PyObject *free = PyDict_GetItemWithError(h->pools, device);
+    if (free == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, device);
+        return NULL;
+    }
+    Py_INCREF(free);
+    PyObject *result = NULL, *end = NULL;
+    h->sampled += 1;
+    int measure = h->measure_every > 0 && h->sampled % h->measure_every == 0;
+    long long t0 = measure ? now_ns() : 0;
+    if (PyList_GET_SIZE(free) == 0 || PyObject_Size(h->ring) >= h->ring_size) {
+        PyObject *reason = PyList_GET_SIZE(free) == 0 ? s_pool_empty : s_ring_full;
+        if (PyList_Append(free, start) == 0 && bump(h->dropped, reason) == 0) result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((end = pop_event(free)) == NULL) goto done;
+    int err = record(h, end, stream);
+    if (err != 0) {
+        if (err > 0 && PyList_Append(free, end) == 0 && PyList_Append(free, start) == 0 && record_failed(h) == 0)
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *trace = trace_id(h);
+    if (trace == NULL) goto done;
+    PyObject *item = pending(h, op, device, stream, start, end, trace,
+                             callback == Py_None ? NULL : callback, 0);
+    Py_DECREF(trace);
+    if (item == NULL || ring_push(h, item) < 0) goto done;
+    if (measure) {
+        /* One end costs about what one start costs (a record and a container op each). */
+        double cost = 2e-9 * (double)(now_ns() - t0);
+        h->hot_path_s = h->hot_path_s == 0.0 ? cost : 0.9 * h->hot_path_s + 0.1 * cost;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(end);
+    Py_DECREF(free);
+    return result;
+}
+
+static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"core", "pools", "ring", "ring_size", "dropped", "record", "record_address",
+                             "current_device", "current_stream", "trace_var", "captures", "capturing",
+                             "pending_type", "graph_token_type", "measure_every", NULL};
+    PyObject *core, *pools, *ring, *dropped, *rec, *dev, *stream, *trace, *captures, *cap, *pend, *graph;
+    Py_ssize_t ring_size, address;
+    int measure_every;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!OnO!OnOOOO!OO!Oi", kwlist, &core, &PyDict_Type, &pools,
+                                     &ring, &ring_size, &PyDict_Type, &dropped, &rec, &address, &dev,
+                                     &stream, &trace, &PyList_Type, &captures, &cap, &PyType_Type, &pend,
+                                     &graph, &measure_every))
+        return -1;
+    if (PyList_GET_SIZE(captures) < 1 || !PyType_IsSubtype((PyTypeObject *)pend, &PyTuple_Type) ||
+        !PyContextVar_CheckExact(trace)) {
+        PyErr_SetString(PyExc_TypeError, "HotPath: captures must be [count], pending_type a tuple "
+                                         "subclass and trace_var a ContextVar");
+        return -1;
+    }
+    PyObject *append = PyObject_GetAttr(ring, s_append);
+    if (append == NULL) return -1;
+    Py_XSETREF(h->ring_append, append);
+    Py_XSETREF(h->core, Py_NewRef(core));
+    Py_XSETREF(h->pools, Py_NewRef(pools));
+    Py_XSETREF(h->ring, Py_NewRef(ring));
+    Py_XSETREF(h->dropped, Py_NewRef(dropped));
+    Py_XSETREF(h->record, Py_NewRef(rec));
+    Py_XSETREF(h->current_device, Py_NewRef(dev));
+    Py_XSETREF(h->current_stream, Py_NewRef(stream));
+    Py_XSETREF(h->trace_var, Py_NewRef(trace));
+    Py_XSETREF(h->captures, Py_NewRef(captures));
+    Py_XSETREF(h->capturing, Py_NewRef(cap));
+    Py_XSETREF(h->pending_type, (PyTypeObject *)Py_NewRef(pend));
+    Py_XSETREF(h->graph_token_type, Py_NewRef(graph));
+    h->ring_size = ring_size;
+    h->record_fn = (record_fn_t)address;
+    h->measure_every = measure_every;
+    return 0;
+}
+
+static int HotPath_traverse(HotPath *h, visitproc visit, void *arg) {
+    Py_VISIT(h->core);
+    Py_VISIT(h->pools);
+    Py_VISIT(h->ring);
+    Py_VISIT(h->ring_append);
+    Py_VISIT(h->dropped);
+    Py_VISIT(h->record);
+    Py_VISIT(h->current_device);
+    Py_VISIT(h->current_stream);
+    Py_VISIT(h->trace_var);
+    Py_VISIT(h->captures);
+    Py_VISIT(h->capturing);
+    Py_VISIT(h->pending_type);
+    Py_VISIT(h->graph_token_type);
+    return 0;
+}
+
+static int HotPath_clear(HotPath *h) {
+    Py_CLEAR(h->core);
+    Py_CLEAR(h->pools);
+    Py_CLEAR(h->ring);
+    Py_CLEAR(h->ring_append);
+    Py_CLEAR(h->dropped);
+    Py_CLEAR(h->record);
+    Py_CLEAR(h->current_device);
+    Py_CLEAR(h->current_stream);
+    Py_CLEAR(h->trace_var);
+    Py_CLEAR(h->captures);
+    Py_CLEAR(h->capturing);
+    Py_CLEAR(h->pending_type);
+    Py_CLEAR(h->graph_token_type);
+    return 0;
+}
+
+static void HotPath_dealloc(HotPath *h) {
+    PyObject_GC_UnTrack(h);
+    HotPath_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyMethodDef HotPath_methods[] = {
+    {"record_start", (PyCFunction)HotPath_record_start, METH_NOARGS,
+     "Record a region's start on the current device's stream; the token for end(), or None if dropped."},
+    {"end", (PyCFunction)(void (*)(void))HotPath_end, METH_FASTCALL,
+     "end(op, token, callback): record the region's end and queue the pair for the resolver."},
+    {NULL}};
+
+static PyMemberDef HotPath_members[] = {
+    {"sampled", T_LONGLONG, offsetof(HotPath, sampled), READONLY, "pairs ended through end()"},
+    {"hot_path_s", T_DOUBLE, offsetof(HotPath, hot_path_s), READONLY,
+     "CPU seconds of a sampled region, measured in context every measure_every pairs"},
+    {"ring_size", T_PYSSIZET, offsetof(HotPath, ring_size), READONLY, NULL},
+    {NULL}};
+
+static PyTypeObject HotPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.HotPath",
+    .tp_doc = "The hot path of one TimerCore (C version of hot.PyHotPath).",
+    .tp_basicsize = sizeof(HotPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)HotPath_init,
+    .tp_traverse = (traverseproc)HotPath_traverse,
+    .tp_clear = (inquiry)HotPath_clear,
+    .tp_dealloc = (destructor)HotPath_dealloc,
+    .tp_methods = HotPath_methods,
+    .tp_members = HotPath_members,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+/* SequenceBase: the state of a Sequence and its split() / _close_open(); sequence.py adds the rest   */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core, *hot, *pass_, *op, *event, *device, *stream, *recorder;
+    char shared, active;
+} SequenceBase;
+
+static HotPath *seq_hot(SequenceBase *s) {
+    if (s->hot == NULL || !PyObject_TypeCheck(s->hot, &HotPathType)) {
+        PyErr_SetString(PyExc_TypeError, "the sequence's _hot must be the core's C HotPath");
+        return NULL;
+    }
+    return (HotPath *)s->hot;
+}
+
+static int is_none(PyObject *o) { return o == NULL || o == Py_None; }
+
+/* Queue (open start -> end): 1 when ``end`` is now shared with a queued pair, 0 if not, -1 on error.
+ * A start that is the end of an earlier queued pair may be re-recorded only after that pair is
+ * resolved, so even dropped pairs go through the ring (with no op) to release in order. */
+static int close_open(SequenceBase *s, HotPath *h, PyObject *end, int last) {
+    if (is_none(s->op)) return 0;
+    PyObject *op = s->op;  /* our reference now */
+    s->op = Py_NewRef(Py_None);
+    int rc = -1;
+    if (is_none(end)) {
+        if (s->shared) {
+            PyObject *item = pending(h, NULL, s->device, s->stream, s->event, NULL, NULL, NULL, 0);
+            if (item != NULL && ring_push(h, item) == 0) rc = 0;
+        } else {
+            PyObject *free = free_list(h, s->device);
+            if (free != NULL) {
+                if (PyList_Append(free, s->event) == 0) rc = 0;
+                Py_DECREF(free);
+            }
+        }
+        Py_DECREF(op);
+        return rc;
+    }
+    Py_ssize_t queued = PyObject_Size(h->ring);
+    if (queued < 0) goto out;
+    if (queued >= h->ring_size) {
+        if (bump(h->dropped, s_ring_full) < 0) goto out;
+        Py_SETREF(op, Py_NewRef(Py_None));
+    }
+    PyObject *trace = trace_id(h);
+    if (trace == NULL) goto out;
+    PyObject *item = pending(h, op, s->device, s->stream, s->event, end, trace, NULL, !last);
+    Py_DECREF(trace);
+    if (item == NULL || ring_push(h, item) < 0) goto out;
+    rc = !last;
+out:
+    Py_DECREF(op);
+    return rc;
+}
+
+static PyObject *Sequence_close_open(SequenceBase *s, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "_close_open(end, last=False)");
+        return NULL;
+    }
+    HotPath *h = seq_hot(s);
+    if (h == NULL) return NULL;
+    int last = nargs == 2 ? PyObject_IsTrue(args[1]) : 0;
+    if (last < 0) return NULL;
+    int rc = close_open(s, h, args[0], last);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc);
+}
+
+/* The lost-boundary path of split(): the open region cannot be closed. */
+static PyObject *split_lost(SequenceBase *s, HotPath *h) {
+    return close_open(s, h, Py_None, 0) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *Sequence_split(SequenceBase *s, PyObject *arg) {
+    HotPath *h = seq_hot(s);
+    if (h == NULL) return NULL;
+    PyObject *op;
+    if (PyUnicode_Check(arg)) {
+        if ((op = PyObject_CallMethodOneArg(s->core, s_op_state, arg)) == NULL) return NULL;
+    } else {
+        op = Py_NewRef(arg);
+    }
+    PyObject *result = NULL, *device = NULL, *free = NULL, *event = NULL, *stream = NULL;
+    PyObject *entered = PyObject_GetAttr(op, s_entered);
+    if (entered == NULL) goto done;
+    PyObject *more = PyNumber_Add(entered, one);
+    Py_DECREF(entered);
+    if (more == NULL) goto done;
+    int set = PyObject_SetAttr(op, s_entered, more);
+    Py_DECREF(more);
+    if (set < 0) goto done;
+    if (!s->active) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((device = current_device(h)) == NULL) goto done;
+    if (!is_none(s->recorder)) {
+        PyObject *call_args[3] = {(PyObject *)s, op, device};
+        result = PyObject_VectorcallMethod(s_split_captured, call_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                           NULL);
+        goto done;
+    }
+    if ((free = free_list(h, device)) == NULL) goto done;
+    if (PyList_GET_SIZE(free) == 0) {
+        if (bump(h->dropped, s_pool_empty) == 0) result = split_lost(s, h);
+        goto done;
+    }
+    if ((event = pop_event(free)) == NULL) goto done;
+    if ((stream = current_stream(h, device)) == NULL) goto done;
+    int err = record(h, event, stream);
+    if (err != 0) {
+        if (err > 0 && PyList_Append(free, event) == 0 && record_failed(h) == 0) result = split_lost(s, h);
+        goto done;
+    }
+    int shared = close_open(s, h, event, 0);
+    if (shared < 0) goto done;
+    s->shared = (char)shared;
+    Py_SETREF(s->op, Py_NewRef(op));
+    Py_XSETREF(s->event, Py_NewRef(event));
+    Py_XSETREF(s->device, Py_NewRef(device));
+    Py_XSETREF(s->stream, Py_NewRef(stream));
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(stream);
+    Py_XDECREF(event);
+    Py_XDECREF(free);
+    Py_XDECREF(device);
+    Py_DECREF(op);
+    return result;
+}
+
+static int Sequence_traverse(SequenceBase *s, visitproc visit, void *arg) {
+    Py_VISIT(s->core);
+    Py_VISIT(s->hot);
+    Py_VISIT(s->pass_);
+    Py_VISIT(s->op);
+    Py_VISIT(s->event);
+    Py_VISIT(s->device);
+    Py_VISIT(s->stream);
+    Py_VISIT(s->recorder);
+    return 0;
+}
+
+static int Sequence_clear(SequenceBase *s) {
+    Py_CLEAR(s->core);
+    Py_CLEAR(s->hot);
+    Py_CLEAR(s->pass_);
+    Py_CLEAR(s->op);
+    Py_CLEAR(s->event);
+    Py_CLEAR(s->device);
+    Py_CLEAR(s->stream);
+    Py_CLEAR(s->recorder);
+    return 0;
+}
+
+static void Sequence_dealloc(SequenceBase *s) {
+    PyObject_GC_UnTrack(s);
+    Sequence_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyMethodDef Sequence_methods[] = {
+    {"split", (PyCFunction)Sequence_split, METH_O,
+     "End the open region (if any) and start op's at this point of the stream."},
+    {"_close_open", (PyCFunction)(void (*)(void))Sequence_close_open, METH_FASTCALL,
+     "_close_open(end, last=False): queue (open start -> end); True when end is now shared."},
+    {NULL}};
+
+static PyMemberDef Sequence_members[] = {
+    {"_core", T_OBJECT, offsetof(SequenceBase, core), 0, NULL},
+    {"_hot", T_OBJECT, offsetof(SequenceBase, hot), 0, NULL},
+    {"_pass", T_OBJECT, offsetof(SequenceBase, pass_), 0, NULL},
+    {"_op", T_OBJECT, offsetof(SequenceBase, op), 0, NULL},
+    {"_event", T_OBJECT, offsetof(SequenceBase, event), 0, NULL},
+    {"_device", T_OBJECT, offsetof(SequenceBase, device), 0, NULL},
+    {"_stream", T_OBJECT, offsetof(SequenceBase, stream), 0, NULL},
+    {"_recorder", T_OBJECT, offsetof(SequenceBase, recorder), 0, NULL},
+    {"_shared", T_BOOL, offsetof(SequenceBase, shared), 0, NULL},
+    {"active", T_BOOL, offsetof(SequenceBase, active), 0, NULL},
+    {NULL}};
+
+static PyTypeObject SequenceBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.SequenceBase",
+    .tp_doc = "State and hot path of a Sequence (C version of hot.PySequenceBase).",
+    .tp_basicsize = sizeof(SequenceBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)Sequence_traverse,
+    .tp_clear = (inquiry)Sequence_clear,
+    .tp_dealloc = (destructor)Sequence_dealloc,
+    .tp_methods = Sequence_methods,
+    .tp_members = Sequence_members,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+
+static struct PyModuleDef hotpath_module = {
+    PyModuleDef_HEAD_INIT, "_hotpath",
+    "The timer's hot path in C (see hot.py for the Python version and how one is chosen).", -1, NULL};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    INTERN(s_entered, "entered");
+    INTERN(s_add_device, "add_device");
+    INTERN(s_record_failed, "record_failed");
+    INTERN(s_record_captured, "record_captured");
+    INTERN(s_op_state, "op_state");
+    INTERN(s_split_captured, "_split_captured");
+    INTERN(s_end, "end");
+    INTERN(s_pool_empty, "pool_empty");
+    INTERN(s_ring_full, "ring_full");
+    INTERN(s_append, "append");
+    if ((one = PyLong_FromLong(1)) == NULL) return NULL;
+    if (PyType_Ready(&HotPathType) < 0 || PyType_Ready(&SequenceBaseType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&hotpath_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObject(m, "HotPath", Py_NewRef(&HotPathType)) < 0 ||
+        PyModule_AddObject(m, "SequenceBase", Py_NewRef(&SequenceBaseType)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

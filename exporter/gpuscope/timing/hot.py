@@ -1,0 +1,180 @@
+"""The timer's hot path, in C where the extension is built and in Python everywhere else.
+
+Two implementations of the same steps, chosen per timer (``use_native``):
+
+- ``_hotpath.c``, built by ``pip install`` where a C compiler and Python's headers are present.
+  It links nothing from CUDA: the ``cudart-ctypes`` route hands it the address of
+  ``cudaEventRecord`` in the libcudart torch already loaded, and it calls that directly. On the
+  H200 this took a fully timed forward from about 1.5× the cost of two raw records per region to
+  the figures in docs/design.md ("The hot path in C").
+- ``PyHotPath`` and ``PySequenceBase`` below: the fallback when the extension is not built (or
+  ``GPUSCOPE_TIMING_NATIVE=0``), and the readable statement of what the C code does.
+
+Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore`` and the
+state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``. Everything rare (a new
+device's pool, a region inside a graph capture, a failed record) is handled by the core's and the
+sequence's Python methods, which both implementations call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+try:
+    from gpuscope.timing import _hotpath
+except ImportError:  # no compiler where gpuscope was installed: the Python version serves
+    _hotpath = None
+
+#: Set to 0 to use the Python hot path even where the C one is built.
+NATIVE_ENV = "GPUSCOPE_TIMING_NATIVE"
+#: Measure the in-context cost of every Nth sampled pair (two clock reads each).
+MEASURE_EVERY = 16
+
+
+def native_available() -> bool:
+    """Whether the C hot path was built with this installation."""
+    return _hotpath is not None
+
+
+def use_native(native: bool | None) -> bool:
+    """The choice for a new timer: ``native`` if given, else the C path unless the env var says 0."""
+    if native is None:
+        return _hotpath is not None and os.environ.get(NATIVE_ENV, "1") != "0"
+    if native and _hotpath is None:
+        raise RuntimeError("the C hot path is not built: reinstall gpuscope where a C compiler and "
+                           "Python's headers are present (pip install -e .)")
+    return bool(native)
+
+
+class PyHotPath:
+    """``record_start`` and ``end`` of one core, in Python (the C version does the same steps)."""
+
+    def __init__(self, *, core: Any, pools: dict, ring: Any, ring_size: int, dropped: dict, record: Any,
+                 record_address: int, current_device: Any, current_stream: Any, trace_var: Any,
+                 captures: list, capturing: Any, pending_type: type, graph_token_type: type,
+                 measure_every: int) -> None:
+        self.core, self.pools, self.ring, self.ring_size, self.dropped = core, pools, ring, ring_size, dropped
+        self.record, self.current_device, self.current_stream = record, current_device, current_stream
+        self.trace_id = trace_var.get
+        self.captures, self.capturing = captures, capturing
+        self.pending_type, self.graph_token_type = pending_type, graph_token_type
+        self.measure_every = measure_every
+        self.sampled = 0
+        self.hot_path_s = 0.0
+
+    def free_list(self, device: int) -> list:
+        try:
+            return self.pools[device]
+        except KeyError:
+            return self.core.add_device(device)
+
+    def record_start(self) -> Any:
+        device = self.current_device()
+        if self.captures[0] and self.capturing():
+            return self.core.record_captured(device)
+        free = self.free_list(device)
+        if not free:
+            self.dropped["pool_empty"] += 1
+            return None
+        event = free.pop()
+        stream = self.current_stream(device)
+        if self.record(event, stream):
+            free.append(event)
+            self.core.record_failed()
+            return None
+        return (event, device, stream)
+
+    def end(self, op: Any, token: Any, callback: Any) -> None:
+        if token.__class__ is self.graph_token_type:
+            token.recorder.end(op, token)
+            return
+        start, device, stream = token
+        free = self.pools[device]
+        self.sampled = sampled = self.sampled + 1
+        measure = not sampled % self.measure_every
+        if measure:
+            t0 = time.perf_counter_ns()
+        if not free or len(self.ring) >= self.ring_size:
+            free.append(start)
+            self.dropped["pool_empty" if not free else "ring_full"] += 1
+            return
+        end = free.pop()
+        if self.record(end, stream):
+            free.append(end)
+            free.append(start)
+            self.core.record_failed()
+            return
+        self.ring.append(self.pending_type(op, device, stream, start, end, self.trace_id(), callback, False))
+        if measure:
+            # One end costs about what one start costs (a record and a container op each).
+            cost = 2e-9 * (time.perf_counter_ns() - t0)
+            self.hot_path_s = cost if not self.hot_path_s else 0.9 * self.hot_path_s + 0.1 * cost
+
+
+class PySequenceBase:
+    """State, ``split`` and ``_close_open`` of a ``Sequence``, in Python."""
+
+    __slots__ = ("_core", "_device", "_event", "_hot", "_op", "_pass", "_recorder", "_shared", "_stream",
+                 "active")
+
+    def split(self, op: Any) -> None:
+        """End the open region (if any) and start ``op``'s at this point of the stream."""
+        core, hot = self._core, self._hot
+        if isinstance(op, str):
+            op = core.op_state(op)
+        op.entered += 1
+        if not self.active:
+            return
+        device = hot.current_device()
+        if self._recorder is not None:
+            self._split_captured(op, device)
+            return
+        free = hot.free_list(device)
+        if not free:
+            hot.dropped["pool_empty"] += 1
+            self._close_open(None)
+            return
+        event = free.pop()
+        stream = hot.current_stream(device)
+        if hot.record(event, stream):
+            free.append(event)
+            core.record_failed()
+            self._close_open(None)
+            return
+        self._shared = self._close_open(event)
+        self._op, self._event, self._device, self._stream = op, event, device, stream
+
+    def _close_open(self, end: Any, last: bool = False) -> bool:
+        """Queue (open start → end); True when ``end`` is now shared with a queued pair.
+
+        A start that is the end of an earlier queued pair may be re-recorded only after that pair
+        is resolved, so even dropped pairs go through the ring (with no op) to release in order.
+        """
+        hot, op, start = self._hot, self._op, self._event
+        if op is None:
+            return False
+        self._op = None
+        ring, pending = hot.ring, hot.pending_type
+        if end is None:  # the boundary could not be recorded: the open region is lost
+            if self._shared:
+                ring.append(pending(None, self._device, self._stream, start, None, None, None, False))
+            else:
+                hot.free_list(self._device).append(start)
+            return False
+        if len(ring) >= hot.ring_size:
+            hot.dropped["ring_full"] += 1
+            op = None
+        ring.append(pending(op, self._device, self._stream, start, end, hot.trace_id(), None, not last))
+        return not last
+
+
+def hot_path_class(native: bool) -> type:
+    """The class of a core's hot path: ``_hotpath.HotPath`` or ``PyHotPath``."""
+    return _hotpath.HotPath if native else PyHotPath
+
+
+def sequence_base(native: bool) -> type:
+    """The base class holding a sequence's state and ``split``: C or Python."""
+    return _hotpath.SequenceBase if native else PySequenceBase
