@@ -11,7 +11,7 @@ as compose, which notifies the receiver. Configuration: ``deploy/fleet/`` (docs/
 ``gpuscope stack --stack.hosts N`` runs such a fleet on one machine for trying it out: N "hosts",
 each a Stack of server, exporter and node_exporter plus its vmagent, and a central Stack of
 Alertmanager and receiver plus VictoriaMetrics and vmalert. Processes are started, checked and
-stopped with gpuscope.stack's own helpers. Tests use it as a context manager::
+stopped with gpuscope.stack's own helpers (on gpuscope.procs). Tests use it as a context manager::
 
     with Fleet(FleetOptions(hosts=("hostA", "hostB"), profile="test", ports="free")) as fleet:
         requests.get(fleet.url("victoria-metrics") + "/api/v1/query", params={"query": "up"})
@@ -33,6 +33,7 @@ import yaml
 from gpuscope.dashboards import render as dashboards_render
 from gpuscope.ports import LOCAL_HOST, PORTS, free_port
 from gpuscope.stack import (
+    Parts,
     Process,
     Stack,
     StackError,
@@ -142,7 +143,7 @@ class FleetOptions:
     health_timeout_s: float = 180.0
 
 
-class Fleet:
+class Fleet(Parts):
     """The running fleet; a context manager. ``url("victoria-metrics")``, ``url("hostA/server")``."""
 
     def __init__(self, options: FleetOptions | None = None, log: Callable[[str], None] | None = None) -> None:
@@ -163,7 +164,6 @@ class Fleet:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         self.processes: dict[str, Process] = {}
-        self._envs: dict[str, dict[str, str]] = {}
 
     def _plan(self) -> None:
         """The Stacks of the hosts and of the central parts, and every port."""
@@ -195,35 +195,21 @@ class Fleet:
         server, exporter, node-exporter or vmagent)."""
         return f"http://{self._address(part)}"
 
-    def __enter__(self) -> Fleet:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Render configs, start the central parts and then every host, wait until all are healthy."""
-        try:
-            self.render_configs()
-            self._start_own("victoria-metrics", self._victoria_metrics())
-            # vmalert restores its alerts' `for:` state from the store when it starts: store first.
-            wait_healthy(self.processes, self.options.health_timeout_s, self._log)
-            self.central.launch()
-            self.processes.update(self.central.processes)
-            self._envs.update({name: self._stack_env() for name in self.central.processes})
-            self._start_own("vmalert", self._vmalert())
-            for name, stack in self.hosts.items():
-                stack.launch()
-                for part, process in stack.processes.items():
-                    self.processes[f"{name}/{part}"] = process
-                    self._envs[f"{name}/{part}"] = self._stack_env()
-                self._start_own(f"{name}/vmagent", self._vmagent(name))
-            rest = {name: p for name, p in self.processes.items() if name != "victoria-metrics"}
-            wait_healthy(rest, self.options.health_timeout_s, self._log)
-        except BaseException:
-            self.stop()
-            raise
+    def _start(self) -> None:
+        # Render configs, start the central parts and then every host, wait until all are healthy.
+        self.render_configs()
+        self._start_own("victoria-metrics", self._victoria_metrics())
+        # vmalert restores its alerts' `for:` state from the store when it starts: store first.
+        wait_healthy(self.processes, self.options.health_timeout_s, self._log)
+        self.central.launch()
+        self.processes.update(self.central.processes)
+        self._start_own("vmalert", self._vmalert())
+        for name, stack in self.hosts.items():
+            stack.launch()
+            self.processes.update({f"{name}/{part}": p for part, p in stack.processes.items()})
+            self._start_own(f"{name}/vmagent", self._vmagent(name))
+        rest = {name: p for name, p in self.processes.items() if name != "victoria-metrics"}
+        wait_healthy(rest, self.options.health_timeout_s, self._log)
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop every part, hosts first, in reverse start order (SIGKILL after ``timeout``)."""
@@ -241,15 +227,11 @@ class Fleet:
     def start_part(self, name: str) -> None:
         """Start a stopped part again with its own command line and wait until it is healthy."""
         process = self.processes[name]
-        if process.exited() is None:
+        if process.running:
             raise StackError(f"{name} is running")
         self._log(f"starting {name:22s} again")
-        process.start(self._envs[name])
+        process.start()
         wait_healthy({name: process}, self.options.health_timeout_s, self._log)
-
-    def dead(self) -> list[str]:
-        """Parts that have exited since the fleet came up."""
-        return [name for name, p in self.processes.items() if p.exited() is not None]
 
     def summary(self) -> str:
         """Where each part listens, one line each (central parts first)."""
@@ -308,9 +290,6 @@ class Fleet:
             (self.run_dir / name / "vmagent.yml").write_text(header.format("vmagent.yml") + render(
                 (source / "vmagent.yml").read_text(), self._addresses(name)))
 
-    def _stack_env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONUNBUFFERED": "1"}  # what Stack.launch gives its parts
-
     def _own_env(self, host: str | None = None) -> dict[str, str]:
         env = {**os.environ, "GPUSCOPE_CLUSTER": self.options.cluster}
         if host is not None:
@@ -349,11 +328,10 @@ class Fleet:
         directory = self.run_dir / (name.split("/")[0] if "/" in name else "central")
         log_name = name.rsplit("/", 1)[-1]
         process = Process(log_name, argv, self.url(name), directory / "logs" / f"{log_name}.log",
-                          health_path=HEALTH_PATH)
+                          health_path=HEALTH_PATH, env=env)
         self.processes[name] = process
-        self._envs[name] = env
         self._log(f"starting {name:22s} {' '.join(argv)}")
-        process.start(env)
+        process.start()
 
 
 def outputs() -> dict[str, str]:

@@ -18,32 +18,28 @@ Loki and Grafana are not part of it: neither is packaged for Debian.
 ``--stack.hosts N`` hands over to gpuscope.fleet: N "hosts" on this machine, each remote-writing
 through its own agent to one central VictoriaMetrics (docs/fleet.md). The fleet reuses this module's
 pieces: a Stack per host and one for the central Alertmanager and receiver, started with ``launch()``,
-and the process helpers below (``find_binary``, ``Process``, ``wait_healthy``, ``stop_processes``).
+and the process helpers below (``find_binary``, ``Process``, ``wait_healthy``, ``stop_processes``),
+built on gpuscope.procs.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import yaml
 
+from gpuscope import procs
 from gpuscope.flags import FlagParser, checked, env_name
 from gpuscope.ports import LOCAL_HOST, PORTS, free_port
 
@@ -144,12 +140,6 @@ def alertmanager_source(root: Path, profile: str) -> Path:
 # --- processes --------------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # Children must not outlive a test run that is killed hard: ask Linux to SIGTERM them when we die.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def find_binary(part: str, names: Sequence[str], package: str) -> str:
     """Path of the first of ``names`` on PATH; StackError naming the Debian package when none is."""
     for name in names:
@@ -159,88 +149,78 @@ def find_binary(part: str, names: Sequence[str], package: str) -> str:
     raise StackError(f"{part}: none of {', '.join(names)} is on PATH (Debian: apt-get install {package})")
 
 
-@dataclass
-class Process:
-    """One child process. Healthy means a 200 from ``url + health_path`` (default: HEALTH_PATHS[name])."""
+def part_env() -> dict[str, str]:
+    """The parts' environment: ours, with Python's output unbuffered (their logs keep up with them)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-    name: str
-    argv: list[str]
-    url: str
-    log_path: Path
-    popen: subprocess.Popen | None = None
-    health_path: str | None = None
 
-    def start(self, env: dict[str, str]) -> None:
-        log = self.log_path.open("ab")
-        try:
-            self.popen = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,  # Ctrl-C reaches the stack only; it stops the parts in order
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        finally:
-            log.close()
+class Process(procs.Child):
+    """One part: a child logging to ``log_path``, healthy on a 200 from ``url + health_path``
+    (default: HEALTH_PATHS[name]).
 
-    def healthy(self) -> bool:
-        try:
-            path = self.health_path or HEALTH_PATHS[self.name]
-            with urllib.request.urlopen(self.url + path, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+    Each part runs in its own session, so Ctrl-C reaches the stack only and it stops the parts in
+    order; and dies with the stack, so a test run killed hard leaves no part behind.
+    """
 
-    def exited(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+    def __init__(self, name: str, argv: list[str], url: str, log_path: Path, health_path: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(argv, name=name, env=env, log_path=log_path,
+                         ready=url + (health_path or HEALTH_PATHS[name]), new_session=True,
+                         die_with_parent=True)
+        self.url = url
 
 
 def wait_healthy(processes: dict[str, Process], timeout_s: float, log: Callable[[str], None]) -> None:
-    """Poll until every process is healthy; StackError (with the log's last lines) if one exits or
-    is not healthy within ``timeout_s``. Keys name the processes in messages."""
-    pending = dict(processes)
-    start = time.monotonic()
-    deadline = start + timeout_s
-    last_report = start
-    while pending:
-        for name, process in list(pending.items()):
-            code = process.exited()
-            if code is not None:
-                raise StackError(f"{name} exited with status {code} while starting; last lines of "
-                                 f"{process.log_path}:\n{process.log_tail()}")
-            if process.healthy():
-                log(f"ready    {name:14s} {process.url} ({time.monotonic() - start:.1f}s)")
-                del pending[name]
-        now = time.monotonic()
-        if pending and now > deadline:
-            name = next(iter(pending))
-            raise StackError(f"{', '.join(pending)} not healthy after {timeout_s:g}s; last lines of "
-                             f"{pending[name].log_path}:\n{pending[name].log_tail()}")
-        if pending and now - last_report > 10:
-            log(f"waiting for {', '.join(pending)} ({now - start:.0f}s)")
-            last_report = now
-        if pending:
-            time.sleep(0.2)  # poll interval of the readiness loop, bounded by the deadline above
+    """Poll until every process is healthy, logging each as it is; StackError (with the log's last
+    lines) if one exits or is not healthy within ``timeout_s``. Keys name the processes in messages."""
+    try:
+        procs.wait_all(processes, timeout_s,
+                       on_ready=lambda name, s: log(f"ready    {name:14s} {processes[name].url} ({s:.1f}s)"),
+                       on_waiting=lambda names, s: log(f"waiting for {', '.join(names)} ({s:.0f}s)"))
+    except procs.ChildError as exc:
+        raise StackError(str(exc)) from None
 
 
 def stop_processes(processes: dict[str, Process], timeout: float, log: Callable[[str], None]) -> None:
     """SIGTERM the running ones in reverse (start) order, SIGKILL what is left after ``timeout``."""
-    running = [(name, p) for name, p in reversed(processes.items()) if p.exited() is None]
-    for _, process in running:
-        with contextlib.suppress(ProcessLookupError):
-            process.popen.terminate()
-    deadline = time.monotonic() + timeout
-    for name, process in running:
+    names = {id(process): name for name, process in processes.items()}
+    procs.stop_all(reversed(processes.values()), signal.SIGTERM, timeout,
+                   on_kill=lambda p: log(f"{names[id(p)]} did not stop within {timeout:g}s; killing it"))
+
+
+_P = TypeVar("_P", bound="Parts")
+
+
+class Parts:
+    """What a Stack and a Fleet share: named parts that a ``with`` block starts and stops, and that a
+    failed start stops too, so nothing is left running whichever part failed."""
+
+    processes: dict[str, Process]
+
+    def __enter__(self: _P) -> _P:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every part and wait until all are healthy (StackError if one is not)."""
         try:
-            process.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log(f"{name} did not stop within {timeout:g}s; killing it")
-            process.popen.kill()
-            process.popen.wait()
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def dead(self) -> list[str]:
+        """Parts that have exited since they came up."""
+        return [name for name, p in self.processes.items() if p.poll() is not None]
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 15.0) -> None:
+        raise NotImplementedError
 
 
 @dataclass
@@ -265,7 +245,7 @@ class StackOptions:
     health_timeout_s: float = 180.0
 
 
-class Stack:
+class Stack(Parts):
     """The running stack; a context manager. ``url(part)`` is where a part listens."""
 
     def __init__(self, options: StackOptions | None = None, log: Callable[[str], None] | None = None) -> None:
@@ -288,32 +268,20 @@ class Stack:
         """``http://HOST:PORT`` of a part (any of COMPONENTS)."""
         return f"http://{self._address(part)}"
 
-    def __enter__(self) -> Stack:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        """Render configs, start every part, wait until all are healthy (StackError if one is not)."""
-        try:
-            self.launch()
-            wait_healthy(self.processes, self.options.health_timeout_s, self._log)
-        except BaseException:
-            self.stop()
-            raise
+    def _start(self) -> None:
+        # Render configs, start every part, wait until all are healthy.
+        self.launch()
+        wait_healthy(self.processes, self.options.health_timeout_s, self._log)
 
     def launch(self) -> None:
         """Render configs and start every part without waiting for health (``start()`` waits; the
         fleet launches several stacks and then waits for all their parts at once). On an exception
         the caller must ``stop()``."""
         self.render_configs()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for name in self.options.components:
             self.processes[name] = process = self._process(name)
             self._log(f"starting {name:14s} {' '.join(process.argv)}")
-            process.start(env)
+            process.start()
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every part in reverse start order, SIGKILL what is left after ``timeout``."""
@@ -322,10 +290,6 @@ class Stack:
             self.processes.clear()
             if self._owns_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    def dead(self) -> list[str]:
-        """Parts that have exited since the stack came up."""
-        return [name for name, p in self.processes.items() if p.exited() is not None]
 
     def summary(self) -> str:
         """Where each part listens, one line each."""
@@ -402,7 +366,7 @@ class Stack:
                     "--cluster.listen-address="]  # no gossip port: several stacks can coexist
         else:
             argv = [self._binary(name), f"--web.listen-address={listen}"]
-        return Process(name, argv, self.url(name), run / "logs" / f"{name}.log")
+        return Process(name, argv, self.url(name), run / "logs" / f"{name}.log", env=part_env())
 
 
 # --- command ----------------------------------------------------------------------------------------------
@@ -499,7 +463,7 @@ def main(argv: list[str]) -> int:
                 threading.Event().wait(1.0)
             for name in dead:
                 process = stack.processes[name]
-                sys.stderr.write(f"gpuscope stack: {name} exited with status {process.exited()}; "
+                sys.stderr.write(f"gpuscope stack: {name} exited with status {process.poll()}; "
                                  f"see {process.log_path}\n")
             return 1
     except StackError as exc:
