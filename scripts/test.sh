@@ -45,7 +45,7 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q torch==2.13.0
 fi
 step "gpuscope and its extras"
-"$VPY" -m pip install -q -e ".[server,loadtest,dashboards,dev,hf,tracing]"
+"$VPY" -m pip install -q -e ".[server,loadtest,dashboards,dev,hf,tracing,cupti]"
 
 if [ -f tools/logql/package.json ] && command -v npm >/dev/null; then
   step "npm packages for the LogQL grammar check"

@@ -131,6 +131,20 @@ TIMER_SAMPLING_RATIO = _m(
     "gpuscope_timer_sampling_ratio", "gauge",
     "Share of entered regions that are timed, per op (1 = every region).",
     "ratio", ("op",), area=TIMING)
+REGION_GPU_BUSY_RATIO = _m(
+    "gpuscope_region_gpu_busy_ratio", "gauge",
+    "Share of an op's region GPU time its own kernels kept the GPU busy, from the latest sampled "
+    "CUPTI window (near 1: GPU-bound; well under 1: waiting for launches). Off unless enabled.",
+    "ratio", ("op", "device"), area=TIMING)
+TIMER_KERNEL_BUSY_WINDOWS = _m(
+    "gpuscope_timer_kernel_busy_windows_total", "counter",
+    "Sampled CUPTI windows of the kernel busy ratio, by outcome (ok, timeout, failed).",
+    "windows", ("outcome",), area=TIMING)
+TIMER_KERNEL_BUSY_COST_SECONDS = _m(
+    "gpuscope_timer_kernel_busy_cost_seconds_total", "counter",
+    "CPU seconds the kernel busy windows cost (traced passes beyond an ordinary sampled pass, "
+    "plus reading CUPTI's records).",
+    "seconds", area=TIMING)
 TIMER_HOT_PATH_SECONDS = _m(
     "gpuscope_timer_hot_path_seconds", "gauge",
     "Estimated CPU cost of timing one region on the caller's thread (both event records).",

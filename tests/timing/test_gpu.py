@@ -218,3 +218,82 @@ def test_regions_inside_a_cuda_graph_are_timed_on_sampled_replays(registry):
         assert graph.timed_replays + timer.dropped["graph_busy"] == 20  # every 2nd replay: timed or busy
         inst.remove()
         graph.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-hot-path", "python-hot-path"])
+def test_both_hot_paths_time_exact_and_shared_regions_alike(registry, native):
+    """The C hot path records through cudaEventRecord's address; the Python one through ctypes.
+    Both time the same matmul regions to within 5% of each other's mean."""
+    from gpuscope.timing import hot
+
+    if native and not hot.native_available():
+        pytest.fail("the C hot path is not built on this GPU host (pip install -e . needs a C compiler)")
+    with Timer(registry, sample_rate=1.0, native=native) as timer:
+        matmul_times(timer, n=2)
+        exact = matmul_times(timer, n=20)
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        seq = timer.sequence()
+        for _ in range(10):
+            seq.begin()
+            seq.split("first")
+            a @ a
+            seq.split("second")
+            a @ a
+            seq.end()
+        assert timer.flush(30)
+        assert timer.dropped["error"] == 0
+    counts = {op: registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": "0"})
+              for op in ("first", "second")}
+    assert counts == {"first": 10, "second": 10}
+    sums = {op: registry.get_sample_value("gpuscope_region_gpu_seconds_sum", {"op": op, "device": "0"})
+            for op in ("first", "second")}
+    mean_exact = sum(exact) / len(exact)
+    for op in ("first", "second"):
+        assert sums[op] / 10 == pytest.approx(mean_exact, rel=0.05)
+
+
+def test_kernel_busy_ratio_tells_a_launch_bound_module_from_a_gpu_bound_one(registry):
+    pytest.importorskip("cupti.cupti", reason="cupti-python is not installed (gpuscope[cupti])")
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(40):
+                x = x + 1
+            return x
+
+    class Big(torch.nn.Module):
+        def forward(self, x):
+            return x @ x
+
+    class Model(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    ratios = {}
+    for name, inner, x in (("tiny", Tiny(), torch.zeros(1024, device="cuda")),
+                           ("big", Big(), torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))):
+        with Timer(registry if name == "tiny" else None, sample_rate=1.0) as timer:
+            busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
+            model = Model(inner)
+            timer.instrument(model, include=("inner",))
+            got = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                before = busy.windows["ok"]
+                model(x)
+                torch.cuda.synchronize()
+                for _ in range(50):
+                    if busy.windows["ok"] > before:
+                        break
+                    timer.flush(0.1)
+                got.append(busy.ratios[("inner", "0")])
+            assert busy.windows["failed"] == busy.windows["timeout"] == 0
+            ratios[name] = sorted(got)[len(got) // 2]
+    assert ratios["big"] > 0.8, ratios
+    assert ratios["tiny"] < 0.6 * ratios["big"], ratios
+    labels = {"op": "inner", "device": "0"}
+    assert registry.get_sample_value("gpuscope_region_gpu_busy_ratio", labels) is not None

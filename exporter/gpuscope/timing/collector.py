@@ -13,6 +13,7 @@ Exposes (names from the catalogue)::
     gpuscope_timer_resolver_lag_seconds 0.0
     gpuscope_timer_pending_samples 12
     gpuscope_timer_backend_info{backend="cudart-ctypes"} 1
+    gpuscope_region_gpu_busy_ratio{op="blocks.0.attn",device="0"} 0.31   (kernel busy window on)
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ class TimerCollector(Collector):
         for device, seconds in list(resolver.baseline_s.items()):
             baseline.add_metric([core.device_label(device)], seconds)
         yield baseline
+        busy = core.busy
+        if busy is not None:
+            ratios = c.REGION_GPU_BUSY_RATIO.family()
+            for (op, device), ratio in list(busy.ratios.items()):
+                ratios.add_metric([op, device], ratio)
+            yield ratios
+            windows = c.TIMER_KERNEL_BUSY_WINDOWS.family()
+            for outcome, n in busy.windows.items():
+                windows.add_metric([outcome], n)
+            yield windows
+            cost = c.TIMER_KERNEL_BUSY_COST_SECONDS.family()
+            cost.add_metric([], busy.cost_s)
+            yield cost
         info = c.TIMER_BACKEND.family()
         info.add_metric([], {"backend": core.route.name})
         yield info

@@ -117,6 +117,8 @@ class TimerCore:
         self.ring: deque[Pending] = deque()
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.closed = False
+        #: the kernel busy window (busy.KernelBusy) when switched on; instrument() passes consult it
+        self.busy: Any = None
         #: called (under the ops lock) with a device whose pool was just made; the resolver calibrates it
         self.on_new_device: Callable[[int], None] = lambda device: None
         self._ops: dict[str, OpState] = {}

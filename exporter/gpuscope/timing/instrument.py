@@ -209,6 +209,22 @@ def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
             for module, _ in wrappers:
                 module.__dict__.pop("forward", None)
 
+    def traced(args: tuple, kwargs: dict, busy: Any) -> Any:
+        # A pass under the kernel busy window (busy.py): every module an exact region under its
+        # own CUPTI correlation id. Its cost is the window's, not fed to the pass cost estimate.
+        forwards = busy.open(inst.op_states, [module.forward for module, _ in wrappers])
+        if forwards is None:
+            return timed(args, kwargs)
+        for (module, _), wrapper in zip(wrappers, forwards, strict=True):
+            module.__dict__["forward"] = wrapper
+        t0 = clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for module, _ in wrappers:
+                module.__dict__.pop("forward", None)
+            busy.close_pass((clock() - t0 - cost.sampled_ns) * 1e-9)
+
     def captured(args: tuple, kwargs: dict) -> Any:
         # A pass captured into a CUDA graph: timed when a TimedGraph is capturing a timed copy
         # (its regions become event nodes, see graphs.py), else left out of the graph.
@@ -228,6 +244,9 @@ def _pass_forward(inst: Instrumentation, original: Callable) -> Callable:
             return unsampled(args, kwargs)
         state.countdown = state.period - 1
         inst.sampled_passes += 1
+        busy = core.busy
+        if busy is not None and busy.due():
+            return traced(args, kwargs, busy)
         t0 = clock()
         try:
             return timed(args, kwargs)

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from gpuscope.timing.budget import BudgetController
+from gpuscope.timing.busy import CuptiTrace, KernelBusy, KernelTrace
 from gpuscope.timing.core import DROP_REASONS, OpState, TimerCore, current_trace_id, trace
 from gpuscope.timing.graphs import TimedGraph
 from gpuscope.timing.instrument import Instrumentation, instrument
@@ -193,6 +194,14 @@ class Timer:
         """Capture ``step`` as CUDA graphs whose regions are timed on sampled replays
         (``gpuscope.timing.graphs.TimedGraph``; ``.replay()`` runs it and returns its output)."""
         return TimedGraph(self, step, **options)
+
+    def enable_kernel_busy(self, trace: KernelTrace | None = None, **options: Any) -> KernelBusy:
+        """Measure, in sampled CUPTI windows, how much of each instrumented module's region time its
+        kernels keep the GPU busy (``gpuscope.timing.busy``; needs ``cupti-python``). Options:
+        ``min_interval_s``, ``budget_share``."""
+        if self.core.busy is None:
+            self.core.busy = KernelBusy(self.core, trace if trace is not None else CuptiTrace(), **options)
+        return self.core.busy
 
     def op_state(self, op: str) -> OpState:
         return self.core.op_state(op)

@@ -1,0 +1,290 @@
+"""Launch-bound or GPU-bound: how much of a region's GPU time its kernels keep the GPU busy.
+
+**What region time means.** A region's time (``gpuscope_region_gpu_seconds``) is the GPU timeline
+between its two event records: everything the stream did between them, *including the time it
+sat idle waiting for the CPU to launch the next kernel*. On the H200 a 1 µs kernel timed back to
+back reads about 11 µs per region with an idle queue and about 2 µs with a full one
+(docs/design.md). So a region can be long because its kernels are slow (GPU-bound: faster
+kernels help) or because the CPU feeds them slowly (launch-bound: CUDA graphs, fewer and larger
+kernels, or a faster host help). Region time alone cannot say which.
+
+**The busy ratio** says it: the kernels' own execution time inside the region, from CUPTI's
+activity records, over the region's time; ``gpuscope_region_gpu_busy_ratio{op,device}``. Near 1:
+the GPU was busy with this op's kernels; well under 1: it mostly waited for launches.
+
+**How it is measured: a sampled window.** Tracing every kernel with CUPTI costs CPU time on every
+launch, so it is switched on only for one forward pass at a time (``instrument()`` passes: the
+per-module regions), at most once per ``min_interval_s`` and no more often than its measured cost
+allows within ``budget_share`` of the timer's overhead budget. During such a pass each module's
+forward runs under a CUPTI external correlation id (its index), so every kernel it launches is
+attributed to it; the module's region is timed with events as usual, with a callback that hands
+the region's seconds to the window. When the resolver has seen every region of the pass complete,
+the window stops tracing, flushes CUPTI's buffers and divides. Kernels on other streams launched
+inside a module count too, so the ratio is capped at 1.
+
+CUPTI admits one activity client per process: do not run the window together with
+``torch.profiler`` (or Nsight Systems) in the same process.
+
+Off by default: ``timer.enable_kernel_busy()`` (needs the ``cupti-python`` package, the
+``gpuscope[cupti]`` extra), or ``gpuscope serve --timing.kernel-busy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+log = logging.getLogger("gpuscope.timing")
+
+#: The window's share of the timer's overhead budget (the rest is for the regions themselves).
+DEFAULT_BUDGET_SHARE = 0.25
+#: Never more often than this, whatever the budget allows: one pass is a sample of seconds.
+DEFAULT_MIN_INTERVAL_S = 10.0
+#: A window whose regions have not all completed by then is given up (counted as ``timeout``).
+WINDOW_TIMEOUT_S = 5.0
+#: Budget assumed when the timer has none (a fixed sampling rate).
+FALLBACK_BUDGET = 0.01
+OUTCOMES = ("ok", "timeout", "failed")
+
+
+class KernelTrace(Protocol):
+    """What the window needs from a kernel tracer (CUPTI in production, a fake in tests)."""
+
+    def start(self) -> None:
+        """Begin recording kernels and external correlation ids."""
+        ...
+
+    def push(self, external_id: int) -> None:
+        """Kernels this thread launches from now on belong to ``external_id``."""
+        ...
+
+    def pop(self) -> None: ...
+
+    def stop(self) -> dict[int, int]:
+        """Stop recording; return the kernel nanoseconds recorded per external id."""
+        ...
+
+
+def kernel_ns_by_external_id(records: Iterable[Any], kernel_kind: int,
+                             correlation_kind: int) -> dict[int, int]:
+    """Sum kernel durations per external id from CUPTI activity records (any order).
+
+    Kernel records (``kind == kernel_kind``) carry ``correlation_id``, ``start`` and ``end`` (ns);
+    external correlation records (``kind == correlation_kind``) map a launch's ``correlation_id``
+    to our ``external_id``. Kernels with no external id (launched outside a window's modules)
+    are ignored."""
+    owner: dict[int, int] = {}
+    kernels: list[tuple[int, int]] = []
+    for record in records:
+        kind = record.kind
+        if kind == correlation_kind:
+            owner[record.correlation_id] = record.external_id
+        elif kind == kernel_kind:
+            kernels.append((record.correlation_id, record.end - record.start))
+    busy: dict[int, int] = {}
+    for correlation_id, ns in kernels:
+        external_id = owner.get(correlation_id)
+        if external_id is not None:
+            busy[external_id] = busy.get(external_id, 0) + max(0, ns)
+    return busy
+
+
+class CuptiTrace:
+    """Kernel activity and external correlation ids through NVIDIA's ``cupti-python``."""
+
+    BUFFER_BYTES = 8 << 20
+
+    def __init__(self) -> None:
+        try:
+            from cupti import cupti
+        except ImportError as exc:
+            raise RuntimeError("kernel busy ratios need CUPTI's Python package: "
+                               "pip install 'gpuscope[cupti]' (cupti-python)") from exc
+        self._cupti = cupti
+        self._kinds = (cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.EXTERNAL_CORRELATION)
+        self._correlation = cupti.ExternalCorrelationKind.CUSTOM0
+        self._records: list[Any] = []
+        self._lock = threading.Lock()
+        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+
+    def _buffer_requested(self) -> tuple[int, int]:
+        return self.BUFFER_BYTES, 0
+
+    def _buffer_completed(self, activities: list) -> None:
+        with self._lock:
+            self._records.extend(activities)
+
+    def start(self) -> None:
+        with self._lock:
+            self._records.clear()
+        for kind in self._kinds:
+            self._cupti.activity_enable(kind)
+
+    def push(self, external_id: int) -> None:
+        self._cupti.activity_push_external_correlation_id(self._correlation, external_id)
+
+    def pop(self) -> None:
+        self._cupti.activity_pop_external_correlation_id(self._correlation)
+
+    def stop(self) -> dict[int, int]:
+        for kind in self._kinds:
+            self._cupti.activity_disable(kind)
+        self._cupti.activity_flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+        with self._lock:
+            records, self._records = self._records, []
+        kernel, correlation = self._kinds
+        return kernel_ns_by_external_id(records, int(kernel), int(correlation))
+
+
+class _Window:
+    """One traced pass: what it expects and what has arrived (guarded by the owner's lock)."""
+
+    def __init__(self, ops: list[Any], device: str, opened: float) -> None:
+        self.ops = ops
+        self.device = device
+        self.opened = opened
+        self.region_s = [0.0] * len(ops)
+        self.expected = 0  # regions whose start was recorded
+        self.arrived = 0
+        self.pass_done = False
+        self.pass_cost_s = 0.0
+
+
+class KernelBusy:
+    """The sampled CUPTI window of one timer (module docstring)."""
+
+    def __init__(self, core: Any, trace: KernelTrace, *, min_interval_s: float = DEFAULT_MIN_INTERVAL_S,
+                 budget_share: float = DEFAULT_BUDGET_SHARE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if min_interval_s < 0 or not 0 < budget_share <= 1:
+            raise ValueError("min_interval_s must be >= 0 and budget_share in (0, 1]")
+        self.core = core
+        self.trace = trace
+        self.min_interval_s = min_interval_s
+        self.budget_share = budget_share
+        self.clock = clock
+        #: the latest ratio per (op, device label)
+        self.ratios: dict[tuple[str, str], float] = {}
+        self.windows = dict.fromkeys(OUTCOMES, 0)
+        self.cost_s = 0.0  # CPU seconds spent on windows so far (traced passes' extra + finishing)
+        self.interval_s = min_interval_s
+        self._next_at = clock()  # the first sampled pass opens a window
+        self._window: _Window | None = None
+        self._lock = threading.Lock()
+
+    def due(self) -> bool:
+        """Whether the next sampled pass should be traced (cheap: called once per sampled pass)."""
+        if self._window is not None:
+            if self.clock() - self._window.opened > WINDOW_TIMEOUT_S:
+                self._give_up("timeout")
+            return False
+        return self.clock() >= self._next_at
+
+    # --- the traced pass (inference thread) ---------------------------------------------------
+
+    def open(self, ops: list[Any], originals: list[Callable]) -> list[Callable] | None:
+        """Start tracing a pass over ``ops`` (OpStates, in wrapper order); the forwards to install
+        in place of ``originals`` for this pass, or None if tracing could not start (counted)."""
+        window = _Window(ops, self.core.device_label(self.core.current_device()), self.clock())
+        try:
+            self.trace.start()
+        except Exception as exc:
+            self._failed(exc)
+            return None
+        self._window = window
+        return [self._wrap(window, index, op, original)
+                for index, (op, original) in enumerate(zip(ops, originals, strict=True))]
+
+    def _wrap(self, window: _Window, index: int, op: Any, original: Callable) -> Callable:
+        """``original`` timed as an exact region under external id ``index``, for one traced pass."""
+        core, trace = self.core, self.trace
+        record_start, end = core.record_start, core.end
+
+        def arrived(seconds: float) -> None:
+            self._arrived(window, index, seconds)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            op.entered += 1
+            trace.push(index)
+            token = record_start()
+            if token is not None:
+                window.expected += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if token is not None:
+                    end(op, token, arrived)
+                trace.pop()
+
+        return forward
+
+    def close_pass(self, extra_cpu_s: float) -> None:
+        """The traced pass returned; ``extra_cpu_s``: its CPU time beyond an ordinary sampled pass."""
+        with self._lock:
+            window = self._window
+            if window is None:
+                return
+            window.pass_done = True
+            window.pass_cost_s = max(0.0, extra_cpu_s)
+            ready = window.arrived >= window.expected
+        if ready:
+            self._finish(window)
+
+    # --- completion (resolver thread) ---------------------------------------------------------
+
+    def _arrived(self, window: _Window, index: int, seconds: float) -> None:
+        with self._lock:
+            if self._window is not window:  # given up meanwhile
+                return
+            window.region_s[index] += seconds
+            window.arrived += 1
+            ready = window.pass_done and window.arrived >= window.expected
+        if ready:
+            self._finish(window)
+
+    def _finish(self, window: _Window) -> None:
+        with self._lock:
+            if self._window is not window:
+                return
+            self._window = None
+        t0 = time.thread_time()
+        try:
+            busy_ns = self.trace.stop()
+        except Exception as exc:
+            self._failed(exc)
+            return
+        for index, op in enumerate(window.ops):
+            region_s = window.region_s[index]
+            if region_s > 0:
+                ratio = busy_ns.get(index, 0) * 1e-9 / region_s
+                self.ratios[(op.name, window.device)] = min(1.0, ratio)
+        self.windows["ok"] += 1
+        self._schedule(window.pass_cost_s + time.thread_time() - t0)
+
+    def _schedule(self, cost_s: float) -> None:
+        """Next window after ``min_interval_s``, or later if its cost needs more time to fit."""
+        self.cost_s += cost_s
+        budget = self.core.budget or FALLBACK_BUDGET
+        self.interval_s = max(self.min_interval_s, cost_s / (self.budget_share * budget))
+        self._next_at = self.clock() + self.interval_s
+
+    def _give_up(self, outcome: str) -> None:
+        with self._lock:
+            window, self._window = self._window, None
+        if window is None:
+            return
+        try:
+            self.trace.stop()
+        except Exception:
+            outcome = "failed"
+        self.windows[outcome] += 1
+        self._schedule(window.pass_cost_s)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.windows["failed"] += 1
+        self._window = None
+        log.warning("gpuscope: kernel busy window failed (counted): %r", exc)
+        self._schedule(0.0)
