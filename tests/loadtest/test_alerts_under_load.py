@@ -13,7 +13,7 @@ import pytest
 from gpuscope.loadtest import fault_drill as alerts
 from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time, rule_for_s
 
-from ..conftest import require_binary
+from ..conftest import require_binary, wait_for
 
 
 def _record(at, status, group, *alerts_):
@@ -122,3 +122,22 @@ def test_every_alert_a_scenario_accepts_has_an_evidence_window_in_the_config():
     burn = "GPUServiceErrorBudgetBurn"
     assert alerts.evidence_s(burn, {"severity": "critical"}) == TEST.windows.slo_long_fast
     assert alerts.evidence_s(burn, {"severity": "warning"}) == TEST.windows.slo_ticket_long
+
+
+@pytest.mark.slow
+def test_stopping_the_drills_load_keeps_locusts_reports(paced_server, tmp_path):
+    """The drill stops Locust mid-run (its run time is the whole drill's budget): Locust must still
+    write its HTML report and the samples. With gpuscope's load shape it does so on SIGINT only."""
+    paced_server.hold_after = 4  # users end up in held streams: Locust is mid-run when it is stopped
+    locust = alerts._start_locust(paced_server.url, 2, 600, tmp_path)
+    killed = []
+    try:
+        wait_for(lambda: len(paced_server.held) == 2 or not locust.running, timeout=120,
+                 what="both users in a held stream")
+        assert locust.running, locust.tail()
+    finally:
+        locust.stop(on_kill=killed.append)
+    assert not killed, locust.tail()
+    assert (tmp_path / "locust.html").stat().st_size > 0, locust.tail()
+    samples = json.loads((tmp_path / "samples.json").read_text())
+    assert len(samples["requests"]) >= 4

@@ -28,7 +28,7 @@ import argparse
 import datetime as dt
 import os
 import shlex
-import subprocess
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
+from gpuscope import procs
 from gpuscope.flags import FlagParser
 from gpuscope.loadtest import configs as config_sets
 from gpuscope.loadtest.configs import Config
@@ -263,7 +264,7 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
                 raise RuntimeError(f"gpuscope serve: {exc}") from None
             process = _run_locust(settings, config, rep, server.url, model, run_dir, progress)
     if not samples_path.exists():
-        raise RuntimeError(f"Locust wrote no samples (exit {process.returncode}); "
+        raise RuntimeError(f"Locust wrote no samples (exit {process.poll()}); "
                            f"see {run_dir / 'locust.log'}")
     data = load_samples(samples_path)
     if not settings.keep_samples:
@@ -286,35 +287,39 @@ def run_one(settings: Settings, config: Config, rep: int, progress: TextIO) -> R
 
 
 def _run_locust(settings: Settings, config: Config, rep: int, host: str, model: str, run_dir: Path,
-                progress: TextIO) -> subprocess.Popen[bytes]:
-    """Locust headless against ``host`` for warm-up + duration; returns the finished process."""
-    with open(run_dir / "locust.log", "wb") as log:
-        env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(locust_command(settings, host, run_dir, model, rep), stdout=log,
-                                   stderr=subprocess.STDOUT, env=env)
-        _wait_with_countdown(process, settings.warmup_s + settings.duration_s, progress)
-    return process
+                progress: TextIO) -> procs.Child:
+    """Locust headless against ``host`` for warm-up + duration; returns the finished process.
+
+    Stopped early (an overrun, or Ctrl-C here) with SIGINT, as Ctrl-C does, so it still writes its
+    reports: with gpuscope's load shape Locust would die on SIGTERM without them. In its own session,
+    so a Ctrl-C at the terminal reaches this command only, which then stops Locust once."""
+    (run_dir / "locust.log").unlink(missing_ok=True)  # a run's log holds that run only
+    env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
+    locust = procs.Child(locust_command(settings, host, run_dir, model, rep), name="Locust", env=env,
+                         log_path=run_dir / "locust.log", stop_signal=signal.SIGINT, grace_s=30.0,
+                         new_session=True, die_with_parent=True)
+    with locust:
+        _wait_with_countdown(locust, settings.warmup_s + settings.duration_s, progress)
+    return locust
 
 
-def _wait_with_countdown(process: subprocess.Popen[bytes], total_s: float, progress: TextIO) -> None:
-    """Wait for Locust, showing seconds left; kill it if it overruns its own run time by far."""
+def _wait_with_countdown(locust: procs.Child, total_s: float, progress: TextIO) -> None:
+    """Wait for Locust, showing seconds left; stop it if it overruns its own run time by far."""
     started = time.monotonic()
     deadline = started + total_s + 60.0
     interactive = progress.isatty()
     last_shown = -1
-    while process.poll() is None:
+    while locust.wait(0.2) is None:
         elapsed = time.monotonic() - started
         if time.monotonic() > deadline:
-            process.kill()
-            process.wait(10)
-            raise RuntimeError(f"Locust ran {elapsed:.0f}s, past its {total_s:.0f}s run time; killed")
+            locust.stop()
+            raise RuntimeError(f"Locust ran {elapsed:.0f}s, past its {total_s:.0f}s run time; stopped")
         shown = int(elapsed) // (1 if interactive else 10)
         if shown != last_shown:
             last_shown = shown
             text = f"    {min(elapsed, total_s):4.0f}/{total_s:.0f} s"
             progress.write(("\r" + text) if interactive else (text + "\n"))
             progress.flush()
-        time.sleep(0.2)
     if interactive:
         progress.write("\r" + " " * 20 + "\r")
 

@@ -33,7 +33,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpuscope import procs
 from gpuscope.alerting.config import TEST
 from gpuscope.alerting.generate import all_alerts
 from gpuscope.flags import FlagParser
@@ -61,6 +61,8 @@ SERVER_TENANTS = "alpha:0.5,beta:0.5"
 LOAD_TENANTS = "alpha:1,beta:1"
 STARVED_TENANT = "beta"
 _MIB = 1 << 20
+#: How long Locust may take to stop its users and write its reports after SIGINT.
+LOCUST_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
                                           group_wait, settings, out, last=i == len(names) - 1)
                        for i, name in enumerate(names)}
         finally:
-            _stop(locust)
+            locust.stop()
     report = {
         "date": date,
         "detection_latency_s": {n: r["detection_latency_s"] for n, r in results.items()
@@ -285,28 +287,21 @@ def _group_wait_s(alertmanager_yml: Path) -> float:
     return duration_arg(text)
 
 
-def _start_locust(server: str, users: int, budget_s: float, run_dir: Path) -> subprocess.Popen[bytes]:
-    """Steady load for at most the whole run's budget: it stops by itself even if we never stop it."""
+def _start_locust(server: str, users: int, budget_s: float, run_dir: Path) -> procs.Child:
+    """Steady load for at most the whole run's budget: it stops by itself even if we never stop it.
+
+    Stopped with SIGINT, as Ctrl-C does: with a load shape (gpuscope's locustfile always has one)
+    Locust handles SIGTERM only after the shape has ended, so SIGTERM would kill it before it writes
+    ``locust.html`` and the samples. In its own session, so a Ctrl-C at the terminal reaches the
+    runner only, which then stops Locust once, through here."""
     command = [*locust_prefix(), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
                "--host", server, "-u", str(users), "-r", str(users), "-t", f"{budget_s:.0f}s",
                "--output-tokens", "uniform:min=8,max=32", "--html", str(run_dir / "locust.html"),
                "--samples-file", str(run_dir / "samples.json")]
     env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": LOAD_TENANTS, "PYTHONUNBUFFERED": "1"}
-    log = open(run_dir / "locust.log", "wb")  # noqa: SIM115  (handed to the child, closed with it)
-    try:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    finally:
-        log.close()
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()  # Locust quits cleanly on SIGTERM and writes its reports
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    return procs.Child(command, name="locust", env=env, log_path=run_dir / "locust.log",
+                       stop_signal=signal.SIGINT, grace_s=LOCUST_GRACE_S, new_session=True,
+                       die_with_parent=True).start()
 
 
 def _countdown(seconds: float, out: TextIO) -> None:
