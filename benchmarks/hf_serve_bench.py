@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import itertools
 import json
@@ -39,7 +38,6 @@ import math
 import os
 import statistics
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +51,7 @@ sys.path.insert(0, str(ROOT / "exporter"))
 
 import torch  # noqa: E402
 
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
 PARTS = ("model", "concurrency", "timing")
 MODES = ("off", "budget", "all")
@@ -130,69 +128,40 @@ def build_model(folder: Path, quick: bool) -> dict[str, Any]:
 # --- serving ----------------------------------------------------------------------------------------
 
 
-
-
-class Server:
-    """``gpuscope serve --model.hf`` as a child process; its stderr goes to a file (shown on failure)."""
+class Server(ServerProcess):
+    """``gpuscope serve --model.hf`` as a child process; its output goes to a file (shown on failure).
+    Launched at once: the servers of every mode load together, each is waited for when needed."""
 
     def __init__(self, folder: Path, timing: str, args: argparse.Namespace, workdir: Path) -> None:
         self.timing = timing
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"serve-{timing}.log"
-        self._log = self.log_path.open("w")
         batch = max(max(args.streams), args.timing_streams)
-        self.command = [sys.executable, "-m", "gpuscope", "serve", "--model.hf", str(folder),
-                        "--web.listen-address", f"127.0.0.1:{self.port}", "--timing", timing,
-                        "--batch.max-size", str(batch), "--queue.max-per-tenant", str(4 * batch),
-                        "--model.context", str(args.context), "--request.max-tokens", str(args.max_tokens),
-                        "--log.level", "warning", *args.server_arg]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        env = {"PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT / "exporter"), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1"}
         if not torch.cuda.is_available():
             # Three CPU servers share the host: torch's per-process thread pools would oversubscribe it
             # (a spinning pool on a busy host makes a step 10-100x slower).
-            env.setdefault("OMP_NUM_THREADS", "1")
+            env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        super().__init__(["--model.hf", str(folder), "--timing", timing,
+                          "--batch.max-size", str(batch), "--queue.max-per-tenant", str(4 * batch),
+                          "--model.context", str(args.context), "--request.max-tokens", str(args.max_tokens),
+                          "--log.level", "warning", *args.server_arg],
+                         log_path=workdir / f"serve-{timing}.log", env=env,
+                         name=f"`gpuscope serve --timing {timing}`")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL)
+        self.launch()
         self.ready_s: float | None = None
 
-    def tail(self, lines: int = 5) -> str:
-        with contextlib.suppress(OSError):
-            return " | ".join(self.log_path.read_text().strip().splitlines()[-lines:])
-        return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`gpuscope serve --timing {self.timing}` exited with "
-                                   f"{self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        self.ready_s = rnd(time.perf_counter() - self.started, 1)
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"`gpuscope serve --timing {self.timing}` not ready after {timeout:.0f}s: "
-                           f"{self.tail()}")
+    def wait_ready(self, timeout_s: float | None = None) -> Server:
+        super().wait_ready(timeout_s)
+        self.ready_s = rnd(time.perf_counter() - self.started, 1)
+        return self
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             return r.read().decode()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        super().stop(timeout_s)
 
 
 def batch_rows(exposition: str) -> tuple[float, float]:
@@ -304,7 +273,7 @@ def part_concurrency(server: Server, args: argparse.Namespace) -> dict[str, Any]
         level = levels[str(streams)]
         log(f"  {level['tokens_per_s']} tok/s, TTFT p50 {level['ttft_p50_ms']} ms "
             f"p99 {level['ttft_p99_ms']} ms, mean decode rows {level['mean_decode_batch_rows']}")
-    return {"server": " ".join(server.command[2:]), "timing": server.timing, "levels": levels}
+    return {"server": " ".join(server.command()[2:]), "timing": server.timing, "levels": levels}
 
 
 def part_timing(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, Any]:

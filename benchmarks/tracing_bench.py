@@ -40,16 +40,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import http.server
 import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,7 +54,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.loadtest.serverproc import ServerError, ServerProcess  # noqa: E402
+from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 NEEDED = {"opentelemetry.sdk": "opentelemetry-sdk",
@@ -222,73 +220,21 @@ def measure_parts(requests_n: int, batch: int, steps: int, max_events: int) -> d
 
 # --- part 2: two servers, paired rounds --------------------------------------------------------------
 
-class Receiver:
-    """OTLP/HTTP on 127.0.0.1: decodes each POST /v1/traces with opentelemetry-proto and counts spans."""
+class Server(ServerProcess):
+    """``gpuscope serve`` logging warnings only, launched at once: both servers load together."""
 
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
-        self.spans = 0
-        self.lock = threading.Lock()
-        receiver = self
-        answer = ExportTraceServiceResponse().SerializeToString()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                message = ExportTraceServiceRequest.FromString(body)
-                count = sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans)
-                with receiver.lock:
-                    receiver.spans += count
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-
-
-class Server:
     def __init__(self, name: str, flags: list[str], env: dict) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "gpuscope", "serve", "--web.listen-address", f"127.0.0.1:{self.port}",
-                "--log.level", "warning", *flags]
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.PIPE, text=True)
+        super().__init__([*flags, "--log.level", "warning"], env=env, name=f"{name} server")
+        self.launch()
 
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} server exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"{self.name} server not ready within {timeout:.0f}s")
+    def wait_ready(self, timeout_s: float | None = None) -> Server:
+        try:
+            return super().wait_ready(timeout_s)
+        except ServerError as exc:
+            raise SystemExit(str(exc)) from None
 
     def cpu(self) -> float:
-        return process_cpu(self.proc.pid)
+        return process_cpu(self.pid)
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -297,13 +243,8 @@ class Server:
                     return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        super().stop(timeout_s)
 
 
 async def load(url: str, requests_n: int, concurrency: int, max_tokens: int) -> dict:
@@ -335,8 +276,8 @@ async def load(url: str, requests_n: int, concurrency: int, max_tokens: int) -> 
     return {"wall_s": wall, "tokens": tokens, "errors": errors, "p50_ms": statistics.median(latencies) * 1e3}
 
 
-def run_round(server: Server, args, receiver: Receiver | None) -> dict:
-    before_spans = receiver.spans if receiver is not None else 0
+def run_round(server: Server, args, receiver: OtlpSink | None) -> dict:
+    before_spans = receiver.span_count if receiver is not None else 0
     cpu0 = server.cpu()
     result = asyncio.run(load(server.url, args.requests, args.concurrency, args.max_tokens))
     time.sleep(args.settle)  # the traced server builds and exports the round's spans; both idle as long
@@ -344,12 +285,12 @@ def run_round(server: Server, args, receiver: Receiver | None) -> dict:
     result["cpu_us_per_request"] = result["cpu_s"] / args.requests * 1e6
     result["tokens_per_s"] = result["tokens"] / result["wall_s"]
     if receiver is not None:
-        result["spans_received"] = receiver.spans - before_spans
+        result["spans_received"] = receiver.span_count - before_spans
     return result
 
 
 def measure_served(args) -> dict:
-    receiver = Receiver()
+    receiver = OtlpSink(keep=False)  # counts only: every kept request would stay in memory
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["PYTHONPATH"] = str(ROOT / "exporter") + os.pathsep + env.get("PYTHONPATH", "")
     flags = ["--model.device", args.device, "--model.layers", str(args.layers), "--model.dim", str(args.dim),
@@ -400,7 +341,7 @@ def measure_served(args) -> dict:
         "p50_ms": {"off": quartiles([p["off"]["p50_ms"] for p in pairs]),
                    "on": quartiles([p["on"]["p50_ms"] for p in pairs])},
         "spans_exported_total": exported, "spans_dropped_total": dropped,
-        "spans_received_total": receiver.spans,
+        "spans_received_total": receiver.span_count,
         "errors": sum(p[n]["errors"] for p in pairs for n in ("on", "off")),
     }
 

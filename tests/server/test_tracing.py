@@ -1,14 +1,12 @@
 """Request spans: structure and attributes, W3C trace context in and out, OTLP export, drops, and off.
 
 Spans are read with the SDK's InMemorySpanExporter, and, for the wire, by a local OTLP/HTTP receiver
-that decodes each POST /v1/traces with opentelemetry-proto's ExportTraceServiceRequest.
+(gpuscope.server.otlp_sink) that decodes each POST /v1/traces with opentelemetry-proto.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
-import http.server
 import json
 import logging
 import os
@@ -24,10 +22,6 @@ import requests
 
 pytest.importorskip("opentelemetry.sdk", reason="needs the tracing extra: pip install -e '.[tracing]'")
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -35,6 +29,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 
 from gpuscope.server import tracing as t
 from gpuscope.server.config import ConfigError, parse_tenants, resolve_tracing
+from gpuscope.server.otlp_sink import OtlpSink
 from gpuscope.server.protocol import parse_traceparent
 from tests.conftest import wait_for
 from tests.server.conftest import ServerThread, small_config
@@ -302,49 +297,6 @@ def test_errors_mark_the_span_and_a_failing_tracer_never_fails_a_request():
         srv.stop()
 
 
-class Receiver:
-    """An OTLP/HTTP endpoint on 127.0.0.1: POST /v1/traces, protobuf, decoded with opentelemetry-proto."""
-
-    def __init__(self) -> None:
-        self.requests: list[ExportTraceServiceRequest] = []
-        self.status = 200
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                ok = self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf"
-                if ok and receiver.status == 200:
-                    receiver.requests.append(ExportTraceServiceRequest.FromString(body))
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(receiver.status if ok else 404)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def spans(self):
-        for request in self.requests:
-            for resource_spans in request.resource_spans:
-                resource = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        yield resource, span
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def _attributes(span) -> dict:
     out = {}
     for kv in span.attributes:
@@ -354,7 +306,7 @@ def _attributes(span) -> dict:
 
 
 def test_spans_arrive_over_otlp_http_with_trace_id_and_attributes():
-    receiver = Receiver()
+    receiver = OtlpSink()
     config = replace(traced_config(), tracing_endpoint=receiver.url + "/v1/traces", instance="test:1")
     srv = TracedServer(config).start()  # the real OTLP/HTTP exporter
     try:
@@ -382,7 +334,7 @@ def test_spans_arrive_over_otlp_http_with_trace_id_and_attributes():
 
 
 def test_rejected_export_is_counted_and_costs_the_request_nothing():
-    receiver = Receiver()
+    receiver = OtlpSink()
     receiver.status = 400  # not retryable: the batch is dropped at once
     config = replace(traced_config(), tracing_endpoint=receiver.url + "/v1/traces")
     srv = TracedServer(config).start()
