@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
 
+from benchlib import logger, percentile  # noqa: E402
+
+from gpuscope import procs  # noqa: E402
 from gpuscope.ports import free_port  # noqa: E402
 
 SMI_QUERY = ("timestamp,name,pci.bus_id,driver_version,pstate,temperature.gpu,utilization.gpu,"
@@ -44,10 +47,7 @@ TARGETS = {"scrape_p99_ms": 5.0, "exporter_cpu_pct": 1.0}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def log(message: str) -> None:
-    print(f"[exporter_bench] {message}", file=sys.stderr, flush=True)
-
-
+log = logger("exporter_bench")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -55,11 +55,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 class Scraper:
@@ -88,32 +83,30 @@ def sample_value(body: bytes, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def start_exporter(port: int, interval: str, extra: list[str]) -> subprocess.Popen:
+def start_exporter(port: int, interval: str, extra: list[str]) -> procs.Child:
+    """``gpuscope exporter`` from this checkout on 127.0.0.1:``port``; ``wait_ready()`` waits for it."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpuscope.nvml.main import main; "
             "raise SystemExit(main(sys.argv[2:]))")
     argv = [sys.executable, "-c", code, str(ROOT / "exporter"), f"--web.listen-address=127.0.0.1:{port}",
             f"--sampling.interval={interval}", *extra]
-    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
 
-
-def wait_ready(proc: subprocess.Popen, port: int, timeout: float = 60.0) -> bytes:
-    """Until the exporter answers and its fast collector (if any GPU) has finished a round."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"exporter exited early: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            _, body = Scraper(port).scrape()
-        except OSError:
-            time.sleep(0.1)
-            continue
+    def ready() -> bytes | None:
+        """The exposition once the exporter answers and its fast collector (if any GPU) has finished
+        a round."""
+        _, body = Scraper(port).scrape()
         gpus = sample_value(body, "gpuscope_exporter_gpus") or 0
-        ready = b'gpuscope_exporter_last_success_timestamp_seconds{collector="device"}' in body
-        if gpus == 0 or (ready and sample_value(body, 'gpuscope_exporter_last_success_timestamp_seconds'
-                                                      '{collector="device"}')):
-            return body
-        time.sleep(0.1)
-    raise SystemExit(f"exporter not ready within {timeout:.0f}s")
+        last_round = 'gpuscope_exporter_last_success_timestamp_seconds{collector="device"}'
+        return body if gpus == 0 or sample_value(body, last_round) else None
+
+    return procs.Child(argv, name="exporter", ready=ready).start()
+
+
+def wait_ready(exporter: procs.Child, timeout: float = 60.0) -> bytes:
+    """The exporter's first complete exposition; exits with its last output lines if it fails."""
+    try:
+        return exporter.wait_ready(timeout, interval_s=0.1)
+    except procs.ChildError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def time_smi() -> float | None:
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"starting exporter on 127.0.0.1:{port} (interval {args.interval})")
     proc = start_exporter(port, args.interval, args.exporter_arg)
     try:
-        body = wait_ready(proc, port)
+        body = wait_ready(proc)
         gpus = int(sample_value(body, "gpuscope_exporter_gpus") or 0)
         log(f"ready: {gpus} GPU(s), {len(body)} bytes per scrape")
 
@@ -180,12 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         idle_cpu_pct = 100 * (cpu_seconds(proc.pid) - cpu1) / (time.monotonic() - wall1)
         _, body = scraper.scrape()
     finally:
-        proc.terminate()
-        try:
-            _, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        proc.stop(grace_s=10)
+        err = proc.output()
 
     result = {
         "gpu": gpu_name(body),

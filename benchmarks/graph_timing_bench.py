@@ -38,13 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
 
 import torch  # noqa: E402
+from benchlib import logger  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from gpuscope.timing import Timer  # noqa: E402
 
-
-def log(message: str) -> None:
-    print(f"[graph_timing_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("graph_timing_bench")
 
 
 class Block(torch.nn.Module):

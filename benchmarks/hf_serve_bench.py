@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
 
 import torch  # noqa: E402
+from benchlib import logger, rnd  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
@@ -62,14 +63,7 @@ QUICK = {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128, "num_
 MODULE_OP = 'op="model.layers.0.self_attn"'
 
 
-def log(message: str) -> None:
-    print(f"[hf_serve_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rnd(value: float | None, digits: int = 3) -> float | None:
-    if value is None or not math.isfinite(value):
-        return None
-    return round(value, digits)
+log = logger("hf_serve_bench")
 
 
 def pct(values: list[float], q: float) -> float | None:

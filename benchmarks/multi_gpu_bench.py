@@ -64,12 +64,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # exporter_bench's and tenancy_bench's helpers
 
 import torch
-from exporter_bench import Scraper, free_port, percentile, sample_value, start_exporter, wait_ready
+from benchlib import logger, percentile, rnd
+from exporter_bench import Scraper, free_port, sample_value, start_exporter, wait_ready
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
 from gpuscope import catalogue as cat
+from gpuscope import procs
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model
 from gpuscope.timing import Timer
@@ -96,18 +98,8 @@ print(json.dumps({"pid": os.getpid(), "uuids": [uuid(i) for i in range(count)]})
 sys.stdin.read()
 """
 
-_children: list[subprocess.Popen] = []  # killed by the deadline watchdog if it fires
-
-
-def log(message: str) -> None:
-    print(f"[multi_gpu_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rnd(value: float | None, digits: int = 3) -> float | None:
-    """Rounded, and None for NaN/inf so the JSON stays standard."""
-    if value is None or not math.isfinite(value):
-        return None
-    return round(value, digits)
+_children: list[procs.Child] = []  # killed by the deadline watchdog if it fires
+log = logger("multi_gpu_bench")
 
 
 def series(body: bytes) -> list[tuple[str, dict[str, str], float]]:
@@ -125,21 +117,6 @@ def norm_uuid(uuid: str) -> str:
     return uuid.lower().removeprefix("gpu-")
 
 
-def stop_process(proc: subprocess.Popen | None, close_stdin: bool = False) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(OSError):
-        if close_stdin and proc.stdin:
-            proc.stdin.close()  # the child's "exit now"
-        else:
-            proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 # --- part 1: exporter ---------------------------------------------------------------------------------
 
 
@@ -147,33 +124,35 @@ class Child:
     """A process holding memory on the first ``count`` CUDA devices until told to exit."""
 
     def __init__(self, count: int, mib: int) -> None:
-        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child)
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD_CODE, str(count), str(mib)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True)
-        _children.append(self.proc)
+        self.child = procs.Child([sys.executable, "-c", CHILD_CODE, str(count), str(mib)], name="child",
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE).start()
+        _children.append(self.child)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
+        assert self.child.popen is not None and self.child.popen.stdout is not None
+        with contextlib.suppress(ValueError, OSError):  # closed by stop()
+            for line in self.child.popen.stdout:
+                self.lines.put(line)
 
     def wait_ready(self, timeout: float) -> dict:
         """The child's pid and device uuids once its allocation is done, and when that was (Unix time)."""
         try:
             info = json.loads(self.lines.get(timeout=timeout))
         except queue.Empty:
-            self.stderr.seek(0)
-            raise RuntimeError(f"child not ready in {timeout:.0f}s (exit {self.proc.poll()}): "
-                               f"{self.stderr.read()[-2000:]}") from None
+            raise RuntimeError(f"child not ready in {timeout:.0f}s (exit {self.child.poll()}): "
+                               f"{self.child.tail()[-2000:]}") from None
         info["ready_unix"] = time.time()
         return info
 
     def stop(self) -> None:
-        stop_process(self.proc, close_stdin=True)
-        self.stderr.close()
+        popen = self.child.popen
+        if popen is not None and popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                popen.stdin.close()  # the child's "exit now"
+        self.child.wait(15)
+        self.child.stop()
 
 
 def wait_for_round(scraper: Scraper, collector: str, after_unix: float, timeout: float) -> bytes:
@@ -317,7 +296,7 @@ def exporter_part(args: argparse.Namespace, cuda_count: int) -> dict:
     proc = start_exporter(port, args.interval, ["--collector.processes", *args.exporter_arg])
     _children.append(proc)
     try:
-        body = wait_ready(proc, port)
+        body = wait_ready(proc)
         result["gpus"] = int(sample_value(body, cat.EXPORTER_GPUS.name) or 0)
         result["gpu_name"] = next((labels.get("name") for name, labels, _ in series(body)
                                    if name == cat.GPU_INFO.name), None)
@@ -345,9 +324,8 @@ def exporter_part(args: argparse.Namespace, cuda_count: int) -> dict:
     finally:
         if child is not None:
             child.stop()
-        stop_process(proc)
-        if proc.stderr is not None:
-            result["exporter_stderr_tail"] = proc.stderr.read()[-2000:]
+        proc.stop()
+        result["exporter_stderr_tail"] = proc.output()[-2000:]
     return result
 
 
@@ -808,9 +786,8 @@ def start_watchdog(report: dict, seconds: float) -> threading.Timer:
         report["failures"] = [f"{report.get('in_progress')}: cut short by the {seconds:.0f}s deadline"]
         with contextlib.suppress(Exception):
             report["summary"] = summarise(report["parts"])
-        for proc in _children:
-            with contextlib.suppress(OSError):
-                proc.kill()
+        for child in _children:
+            child.kill()
         for _ in range(3):  # the main thread may be changing the report meanwhile
             try:
                 write(report)

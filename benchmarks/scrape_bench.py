@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "exporter"), str(ROOT)]
 
+from benchlib import logger, percentile  # noqa: E402
 from prometheus_client.exposition import choose_encoder  # noqa: E402
 
 from gpuscope.nvml.config import COLLECTORS, Config  # noqa: E402
@@ -49,15 +50,7 @@ from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess  # noqa: E402
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
                      "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 TARGET_P99_MS = 1.0
-
-
-def log(message: str) -> None:
-    print(f"[scrape_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+log = logger("scrape_bench")
 
 
 def fake_host(gpus: int) -> FakeNvml:

@@ -53,7 +53,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path[:0] = [str(ROOT / "exporter"), str(ROOT / "benchmarks")]  # benchmarks/: run through runpy too
+from benchlib import logger  # noqa: E402
+
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess  # noqa: E402
 from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
 
@@ -78,8 +80,7 @@ def require_packages() -> None:
         raise SystemExit(2)
 
 
-def log(message: str) -> None:
-    print(f"[tracing_bench] {message}", file=sys.stderr, flush=True)
+log = logger("tracing_bench")
 
 
 def quartiles(values: list[float]) -> dict:

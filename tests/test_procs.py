@@ -128,6 +128,7 @@ def test_stop_is_idempotent(tmp_path):
     assert child.wait(DEADLINE_S) == 0
     assert child.stop() == 0  # exited by itself: only reaped
     assert child.stop() == 0
+    assert child.tail() == "bye"  # its temporary output file is gone; the end of it is kept
     running = waiter(tmp_path).start()
     running.wait_ready(DEADLINE_S)
     assert running.stop() == running.stop() == -signal.SIGTERM

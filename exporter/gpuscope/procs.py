@@ -80,7 +80,7 @@ class Child:
 
     ``argv``, ``env`` (the whole environment; None: this process's) and ``cwd`` are Popen's.
     stdout and stderr go to ``log_path`` (appended to: a restart keeps the earlier run's lines) or,
-    without one, to a temporary file that lasts until ``stop()``; ``stdout=subprocess.PIPE`` hands
+    without one, to a temporary file (``stop()`` keeps its last 64 KiB); ``stdout=subprocess.PIPE`` hands
     stdout to the caller instead (``popen.stdout``, text), who must then read it. ``stdin`` defaults
     to /dev/null so a child never waits on our terminal; ``stdin=subprocess.PIPE`` gives
     ``popen.stdin``. ``stop()`` closes these pipes.
@@ -113,6 +113,7 @@ class Child:
         self._output: IO[bytes] | None = None  # the file output goes to, kept open for tail()
         self._output_start = 0  # where this start's output begins in it
         self._started = False  # since the last stop()
+        self._kept_output = ""  # the end of a temporary output file, read as stop() removes it
 
     # -- life cycle --
 
@@ -121,6 +122,7 @@ class Child:
         if self.running:
             raise ChildError(f"{self.name} is already running (pid {self.pid})")
         self._close_output()
+        self._kept_output = ""
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._output = self.log_path.open("ab+")
@@ -205,7 +207,8 @@ class Child:
     # -- output --
 
     def output(self) -> str:
-        """Everything the child wrote since this start (for a test's assertions on a short run)."""
+        """Everything the child wrote since this start (for a test's assertions on a short run).
+        Without ``log_path``, once stopped: only the last 64 KiB of it."""
         return self._read_output(None)
 
     def tail(self, lines: int = 15) -> str:
@@ -216,7 +219,7 @@ class Child:
     def _read_output(self, most: int | None) -> str:
         if self._output is None or self._output.closed:
             if self.log_path is None:
-                return ""
+                return self._kept_output if most is None else self._kept_output[-most:]
             try:  # stopped: the log is still there to read
                 with self.log_path.open("rb") as log:
                     return self._read_from(log, most)
@@ -236,7 +239,10 @@ class Child:
             self._output = None
 
     def _close_files(self) -> None:
-        # After a stop: our pipes to the child, and the output file (a temporary one is gone then).
+        # After a stop: our pipes to the child, and the output file. A temporary one is gone then:
+        # its last part is kept, so tail() can still say why a stopped child failed.
+        if self.log_path is None and self._output is not None:
+            self._kept_output = self._read_output(_TAIL_BYTES)
         for pipe in (self.popen.stdin, self.popen.stdout) if self.popen is not None else ():
             if pipe is not None:
                 with contextlib.suppress(OSError):
