@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,15 +13,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import require_binary, wait_for
+from gpuscope import procs
+from gpuscope.ports import free_port
+from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alertmanager_binary() -> str:
@@ -89,29 +83,14 @@ def start_alertmanager(config_text: str, tmp_path: Path) -> Iterator[Alertmanage
     config = tmp_path / "alertmanager.yml"
     config.write_text(config_text)
     port = free_port()
-    log = (tmp_path / "alertmanager.log").open("w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=log, stderr=subprocess.STDOUT)
     am = Alertmanager(f"http://127.0.0.1:{port}")
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"alertmanager exited: {(tmp_path / 'alertmanager.log').read_text()}")
+    child = procs.Child([binary, f"--config.file={config}", f"--storage.path={tmp_path / 'data'}",
+                         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                        name="alertmanager", log_path=tmp_path / "alertmanager.log",
+                        ready=f"{am.url}/-/ready", grace_s=10)
+    with child:
         try:
-            return requests.get(f"{am.url}/-/ready", timeout=1).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    try:
-        wait_for(ready, timeout=30, what="alertmanager ready")
+            child.wait_ready(30)
+        except procs.ChildError as exc:
+            pytest.fail(str(exc))
         yield am
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from gpuscope.loadtest.serverproc import ServerProcess
 from tests.conftest import wait_for
-from tests.test_loki import Receiver, free_port
+from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
@@ -56,23 +57,12 @@ def test_serve_answers_and_ships_request_logs_to_loki(tmp_path):
     receiver = Receiver().start()
     token = tmp_path / "token"
     token.write_text("a-long-enough-fault-token\n")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuscope", "serve", *SMALL, "--web.listen-address", f"127.0.0.1:{port}",
-         "--tenants", "alpha:0.7:high,beta:0.3:low", "--loki.url", receiver.url, "--faults.enable",
-         "--faults.token-file", str(token)],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        try:
-            return requests.get(url + "/readyz", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            return False
-
+    server = ServerProcess([*SMALL, "--tenants", "alpha:0.7:high,beta:0.3:low", "--loki.url", receiver.url,
+                            "--faults.enable", "--faults.token-file", str(token)],
+                           log_path=tmp_path / "serve.log", env=ENV, ready_timeout_s=60)
+    url, port = server.url, server.port
     try:
-        wait_for(ready, timeout=60, what="server ready")
+        server.start()
         r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
                           headers={"X-Tenant": "beta"}, timeout=30)
         assert r.status_code == 200
@@ -95,9 +85,8 @@ def test_serve_answers_and_ships_request_logs_to_loki(tmp_path):
         assert line["prompt_tokens"] == 3 and line["e2e_s"] >= line["ttft_s"] > 0
         assert receiver.invalid == []
     finally:
-        proc.terminate()
         try:
-            proc.wait(timeout=20)
+            server.stop()
         finally:
             receiver.stop()
-    assert proc.returncode in (0, -15)
+    assert server.child.poll() in (0, -15)

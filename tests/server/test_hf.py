@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from gpuscope.loadtest.serverproc import ServerProcess
 from gpuscope.server.config import ModelSpec, parse_tenants
 from gpuscope.server.engine import Done, Engine, Failed, Request
 from gpuscope.server.hf import HFStreamDecoder, load_runner
@@ -31,7 +32,7 @@ from gpuscope.server.scheduler import Scheduler
 from gpuscope.server.step_timing import build_timer
 from tests.conftest import wait_for
 from tests.server.conftest import ServerThread, small_config
-from tests.test_loki import Receiver, free_port
+from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
@@ -426,26 +427,14 @@ def test_a_prompt_over_the_context_in_model_tokens_fails_with_a_message(tiny):
 
 
 @pytest.mark.slow
-def test_serve_process_loads_the_folder_answers_and_logs_to_loki(tiny):
+def test_serve_process_loads_the_folder_answers_and_logs_to_loki(tiny, tmp_path):
     receiver = Receiver().start()
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuscope", "serve", "--model.hf", str(tiny.path), "--model.context", "256",
-         "--model.device", "cpu",
-         "--request.max-tokens", "32", "--web.listen-address", f"127.0.0.1:{port}", "--timing", "all",
-         "--loki.url", receiver.url],
-        env={**ENV, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready():
-        try:
-            return requests.get(url + "/readyz", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            return False
-
+    server = ServerProcess(["--model.hf", str(tiny.path), "--model.context", "256", "--model.device", "cpu",
+                            "--request.max-tokens", "32", "--timing", "all", "--loki.url", receiver.url],
+                           log_path=tmp_path / "serve.log", env={**ENV, "HF_HUB_OFFLINE": "1"})
+    url = server.url
     try:
-        wait_for(ready, timeout=120, what="server ready")
+        server.start()
         models = requests.get(url + "/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == tiny.path.name and models["data"][0]["max_model_len"] == 256
         r = requests.post(url + "/v1/completions", timeout=30,
@@ -466,13 +455,13 @@ def test_serve_process_loads_the_folder_answers_and_logs_to_loki(tiny):
         line = wait_for(request_line, timeout=30, what="request log line in Loki")
         assert line["prompt_tokens"] == len(tiny.ids("hello")) and line["completion_tokens"] == 5
     finally:
-        proc.terminate()
         try:
-            _, err = proc.communicate(timeout=30)
+            server.stop(timeout_s=30)
         finally:
             receiver.stop()
-    assert proc.returncode in (0, -15), err
-    assert "Loading weights" not in err  # no progress bars in the server's log
+    log = server.child.output()
+    assert server.child.poll() in (0, -15), log
+    assert "Loading weights" not in log  # no progress bars in the server's log
 
 
 @pytest.fixture
