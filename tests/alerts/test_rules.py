@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope.alerting import composite, generate, names, slo
+from gpuscope.alerting import composite, generate, names, slo, sources
 from gpuscope.alerting.config import (
     PRODUCTION,
     PROFILES,
@@ -25,14 +25,18 @@ from tests.alerts import memory_shapes
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Production cases, and test-profile copies of some of them (the same series, time compressed 15×).
-UNIT_TESTS = sorted((ROOT / "alerts/tests").glob("*.test.yml"))
+#: Production cases (the default sources', and each other source's under sources/), and test-profile
+#: copies of some of them (the same series, time compressed 15×).
+UNIT_TESTS = sorted([*(ROOT / "alerts/tests").glob("*.test.yml"),
+                     *(ROOT / "alerts/tests/sources").glob("*.test.yml")])
 TEST_PROFILE_CASES = sorted((ROOT / "alerts/tests/test-profile").glob("*.test.yml"))
 #: Alerts whose cases run in both profiles: each is asserted silent and firing in the test profile too.
 BOTH_PROFILES = {"GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp",
                  "GPUFramebufferRunningOut", "GPUServiceDegraded", "GPUServerTargetMissing",
                  "GPUExporterTargetMissing", "GPUExporterGPUsMissing"}
-RULE_FILES = [generate.prometheus_rules_path(p) for p in PROFILES.values()]
+RULE_FILES = [path for p in PROFILES.values() for path in (
+    generate.prometheus_rules_path(p), generate.sources_rules_path(p),
+    *(generate.source_rules_path(p, name) for name in sources.SOURCES))]
 DURATION = re.compile(r"\b\d+[smhd]\b")
 
 
@@ -115,7 +119,9 @@ def test_test_profile_cases_are_production_cases_compressed(path: Path) -> None:
     """Same series and values, same checks and labels at times ÷ 15, against the test rules."""
     production = yaml.safe_load((ROOT / "alerts/tests" / path.name).read_text())
     doc = yaml.safe_load(path.read_text())
-    assert doc["rule_files"] == [f"../../{generate.prometheus_rules_path(TEST).removeprefix('alerts/')}"]
+    assert doc["rule_files"] == [f"../../{path.removeprefix('alerts/')}" for path in
+                                 (generate.sources_rules_path(TEST), generate.prometheus_rules_path(TEST))]
+    assert doc["group_eval_order"] == generate.group_order(TEST)
     assert _seconds(doc["evaluation_interval"]) == TEST.evaluation_interval
     for group in doc["tests"]:
         same = [g for g in production["tests"] if g["input_series"] == group["input_series"]]
@@ -150,7 +156,9 @@ def test_runbooks_have_one_section_per_alert_and_no_orphans() -> None:
 
 
 def test_recording_rule_names_are_exported_constants() -> None:
-    recorded = {r["record"] for r in _rules(generate.prometheus_rules_path(PRODUCTION)) if "record" in r}
+    files = [generate.prometheus_rules_path(PRODUCTION),
+             *(generate.source_rules_path(PRODUCTION, name) for name in sources.SOURCES)]
+    recorded = {r["record"] for path in files for r in _rules(path) if "record" in r}
     exported = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
     assert recorded == exported - {"", *names.QUANTILE_SUFFIXES}
 
@@ -164,12 +172,17 @@ def test_test_profile_is_production_with_compressed_windows() -> None:
         number = r"(?<![.\d])\b\d+\b(?![.\d])"  # whole numbers, not the digits of 0.5
         return re.sub(number, lambda m: "D" if m.group() in seconds else m.group(), text)
 
-    prod, test = (_rules(generate.prometheus_rules_path(p)) for p in (PRODUCTION, TEST))
+    def everything(p) -> list[dict]:
+        paths = (generate.prometheus_rules_path(p), generate.sources_rules_path(p),
+                 *(generate.source_rules_path(p, n) for n in sources.SOURCES))
+        return [r for path in paths for r in _rules(path)]
+
+    prod, test = everything(PRODUCTION), everything(TEST)
     assert len(prod) == len(test)
     for a, b in zip(prod, test, strict=True):
         assert (a.get("record"), a.get("alert")) == (b.get("record"), b.get("alert"))
         for key in ("labels", "annotations"):
-            for k in a.get(key, {}):
+            for k in a.get(key) or {}:
                 assert norm(a[key][k], PRODUCTION) == norm(b[key][k], TEST), (a.get("alert"), k)
         assert norm(a["expr"], PRODUCTION) == norm(b["expr"], TEST), a.get("alert") or a.get("record")
     for f in fields(TEST.windows):

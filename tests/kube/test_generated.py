@@ -11,7 +11,7 @@ import yaml
 from gpuscope import generate as gpuscope_generate
 from gpuscope.alerting import alertmanager
 from gpuscope.alerting.config import PRODUCTION
-from gpuscope.alerting.generate import prometheus_rules_path
+from gpuscope.alerting.generate import prometheus_rules_path, sources_rules_path
 from gpuscope.kube import generate, render
 from gpuscope.kube.config import DEPLOYMENT, image_build, job_of
 from gpuscope.ports import PORTS
@@ -49,11 +49,13 @@ def test_kustomize_renders_what_is_committed() -> None:
         assert fresh == list(rendered(overlay)), f"run python -m gpuscope.kube.render ({overlay})"
 
 
-def test_prometheus_rule_holds_exactly_the_production_rule_file() -> None:
-    rule_file = yaml.safe_load((ROOT / prometheus_rules_path(PRODUCTION)).read_text())
+def test_prometheus_rule_holds_exactly_the_production_rule_files() -> None:
+    """The sources' normalisation layer, then every alert and derived series."""
+    groups = [g for path in (sources_rules_path(PRODUCTION), prometheus_rules_path(PRODUCTION))
+              for g in yaml.safe_load((ROOT / path).read_text())["groups"]]
     for overlay in render.OVERLAYS:
         rule = find(overlay, "PrometheusRule", DEPLOYMENT.names.prometheus_rule)
-        assert rule["spec"]["groups"] == rule_file["groups"]
+        assert rule["spec"]["groups"] == groups
         assert rule["metadata"]["labels"]["release"] == DEPLOYMENT.cluster.release
 
 

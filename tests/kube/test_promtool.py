@@ -17,7 +17,7 @@ import yaml
 
 from gpuscope.alerting import names
 from gpuscope.alerting.config import PRODUCTION
-from gpuscope.alerting.generate import prometheus_rules_path
+from gpuscope.alerting.generate import prometheus_rules_path, sources_rules_path
 from gpuscope.kube.config import DEPLOYMENT
 from tests.conftest import require_binary
 from tests.kube.conftest import ROOT, find
@@ -62,8 +62,13 @@ def test_adapter_queries_are_valid_promql(tmp_path: Path) -> None:
 
 
 def test_ttft_query_is_the_recording_rules_quantile() -> None:
-    groups = yaml.safe_load((ROOT / prometheus_rules_path(PRODUCTION)).read_text())["groups"]
-    p99 = next(r["expr"] for g in groups for r in g["rules"] if r.get("record") == names.TTFT_P99)
+    """The adapter's query is the p99 record with the gpuscope server's bucket and count rates in line."""
+    groups = [g for path in (sources_rules_path(PRODUCTION), prometheus_rules_path(PRODUCTION))
+              for g in yaml.safe_load((ROOT / path).read_text())["groups"]]
+    recorded = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+    p99 = recorded[names.TTFT_P99]
+    for rate in (names.TTFT_BUCKET_RATE, names.TTFT_COUNT_RATE):
+        p99 = p99.replace(rate, recorded[rate])
     q = DEPLOYMENT.autoscaling.ttft_quantile
     same = (p99.replace("histogram_quantile(0.99,", f"histogram_quantile({q:g},")
                .replace("job, instance", "<<.GroupBy>>")

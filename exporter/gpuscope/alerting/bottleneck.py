@@ -14,7 +14,6 @@ busiest core, not the average: an inference server starved by one Python thread 
 
 from __future__ import annotations
 
-from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record, duration, num
@@ -25,7 +24,8 @@ ON = "on (host, instance)"
 
 def with_host(expr_of: str) -> str:
     """``expr_of`` with ``@M`` standing for extra matchers: add ``host`` where the scrape did not."""
-    plain, labelled = expr_of.replace("@M", ',host=""'), expr_of.replace("@M", ',host!=""')
+    plain = expr_of.replace("{@M}", '{host=""}').replace("@M", ',host=""')
+    labelled = expr_of.replace("{@M}", '{host!=""}').replace("@M", ',host!=""')
     return f'label_replace({plain}, "host", "$1", "instance", "{HOST_REGEX}")\nor\n{labelled}'
 
 
@@ -39,9 +39,8 @@ def groups(p: Profile) -> list[Group]:
     s, t = p.selectors, p.thresholds
     w = duration(p.windows.bottleneck)
     idle_cpu = with_host(f'rate(node_cpu_seconds_total{{{s.node},mode="idle"@M}}[{w}])')
-    gpu_util = with_host(f"{m.GPU_UTILIZATION.name}{{{s.exporter}@M}}")
-    fb = with_host(f"{m.GPU_MEMORY_USED.name}{{{s.exporter}@M}}"
-                   f" / {m.GPU_MEMORY_TOTAL.name}{{{s.exporter}@M}}")
+    gpu_util = with_host(f"{names.GPU_UTILIZATION}{{@M}}")
+    fb = with_host(f"{names.GPU_MEMORY_USED}{{@M}} / {names.GPU_MEMORY_TOTAL}{{@M}}")
     ram = with_host(f"1 - node_memory_MemAvailable_bytes{{{s.node}@M}}"
                     f" / node_memory_MemTotal_bytes{{{s.node}@M}}")
     cpu, gpu, mem = names.HOST_CPU_BUSY, names.HOST_GPU_BUSY, names.HOST_MEMORY_USED

@@ -23,23 +23,23 @@ Two decisions, each tested in ``alerts/tests/composite.test.yml``:
 
 from __future__ import annotations
 
-from gpuscope import catalogue as m
 from gpuscope.alerting import latency, memory, names, scheduling
 from gpuscope.alerting.config import Profile
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration
 from gpuscope.dashboards import uids
 
 COMPONENTS = {  # dimension → the alerts that are its symptoms (inhibited by the composite)
-    "latency_spike": ("GPUKernelLatencySpike",),
-    "memory_leak": ("GPUMemoryLeak", "GPUMemoryRunningOut"),
+    "latency_spike": ("GPUKernelLatencySpike", "GPUStepLatencySpike"),
+    "memory_leak": ("GPUMemoryLeak", "GPUMemoryRunningOut", "GPUKVCacheExhausted"),
     "starvation": ("GPUTenantStarved", "GPUTenantUnderServed"),
 }
 COMPOSITE = "GPUServiceDegraded"
 MIN_DIMENSIONS = 2
 
 
-def _conditions(p: Profile) -> dict[str, str]:
-    return {"latency_spike": latency.kernel_spike_condition(p),
+def conditions(p: Profile) -> dict[str, str]:
+    """Each dimension as its component alerts' condition (the OR of them)."""
+    return {"latency_spike": latency.latency_spike_condition(p),
             "memory_leak": memory.leak_condition(p),
             "starvation": scheduling.starvation_condition(p)}
 
@@ -55,25 +55,24 @@ def component_alerts(p: Profile) -> list[Alert]:
 
 
 def groups(p: Profile) -> list[Group]:
-    up = sel("up", p.selectors.server)
-    devices = sel(m.DEVICE_MEMORY_TOTAL.name, p.selectors.server)
     components = component_alerts(p)
-    conditions = _conditions(p)
+    dimensions = conditions(p)
     records = [
         Record(names.DEGRADATION,
-               f"group by (job, instance) (\n{_indent(cond)}\n)\nor on (job, instance)\n0 * {up}",
+               f"group by (job, instance) (\n{_indent(cond)}\n)\nor on (job, instance)\n"
+               f"0 * {names.SERVER_UP}",
                {"dimension": dim})
-        for dim, cond in conditions.items()
+        for dim, cond in dimensions.items()
     ]
     records += [
         Record(names.DEGRADATION_DEVICE,
-               f"group by (job, instance, device) (\n{_indent(conditions[dim])}\n)", {"dimension": dim})
+               f"group by (job, instance, device) (\n{_indent(dimensions[dim])}\n)", {"dimension": dim})
         for dim in ("latency_spike", "memory_leak")
     ]
     records.append(Record(
         names.DEGRADATION_DEVICE,
-        f"group by (job, instance) (\n{_indent(conditions['starvation'])}\n)\n"
-        f"* on (job, instance) group_right ()\ngroup by (job, instance, device) ({devices})",
+        f"group by (job, instance) (\n{_indent(dimensions['starvation'])}\n)\n"
+        f"* on (job, instance) group_right ()\ngroup by (job, instance, device) ({names.SERVER_DEVICE})",
         {"dimension": "starvation"}))
     on_device = f"sum by (job, instance, device) ({names.DEGRADATION_DEVICE}{{job='%s',instance='%s'}})"
     query = (f"group by (dimension) ({names.DEGRADATION_DEVICE}{{job='%s',instance='%s'}} "

@@ -21,14 +21,22 @@ from gpuscope.ports import PORTS
 
 @dataclass(frozen=True)
 class Selectors:
-    """PromQL/LogQL label matchers that pick each part of the stack (the job names of its scrape config)."""
+    """PromQL/LogQL label matchers that pick each part of the stack (the job names of its scrape config).
+
+    ``server``, ``exporter``, ``vllm`` and ``dcgm`` pick the targets of each source (``sources.py``);
+    only the layers of ``Profile.sources`` read them. An equality matcher on ``job`` also names the job
+    in the "no target at all" alerts.
+    """
 
     server: str = 'job="gpuscope-server"'
     exporter: str = 'job="gpuscope-exporter"'
+    vllm: str = 'job="vllm"'
+    dcgm: str = 'job="dcgm-exporter"'
     node: str = 'job="node"'
     #: Loki stream selector of the server's logs (its only stream labels are service and instance).
     server_logs: str = 'service="gpuscope-server"'
-    #: Value of the ``service`` label every alert carries, which the Alertmanager routes match on.
+    #: Value of the ``service`` label every alert carries, which the Alertmanager routes match on: the
+    #: role (inference server, GPU exporter), whichever source plays it.
     server_service: str = "gpuscope-server"
     exporter_service: str = "gpuscope-exporter"
 
@@ -65,6 +73,11 @@ class Thresholds:
     #: GPUMemoryLeak: the floor's latest growth is at least this fraction of its growth a span earlier.
     #: Caches that fill up grow ever slower (a warm-up's tail, a creep towards a ceiling); leaks do not.
     leak_min_growth_ratio: float = 0.5
+
+    #: GPUKVCacheExhausted (servers without a memory floor, vLLM): KV cache at least this full while
+    #: requests are preempted for lack of it. vLLM runs its cache near full by design; preemption is
+    #: what says it is too small.
+    kv_cache_full_ratio: float = 0.95
 
     # Starvation: a tenant with backlog served less than this fraction of its configured GPU share.
     underserved_share_fraction: float = 0.5
@@ -166,6 +179,13 @@ class Links:
     grafana: str = f"http://localhost:{PORTS['grafana']}"
 
 
+#: The sources whose metrics the rules read (``sources.py``): a server (``gpuscope-server`` or ``vllm``)
+#: and a GPU exporter (``gpuscope-exporter`` or ``dcgm-exporter``), several of one role where both run.
+#: ``alerts/prometheus/<profile>/sources.rules.yml`` is their normalisation layer; every source's layer is
+#: also written on its own under ``alerts/sources/<profile>/`` for another choice at deploy time.
+DEFAULT_SOURCES: tuple[str, ...] = ("gpuscope-server", "gpuscope-exporter")
+
+
 @dataclass(frozen=True)
 class Profile:
     """One complete alerting configuration."""
@@ -174,6 +194,7 @@ class Profile:
     evaluation_interval: int
     windows: Windows
     notify: Notify
+    sources: tuple[str, ...] = DEFAULT_SOURCES
     selectors: Selectors = field(default_factory=Selectors)
     thresholds: Thresholds = field(default_factory=Thresholds)
     links: Links = field(default_factory=Links)

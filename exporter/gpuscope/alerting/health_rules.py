@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuscope import catalogue as m
+from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
 from gpuscope.dashboards import uids
@@ -11,9 +11,9 @@ from gpuscope.dashboards import uids
 def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
     t, w = p.thresholds, p.windows
     window = duration(w.throttle)
-    clock = sel(m.GPU_CLOCK_EVENT_SECONDS.name, p.selectors.exporter, f'reason=~"{reasons}"')
+    clock = sel(names.GPU_CLOCK_EVENT_RATIO, f'reason=~"{reasons}"')
     return Alert(
-        name=name, expr=f"max by (job, instance, gpu) (rate({clock}[{window}])) > {num(t.throttle_ratio)}",
+        name=name, expr=f"max by (job, instance, gpu) ({clock}) > {num(t.throttle_ratio)}",
         for_s=w.throttle_for, severity="warning", service=p.selectors.exporter_service,
         dashboard=uids.FLEET, dashboard_vars=("instance", "gpu"),
         summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} is {cause} throttled",
@@ -26,7 +26,7 @@ def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
                     "every kernel runs slower."))
 
 
-def _targets_missing(p: Profile, name: str, job: str, service: str, what: str,
+def _targets_missing(p: Profile, name: str, role: str, service: str, what: str,
                      none_severity: Severity) -> list[Alert]:
     """``up == 0`` covers only targets still listed: these cover the ones service discovery dropped.
 
@@ -34,21 +34,22 @@ def _targets_missing(p: Profile, name: str, job: str, service: str, what: str,
     ``target_missing`` ago (one of several left; resolves that long after, or when it is back).
     """
     w = p.windows
-    up, ago, down_for = sel("up", job), duration(w.target_missing), duration(w.scrape_down_for)
-    now = query_value("count(up{job='%s'})", ("job",), "humanize")
-    gone = (f'{{{{ range $i, $s := printf "up{{job=\'%s\'}} offset {ago} unless on (instance) '
-            f'up{{job=\'%s\'}}" $labels.job $labels.job | query | sortByLabel "instance" }}}}'
+    up, absent = names.TARGETS[role]
+    ago, down_for = duration(w.target_missing), duration(w.scrape_down_for)
+    now = query_value(f"count({up}{{job='%s'}})", ("job",), "humanize")
+    gone = (f'{{{{ range $i, $s := printf "{up}{{job=\'%s\'}} offset {ago} unless on (instance) '
+            f'{up}{{job=\'%s\'}}" $labels.job $labels.job | query | sortByLabel "instance" }}}}'
             f'{{{{ if $i }}}}, {{{{ end }}}}'
             f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
     common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": uids.FLEET,
               "dashboard_vars": ()}
     return [
-        Alert(**common, expr=f"absent({up})", severity=none_severity, labels={"missing": "all"},
+        Alert(**common, expr=absent, severity=none_severity, labels={"missing": "all"},
               summary=f"No {what} target is scraped ({{{{ $labels.job }}}})",
               description=(f"Prometheus has had no target of job {{{{ $labels.job }}}} for {down_for}: "
                            f"the {what} left service discovery or the scrape configuration, so none of "
                            f"its alerts can fire (up == 0 needs a listed target)."),
-              doc=Doc(what=f"No {what} target at all", threshold=f"absent({up})",
+              doc=Doc(what=f"No {what} target at all", threshold="absent(up) for its job",
                       window=f"for {down_for}",
                       why="A target that service discovery drops has no up series, so the down alert "
                           "stays silent; absent() keeps firing however long ago it went.")),
@@ -71,17 +72,16 @@ def groups(p: Profile) -> list[Group]:
     xids = "|".join(str(x) for x in t.xid_critical)
     xid_w = duration(w.xid)
     drop_w = duration(w.timer_drop)
-    dropped = f"rate({sel(m.TIMER_DROPPED.name, s.server)}[{drop_w}])"
-    timed = f"rate({sel(m.REGION_GPU_SECONDS.series('_count'), s.server)}[{drop_w}])"
+    dropped, timed = names.TIMER_DROPPED_RATE, names.TIMER_TIMED_RATE
     gpu_vars = ("instance", "gpu")
-    gpus, gpus_w = sel(m.EXPORTER_GPUS.name, s.exporter), duration(w.gpus_missing)
-    gpus_max = query_value(f"max_over_time({m.EXPORTER_GPUS.name}{{job='%s',instance='%s'}}[{gpus_w}])",
+    gpus, gpus_w = names.EXPORTER_GPUS, duration(w.gpus_missing)
+    gpus_max = query_value(f"max_over_time({gpus}{{job='%s',instance='%s'}}[{gpus_w}])",
                            ("job", "instance"), "humanize")
-    init_errors = f"{m.EXPORTER_ERRORS.name}{{job='%s',instance='%s',call='nvmlInit'}}"
+    init_errors = f"{names.EXPORTER_INIT_ERRORS}{{job='%s',instance='%s'}}"
     nvml_init = (f'{{{{ with printf "{init_errors}" $labels.job $labels.instance | query }}}}'
                  f'{{{{ . | first | value | humanize }}}}{{{{ else }}}}0{{{{ end }}}}')
     alerts = [
-        Alert(name="GPUServerDown", expr=f"up{{{s.server}}} == 0", for_s=w.scrape_down_for,
+        Alert(name="GPUServerDown", expr=f"{names.SERVER_UP} == 0", for_s=w.scrape_down_for,
               severity="critical", service=srv, dashboard=uids.FLEET,
               summary="Inference server {{ $labels.instance }} is down",
               description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
@@ -90,7 +90,7 @@ def groups(p: Profile) -> list[Group]:
               doc=Doc(what="Server not scraped", threshold="up == 0",
                       window=f"for {duration(w.scrape_down_for)}",
                       why="Without the server's metrics no other server alert can fire.")),
-        Alert(name="GPUExporterDown", expr=f"up{{{s.exporter}}} == 0", for_s=w.scrape_down_for,
+        Alert(name="GPUExporterDown", expr=f"{names.GPU_EXPORTER_UP} == 0", for_s=w.scrape_down_for,
               severity="warning", service=exp, dashboard=uids.FLEET,
               summary="GPU exporter {{ $labels.instance }} is down",
               description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
@@ -99,8 +99,8 @@ def groups(p: Profile) -> list[Group]:
               doc=Doc(what="Exporter not scraped", threshold="up == 0",
                       window=f"for {duration(w.scrape_down_for)}",
                       why="The GPUs keep serving; only their visibility is lost, so a warning.")),
-        *_targets_missing(p, "GPUServerTargetMissing", s.server, srv, "inference server", "critical"),
-        *_targets_missing(p, "GPUExporterTargetMissing", s.exporter, exp, "GPU exporter", "warning"),
+        *_targets_missing(p, "GPUServerTargetMissing", "server", srv, "inference server", "critical"),
+        *_targets_missing(p, "GPUExporterTargetMissing", "gpu", exp, "GPU exporter", "warning"),
         Alert(name="GPUExporterGPUsMissing",
               expr=(f"{gpus}\n< on (job, instance)\nmax_over_time({gpus}[{gpus_w}])"),
               for_s=w.scrape_down_for, severity="warning", service=exp, dashboard=uids.FLEET,
@@ -116,7 +116,7 @@ def groups(p: Profile) -> list[Group]:
                       why="An exporter that restarts without NVML still answers scrapes and /healthz "
                           "with 0 GPUs: no GPU alert can fire. A host that never had GPUs stays silent.")),
         Alert(name="GPUExporterStale",
-              expr=f"{sel(m.EXPORTER_STALENESS.name, s.exporter)} > {num(t.exporter_stale_s)}",
+              expr=f"{names.EXPORTER_STALENESS} > {num(t.exporter_stale_s)}",
               for_s=w.exporter_stale_for, severity="warning", service=exp, dashboard=uids.FLEET,
               summary="GPU exporter {{ $labels.instance }} serves stale {{ $labels.collector }} values",
               description=("The {{ $labels.collector }} collector of {{ $labels.instance }} serves values "
@@ -125,7 +125,7 @@ def groups(p: Profile) -> list[Group]:
                       window=f"for {duration(w.exporter_stale_for)}",
                       why="Scrapes never wait on NVML, so a hung NVML call shows up as age, not as a "
                           "failed scrape.")),
-        Alert(name="GPULost", expr=f"{sel(m.EXPORTER_GPU_UP.name, s.exporter)} == 0", for_s=w.gpu_lost_for,
+        Alert(name="GPULost", expr=f"{names.EXPORTER_GPU_UP} == 0", for_s=w.gpu_lost_for,
               severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} stopped answering",
               description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} has not answered "
@@ -134,7 +134,7 @@ def groups(p: Profile) -> list[Group]:
                       window=f"for {duration(w.gpu_lost_for)}",
                       why="Work on that GPU has stopped; usually needs a reset or a node drain.")),
         Alert(name="GPUFellOffBus",
-              expr=f"increase({sel(m.EXPORTER_GPUS_LOST.name, s.exporter)}[{xid_w}]) > 0", for_s=0,
+              expr=f"{names.EXPORTER_GPUS_LOST} > 0", for_s=0,
               severity="critical", service=exp, dashboard=uids.FLEET,
               summary="A GPU fell off the bus on {{ $labels.instance }}",
               description=(f"NVML reported {{{{ $value | humanize }}}} GPU(s) lost from the bus on "
@@ -142,10 +142,7 @@ def groups(p: Profile) -> list[Group]:
               doc=Doc(what="NVML reported GPU_IS_LOST", threshold="any", window=xid_w,
                       why="Fires even when the GPU is gone from the exporter's list (no gpu_up left).")),
         Alert(name="GPUXidCritical",
-              expr=(f'increase({sel(m.GPU_XID_ERRORS.name, s.exporter, f"xid=~{chr(34)}{xids}{chr(34)}")}'
-                    f"[{xid_w}]) > 0\nor\n"
-                    f'time() - {sel(m.GPU_XID_LAST.name, s.exporter, f"xid=~{chr(34)}{xids}{chr(34)}")}'
-                    f" < {w.xid}"),
+              expr=sel(names.GPU_XID_RECENT, f'xid=~"{xids}"'),
               for_s=0, severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} reported critical XID "
                        "{{ $labels.xid }}"),
@@ -154,8 +151,9 @@ def groups(p: Profile) -> list[Group]:
                            f"or driver fault, not an application bug."),
               doc=Doc(what="An XID error with a hardware/driver code", threshold=f"XID in {xids}",
                       window=f"{xid_w} after the error",
-                      why="The last-timestamp gauge also catches an XID series' first error, which "
-                          "increase() cannot see.")),
+                      why="Recorded per code by the GPU source (gpuscope exporter: the error counter or "
+                          "its last-timestamp gauge, which also catches a series' first error; "
+                          "dcgm-exporter: a change of its last-XID gauge).")),
         _throttle(p, "GPUThermalThrottling", "thermal", t.throttle_thermal_reasons),
         _throttle(p, "GPUPowerThrottling", "power", t.throttle_power_reasons),
         Alert(name="GPUTimerDroppingSamples",

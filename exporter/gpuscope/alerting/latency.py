@@ -34,11 +34,18 @@ def quantile_expr(metric: m.Metric, q: float, labels: Sequence[str], selector: s
             f"sum by ({by(labels)}) (rate({sel(metric.series('_count'), selector)}[{w}])) > 0")
 
 
+def recorded_quantile(metric: m.Metric, q: float, labels: Sequence[str]) -> str:
+    """p-quantile of the normalised bucket rates, present only while there are samples (no NaN series)."""
+    buckets = names.rate(metric, "_bucket")
+    return (f"histogram_quantile({num(q)}, sum by ({by([*labels, 'le'])}) ({buckets}))\n"
+            f"and on ({by(labels)})\n"
+            f"sum by ({by(labels)}) ({names.rate(metric, '_count')}) > 0")
+
+
 def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile, baseline: bool) -> list[Record]:
-    s, w = p.selectors.server, p.windows.latency
     records = [
-        Record(names.quantile(metric, names.P50), quantile_expr(metric, 0.5, labels, s, w)),
-        Record(names.quantile(metric, names.P99), quantile_expr(metric, 0.99, labels, s, w)),
+        Record(names.quantile(metric, names.P50), recorded_quantile(metric, 0.5, labels)),
+        Record(names.quantile(metric, names.P99), recorded_quantile(metric, 0.99, labels)),
     ]
     if baseline:
         p99 = names.quantile(metric, names.P99)
@@ -46,7 +53,7 @@ def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile, basel
             Record(names.quantile(metric, names.P99_BASELINE),
                    f"quantile_over_time(0.5, {p99}[{duration(p.windows.latency_baseline)}])"),
             Record(names.quantile(metric, names.SAMPLES_RATE),
-                   f"sum by ({by(labels)}) (rate({sel(metric.series('_count'), s)}[{duration(w)}]))"),
+                   f"sum by ({by(labels)}) ({names.rate(metric, '_count')})"),
         ]
     return records
 
@@ -59,8 +66,20 @@ def spike_expr(metric: m.Metric, min_rate: float, p: Profile) -> str:
 
 
 def kernel_spike_condition(p: Profile) -> str:
-    """The latency-spike dimension of the composite: kernel GPU time, which queueing cannot raise."""
+    """Kernel GPU time far above its baseline: queueing cannot raise it."""
     return spike_expr(m.REGION_GPU_SECONDS, p.thresholds.kernel_min_samples_per_s, p)
+
+
+def step_spike_condition(p: Profile) -> str:
+    """Inter-token latency far above its baseline, on a server without kernel timing (vLLM): the
+    engine's step time as requests see it, which queueing cannot raise either."""
+    return (f"{spike_expr(m.REQUEST_ITL, p.thresholds.kernel_min_samples_per_s, p)}\n"
+            f"unless on ({by(ENDPOINT_LABELS)})\n{names.REGION_SAMPLES_RATE}")
+
+
+def latency_spike_condition(p: Profile) -> str:
+    """The latency-spike dimension of the composite: kernel time where it is timed, else step time."""
+    return f"({kernel_spike_condition(p)})\nor\n({step_spike_condition(p)})"
 
 
 def _detail(metric: m.Metric, labels: Sequence[str]) -> tuple[str, str]:
@@ -94,6 +113,23 @@ def groups(p: Profile) -> list[Group]:
                         "sustained rise means slower kernels (throttling, contention, a bad build)."),
         ),
     ]
+    i_p99, i_base = _detail(m.REQUEST_ITL, ENDPOINT_LABELS)
+    alerts.append(Alert(
+        name="GPUStepLatencySpike", expr=step_spike_condition(p), for_s=w.latency_for,
+        evidence_s=w.latency, severity="warning", service=p.selectors.server_service, dashboard=uids.SLO,
+        summary="Inter-token latency spiked on {{ $labels.instance }}",
+        description=(f"p99 inter-token latency on {{{{ $labels.instance }}}} is {i_p99} over {window}, "
+                     f"{{{{ $value | humanize }}}}× its baseline of {i_base} (median p99 over {baseline}); "
+                     f"the server has no kernel timing, so this is its step time as requests see it."),
+        doc=Doc(what="p99 inter-token latency far above its usual p99, on a server without kernel timing "
+                     "(vLLM): the composite's latency dimension there",
+                threshold=f"p99 ≥ {ratio}× baseline, ≥ {num(t.kernel_min_samples_per_s)} tokens/s",
+                window=f"p99 over {window}, baseline = median p99 over {baseline}, for "
+                       f"{duration(w.latency_for)}",
+                why="Each token waits one engine step, so its gap rises with slower kernels and not with "
+                    "queueing; where kernels are timed, GPUKernelLatencySpike says more and this stays "
+                    "silent."),
+    ))
     for key, metric in (("ttft", m.REQUEST_TTFT), ("e2e", m.REQUEST_E2E)):
         p99, base = _detail(metric, ENDPOINT_LABELS)
         alerts.append(Alert(
@@ -115,7 +151,7 @@ def groups(p: Profile) -> list[Group]:
         *_quantile_records(m.REGION_GPU_SECONDS, KERNEL_LABELS, p, baseline=True),
         *_quantile_records(m.REQUEST_TTFT, ENDPOINT_LABELS, p, baseline=True),
         *_quantile_records(m.REQUEST_E2E, ENDPOINT_LABELS, p, baseline=True),
-        *_quantile_records(m.REQUEST_ITL, ENDPOINT_LABELS, p, baseline=False),
+        *_quantile_records(m.REQUEST_ITL, ENDPOINT_LABELS, p, baseline=True),
         *_quantile_records(m.REQUEST_QUEUE, TENANT_LABELS, p, baseline=True),
     ]
     return [Group("gpuscope-latency", (*records, *alerts))]

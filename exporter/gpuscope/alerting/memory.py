@@ -42,10 +42,9 @@ its cause; a traffic surge that lifts memory for a few minutes and levels off do
 
 from __future__ import annotations
 
-from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, query_value
 from gpuscope.dashboards import uids
 
 SERVER_LABELS = ("job", "instance", "device")
@@ -86,40 +85,34 @@ def fast_rate_record(used: str, p: Profile) -> str:
     return f"({_growth(used, w.leak_fast_floor, w.leak_fast_step)}) / {w.leak_fast_step}"
 
 
-def _time_to_exhaustion(used: str, total: str, rate: str, peak_window: int, labels: tuple[str, ...]) -> str:
+def headroom(used: str, total: str, peak_window: int, labels: tuple[str, ...], min_age: int = 0) -> str:
+    """Bytes left: capacity minus the highest value over ``peak_window`` (where a sawtooth's next peak
+    would hit capacity); with ``min_age``, only for series at least that old (a new process warms up)."""
     on = _on(labels)
-    return (f"clamp_min({total} - {on} max_over_time({used}[{duration(peak_window)}]), 0)\n"
-            f"/ {on} ({rate} > 0)")
+    expr = f"clamp_min({total} - {on} max_over_time({used}[{duration(peak_window)}]), 0)"
+    return f"{expr}\nand {on}\n{used} offset {duration(min_age)}" if min_age else expr
 
 
-def _slow(used: str, total: str, rate: str, labels: tuple[str, ...], p: Profile) -> str:
-    return (f"{_time_to_exhaustion(used, total, rate, p.windows.leak_floor, labels)}\n"
-            f"< {p.thresholds.leak_horizon_s}")
+def _exhaustion(head: str, rate: str, labels: tuple[str, ...], horizon: int) -> str:
+    """Time to exhaustion at the recorded growth, below ``horizon``."""
+    return f"{head}\n/ {_on(labels)} ({rate} > 0)\n< {horizon}"
 
 
-def _fast(used: str, total: str, rate: str, labels: tuple[str, ...], p: Profile) -> str:
-    w = p.windows
-    return (f"{_time_to_exhaustion(used, total, rate, w.leak_fast_floor, labels)}\n"
-            f"< {p.windows.leak_fast_horizon}\n"
-            f"and {_on(labels)}\n"
-            f"{used} offset {duration(w.leak_fast_min_age)}")
-
-
-def _server(p: Profile) -> tuple[str, str]:
-    s = p.selectors.server
-    return sel(m.DEVICE_MEMORY_ALLOCATED.name, s), sel(m.DEVICE_MEMORY_TOTAL.name, s)
-
-
-def _gpu(p: Profile) -> tuple[str, str]:
-    e = p.selectors.exporter
-    return sel(m.GPU_MEMORY_USED.name, e), sel(m.GPU_MEMORY_TOTAL.name, e)
+def kv_exhausted_condition(p: Profile) -> str:
+    """KV cache full and requests preempted, on a server without a memory floor (vLLM)."""
+    on = "on (job, instance)"
+    return (f"{names.KV_CACHE_USAGE} >= {num(p.thresholds.kv_cache_full_ratio)}\nand {on}\n"
+            f"sum by (job, instance) ({names.PREEMPTIONS_RATE}) > 0\nunless {on}\n{names.MEMORY_HEADROOM}")
 
 
 def leak_condition(p: Profile) -> str:
-    """The memory-leak dimension of the composite: either alert's condition on the server's memory."""
-    used, total = _server(p)
-    return (f"(\n{_slow(used, total, names.MEMORY_GROWTH_RATE, SERVER_LABELS, p)}\n)\nor\n"
-            f"(\n{_fast(used, total, names.MEMORY_GROWTH_RATE_FAST, SERVER_LABELS, p)}\n)")
+    """The memory dimension of the composite: the leak alerts' conditions on the server's memory, or
+    on a server without one (vLLM) its KV cache exhausted."""
+    slow = _exhaustion(names.MEMORY_HEADROOM, names.MEMORY_GROWTH_RATE, SERVER_LABELS,
+                       p.thresholds.leak_horizon_s)
+    fast = _exhaustion(names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST, SERVER_LABELS,
+                       p.windows.leak_fast_horizon)
+    return f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{kv_exhausted_condition(p)}\n)"
 
 
 def _query(expr: str, labels: tuple[str, ...], humanizer: str) -> str:
@@ -127,13 +120,13 @@ def _query(expr: str, labels: tuple[str, ...], humanizer: str) -> str:
                        labels, humanizer)
 
 
-def _holds(used: m.Metric, total: m.Metric, labels: tuple[str, ...], where: str) -> str:
-    now = _query(used.name + "{}", labels, "humanize1024")
-    cap = _query(total.name + "{}", labels, "humanize1024")
+def _holds(used: str, total: str, labels: tuple[str, ...], where: str) -> str:
+    now = _query(used + "{}", labels, "humanize1024")
+    cap = _query(total + "{}", labels, "humanize1024")
     return f"{where} holds {now}B of {cap}B"
 
 
-def _slow_description(used: m.Metric, total: m.Metric, rate: str, labels: tuple[str, ...], where: str,
+def _slow_description(used: str, total: str, rate: str, labels: tuple[str, ...], where: str,
                       p: Profile) -> str:
     w = p.windows
     growth = _query(rate + "{}", labels, "humanize1024")
@@ -144,7 +137,7 @@ def _slow_description(used: m.Metric, total: m.Metric, rate: str, labels: tuple[
             f"{{{{ $value | humanizeDuration }}}}.")
 
 
-def _fast_description(used: m.Metric, total: m.Metric, rate: str, labels: tuple[str, ...], where: str,
+def _fast_description(used: str, total: str, rate: str, labels: tuple[str, ...], where: str,
                       p: Profile) -> str:
     w = p.windows
     growth = _query(rate + "{}", labels, "humanize1024")
@@ -170,61 +163,66 @@ def groups(p: Profile) -> list[Group]:
     fast_why = (f"The slow rule needs {duration(w.leak)} of evidence; a leak that exhausts memory "
                 f"sooner pages while there is time to act. A climb this fast that lasts longer than "
                 f"{duration(w.leak_fast_for)} pages whatever its cause; a new process's warm-up does not.")
-    s_used, s_total = _server(p)
-    g_used, g_total = _gpu(p)
     server_where = "The server {{ $labels.instance }} on {{ $labels.device }}"
     gpu_where = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
-    common = {"dashboard": uids.FLEET}
-    srv = {**common, "service": p.selectors.server_service}
-    exp = {**common, "service": p.selectors.exporter_service}
-    records = [
-        Record(names.MEMORY_GROWTH_RATE, growth_rate_record(s_used, SERVER_LABELS, p)),
-        Record(names.MEMORY_GROWTH_RATE_FAST, fast_rate_record(s_used, p)),
-        Record(names.GPU_MEMORY_GROWTH_RATE, growth_rate_record(g_used, GPU_LABELS, p)),
-        Record(names.GPU_MEMORY_GROWTH_RATE_FAST, fast_rate_record(g_used, p)),
-    ]
+    srv = {"dashboard": uids.FLEET, "service": p.selectors.server_service}
+    exp = {"dashboard": uids.FLEET, "service": p.selectors.exporter_service,
+           "dashboard_vars": ("instance", "gpu")}
+    server = (names.DEVICE_MEMORY_ALLOCATED, names.DEVICE_MEMORY_TOTAL, SERVER_LABELS, server_where)
+    gpu = (names.GPU_MEMORY_USED, names.GPU_MEMORY_TOTAL, GPU_LABELS, gpu_where)
+
+    def slow(target: tuple, head: str, rate: str) -> dict:
+        return {"for_s": w.leak_for, "severity": "warning", "evidence_s": w.leak,
+                "expr": _exhaustion(head, rate, target[2], t.leak_horizon_s),
+                "description": _slow_description(target[0], target[1], rate, target[2], target[3], p)}
+
+    def fast(target: tuple, head: str, rate: str) -> dict:
+        return {"for_s": w.leak_fast_for, "severity": "critical",
+                "evidence_s": w.leak_fast_floor + w.leak_fast_step,
+                "expr": _exhaustion(head, rate, target[2], w.leak_fast_horizon),
+                "description": _fast_description(target[0], target[1], rate, target[2], target[3], p)}
+
     alerts = [
-        Alert(
-            name="GPUMemoryLeak", for_s=w.leak_for, severity="warning", evidence_s=w.leak, **srv,
-            expr=_slow(s_used, s_total, names.MEMORY_GROWTH_RATE, SERVER_LABELS, p),
-            summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) leaks towards exhaustion",
-            description=_slow_description(m.DEVICE_MEMORY_ALLOCATED, m.DEVICE_MEMORY_TOTAL,
-                                          names.MEMORY_GROWTH_RATE, SERVER_LABELS, server_where, p),
-            doc=Doc(what="The server's memory floor keeps rising and will run out (one of the composite's "
-                         "three dimensions)",
-                    threshold=slow_threshold, window=slow_window, why=slow_why)),
-        Alert(
-            name="GPUMemoryRunningOut", for_s=w.leak_fast_for, severity="critical",
-            evidence_s=w.leak_fast_floor + w.leak_fast_step, **srv,
-            expr=_fast(s_used, s_total, names.MEMORY_GROWTH_RATE_FAST, SERVER_LABELS, p),
-            summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
-                    f"{fast_horizon}",
-            description=_fast_description(m.DEVICE_MEMORY_ALLOCATED, m.DEVICE_MEMORY_TOTAL,
-                                          names.MEMORY_GROWTH_RATE_FAST, SERVER_LABELS, server_where, p),
-            doc=Doc(what="The server's memory grows fast enough to run out soon (composite dimension: "
-                         "memory leak)",
-                    threshold=f"runs out within {fast_horizon} at the recent growth",
-                    window=fast_window, why=fast_why)),
-        Alert(
-            name="GPUFramebufferFillingUp", for_s=w.leak_for, severity="warning", evidence_s=w.leak,
-            dashboard_vars=("instance", "gpu"), **exp,
-            expr=_slow(g_used, g_total, names.GPU_MEMORY_GROWTH_RATE, GPU_LABELS, p),
-            summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} fills its memory",
-            description=_slow_description(m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL,
-                                          names.GPU_MEMORY_GROWTH_RATE, GPU_LABELS, gpu_where, p),
-            doc=Doc(what="A GPU's framebuffer floor (all processes, from NVML) keeps rising and will run out",
-                    threshold=slow_threshold, window=slow_window,
-                    why=slow_why + " Catches processes other than the server.")),
-        Alert(
-            name="GPUFramebufferRunningOut", for_s=w.leak_fast_for, severity="critical",
-            evidence_s=w.leak_fast_floor + w.leak_fast_step, dashboard_vars=("instance", "gpu"), **exp,
-            expr=_fast(g_used, g_total, names.GPU_MEMORY_GROWTH_RATE_FAST, GPU_LABELS, p),
-            summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} runs out of memory within "
-                    f"{fast_horizon}",
-            description=_fast_description(m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL,
-                                          names.GPU_MEMORY_GROWTH_RATE_FAST, GPU_LABELS, gpu_where, p),
-            doc=Doc(what="A GPU's framebuffer (all processes) grows fast enough to run out soon",
-                    threshold=f"runs out within {fast_horizon} at the recent growth",
-                    window=fast_window, why=fast_why)),
+        Alert(name="GPUMemoryLeak", **srv, **slow(server, names.MEMORY_HEADROOM, names.MEMORY_GROWTH_RATE),
+              summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) leaks towards exhaustion",
+              doc=Doc(what="The server's memory floor keeps rising and will run out (one of the composite's "
+                           "three dimensions)",
+                      threshold=slow_threshold, window=slow_window, why=slow_why)),
+        Alert(name="GPUMemoryRunningOut", **srv,
+              **fast(server, names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST),
+              summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
+                      f"{fast_horizon}",
+              doc=Doc(what="The server's memory grows fast enough to run out soon (composite dimension: "
+                           "memory leak)",
+                      threshold=f"runs out within {fast_horizon} at the recent growth",
+                      window=fast_window, why=fast_why)),
+        Alert(name="GPUFramebufferFillingUp", **exp,
+              **slow(gpu, names.GPU_MEMORY_HEADROOM, names.GPU_MEMORY_GROWTH_RATE),
+              summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} fills its memory",
+              doc=Doc(what="A GPU's framebuffer floor (all processes) keeps rising and will run out",
+                      threshold=slow_threshold, window=slow_window,
+                      why=slow_why + " Catches processes other than the server.")),
+        Alert(name="GPUFramebufferRunningOut", **exp,
+              **fast(gpu, names.GPU_MEMORY_HEADROOM_FAST, names.GPU_MEMORY_GROWTH_RATE_FAST),
+              summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} runs out of memory within "
+                      f"{fast_horizon}",
+              doc=Doc(what="A GPU's framebuffer (all processes) grows fast enough to run out soon",
+                      threshold=f"runs out within {fast_horizon} at the recent growth",
+                      window=fast_window, why=fast_why)),
     ]
-    return [Group("gpuscope-memory", (*records, *alerts))]
+    alerts.append(Alert(
+        name="GPUKVCacheExhausted", expr=kv_exhausted_condition(p), for_s=w.latency_for,
+        evidence_s=w.latency, severity="warning", **srv,
+        summary="KV cache of {{ $labels.instance }} is full and preempting requests",
+        description=(f"The KV cache of {{{{ $labels.instance }}}} is {{{{ $value | humanizePercentage }}}} "
+                     f"full and requests were preempted for lack of it over the last "
+                     f"{duration(w.latency)}: each preempted request is recomputed later."),
+        doc=Doc(what="KV cache full and requests preempted, on a server without a memory floor (vLLM): "
+                     "the composite's memory dimension there",
+                threshold=f"usage ≥ {num(t.kv_cache_full_ratio * 100)}% and preemptions > 0",
+                window=f"preemptions over {duration(w.latency)}, for {duration(w.latency_for)}",
+                why="vLLM preallocates its GPU memory, so it cannot leak into exhaustion the way a "
+                    "growing process does; it runs out when the KV cache no longer holds the running "
+                    "batch and preempts. A full cache alone is vLLM working as designed."),
+    ))
+    return [Group("gpuscope-memory", tuple(alerts))]

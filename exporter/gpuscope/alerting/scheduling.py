@@ -9,31 +9,27 @@ every slowdown makes queues wait longer, so it would count a latency problem twi
 
 from __future__ import annotations
 
-from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value
 from gpuscope.dashboards import uids
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"
 
 
-def _backlog(p: Profile) -> str:
-    depth = sel(m.QUEUE_DEPTH.name, p.selectors.server)
-    return f"min_over_time({depth}[{duration(p.windows.starvation)}]) > 0"
+BACKLOG = f"{names.TENANT_BACKLOG} > 0"
 
 
 def starved_condition(p: Profile) -> str:
-    tokens = sel(m.GENERATION_TOKENS.name, p.selectors.server)
-    return (f"{_backlog(p)}\nunless {ON}\n"
-            f"sum by (job, instance, tenant) (rate({tokens}[{duration(p.windows.starvation)}])) > 0")
+    return (f"{BACKLOG}\nunless {ON}\n"
+            f"sum by (job, instance, tenant) ({names.GENERATION_TOKENS_RATE}) > 0")
 
 
 def underserved_condition(p: Profile) -> str:
-    share, quota = names.TENANT_GPU_SHARE, sel(m.TENANT_SHARE_QUOTA.name, p.selectors.server)
+    share, quota = names.TENANT_GPU_SHARE, names.TENANT_SHARE_QUOTA
     fraction = num(p.thresholds.underserved_share_fraction)
-    return (f"{share} > 0\nand {ON}\n{share} < {ON} ({fraction} * {quota})\nand {ON}\n{_backlog(p)}")
+    return (f"{share} > 0\nand {ON}\n{share} < {ON} ({fraction} * {quota})\nand {ON}\n{BACKLOG}")
 
 
 def starvation_condition(p: Profile) -> str:
@@ -44,18 +40,18 @@ def starvation_condition(p: Profile) -> str:
 def groups(p: Profile) -> list[Group]:
     t, w = p.thresholds, p.windows
     window = duration(w.starvation)
-    spent = sel(m.TENANT_GPU_SECONDS.name, p.selectors.server)
+    spent = names.TENANT_GPU_SECONDS_RATE
     match = "job='%s',instance='%s',tenant='%s'"
-    depth = query_value(f"min_over_time({m.QUEUE_DEPTH.name}{{{match}}}[{window}])", LABELS, "humanize")
-    quota = query_value(f"{m.TENANT_SHARE_QUOTA.name}{{{match}}}", LABELS, "humanizePercentage")
+    depth = query_value(f"{names.TENANT_BACKLOG}{{{match}}}", LABELS, "humanize")
+    quota = query_value(f"{names.TENANT_SHARE_QUOTA}{{{match}}}", LABELS, "humanizePercentage")
     q_p99 = query_value(f"{names.QUEUE_P99}{{{match}}}", LABELS, "humanizeDuration")
     q_base = query_value(f"{names.QUEUE_P99_BASELINE}{{{match}}}", LABELS, "humanizeDuration")
     common = {"service": p.selectors.server_service, "dashboard": uids.TENANTS,
               "dashboard_vars": ("instance", "tenant")}
     share = Record(
         names.TENANT_GPU_SHARE,
-        f"sum by (job, instance, tenant) (rate({spent}[{window}]))\n/ on (job, instance) group_left\n"
-        f"sum by (job, instance) (rate({spent}[{window}]))")
+        f"sum by (job, instance, tenant) ({spent})\n/ on (job, instance) group_left\n"
+        f"sum by (job, instance) ({spent})")
     alerts = [
         Alert(name="GPUTenantStarved", expr=starved_condition(p), for_s=w.starvation_for,
               evidence_s=w.starvation,

@@ -8,11 +8,16 @@ the window in a ``window`` label, so dashboards read the same numbers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.alerting.config import Profile
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num
 from gpuscope.dashboards import uids
+
+if TYPE_CHECKING:
+    from gpuscope.alerting.sources import Raw
 
 LABELS = "job"
 
@@ -27,33 +32,37 @@ def _windows(p: Profile) -> list[int]:
 
 
 def ttft_objective_bucket(p: Profile) -> str:
-    """The ``le`` of the TTFT bucket that is the objective; it must be one of the catalogue's buckets."""
+    """The ``le`` of the TTFT bucket that is the objective; it must be one of the catalogue's buckets
+    (vLLM's TTFT buckets, which gpuscope serve shares)."""
     objective = p.thresholds.slo_ttft_objective_s
     if objective not in (m.REQUEST_TTFT.buckets or ()):
         raise ValueError(f"TTFT objective {objective}s is not a bucket of {m.REQUEST_TTFT.name}")
     return le(objective)
 
 
+def source_records(p: Profile, selector: str, ttft: Raw, requests: Raw) -> list[Record]:
+    """A source's SLO inputs per window: good and total TTFT requests, bad and total finished requests."""
+    bad = f'outcome=~"{"|".join(p.thresholds.slo_bad_outcomes)}"'
+    series = {
+        names.SLO_TTFT_GOOD: ttft.selector(selector, "_bucket", f'le="{ttft_objective_bucket(p)}"'),
+        names.SLO_TTFT_TOTAL: ttft.selector(selector, "_count"),
+        names.SLO_AVAILABILITY_BAD: requests.selector(selector, "", bad),
+        names.SLO_AVAILABILITY_TOTAL: requests.selector(selector),
+    }
+    return [Record(record, f"sum by ({LABELS}) (rate({expr}[{duration(seconds)}]))",
+                   {"window": duration(seconds)})
+            for seconds in _windows(p) for record, expr in series.items()]
+
+
 def _records(p: Profile) -> list[Record]:
-    s, t = p.selectors.server, p.thresholds
-    bucket = sel(m.REQUEST_TTFT.series("_bucket"), s, f'le="{ttft_objective_bucket(p)}"')
-    count = sel(m.REQUEST_TTFT.series("_count"), s)
-    bad = sel(m.REQUESTS.name, s, f'outcome=~"{"|".join(t.slo_bad_outcomes)}"')
-    total = sel(m.REQUESTS.name, s)
-    records = []
-    for seconds in _windows(p):
-        w = duration(seconds)
-        records.append(Record(
-            names.SLO_TTFT_BURN_RATE,
-            f"(1 - sum by ({LABELS}) (rate({bucket}[{w}])) / sum by ({LABELS}) (rate({count}[{w}])))\n"
-            f"/ {_budget(t.slo_ttft_target)}",
-            {"window": w}))
-        records.append(Record(
-            names.SLO_AVAILABILITY_BURN_RATE,
-            f"sum by ({LABELS}) (rate({bad}[{w}])) / sum by ({LABELS}) (rate({total}[{w}]))\n"
-            f"/ {_budget(t.slo_availability_target)}",
-            {"window": w}))
-    return records
+    t = p.thresholds
+    return [
+        Record(names.SLO_TTFT_BURN_RATE,
+               f"(1 - {names.SLO_TTFT_GOOD} / {names.SLO_TTFT_TOTAL})\n/ {_budget(t.slo_ttft_target)}"),
+        Record(names.SLO_AVAILABILITY_BURN_RATE,
+               f"{names.SLO_AVAILABILITY_BAD} / {names.SLO_AVAILABILITY_TOTAL}\n"
+               f"/ {_budget(t.slo_availability_target)}"),
+    ]
 
 
 def _pair(record: str, long: int, short: int, factor: float) -> str:

@@ -1,0 +1,212 @@
+"""docs/sources.md: what each source supports, computed from the generated rules and dashboards.
+
+An alert (or a dashboard query) is supported by a source when every normalised series it needs is
+recorded by that source's layer. "Needs" follows derived series back to the normalised ones they read
+(a burn rate needs the SLO inputs; a p99 the bucket rates), and leaves out what follows ``unless``
+(what must be absent is not needed). The composite is reported per dimension: a dimension is there
+when either of its conditions is supported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+
+from gpuscope.alerting import composite, log_rules, sources
+from gpuscope.alerting.config import Profile
+from gpuscope.alerting.rules import Alert
+
+NORMALISED = re.compile(r"\bgpuscope:[a-z0-9_]+:[a-z0-9_]+\b")
+RAW = re.compile(r"(?<![\w:])([A-Za-z_][\w:]*)(?=\{)")
+YES, NO, ANY = "✓", "—", "any"
+SERVER = ("gpuscope-server", "vllm")
+GPU = ("gpuscope-exporter", "dcgm-exporter")
+
+
+def _needed(expr: str) -> set[str]:
+    return set(NORMALISED.findall(expr.split("unless")[0]))
+
+
+class Support:
+    """Which normalised series each source records, and what every derived series reads."""
+
+    def __init__(self, p: Profile) -> None:
+        from gpuscope.alerting.generate import consumer_groups
+
+        self.recorded = {name: {r.record for r in sources.records(src, p)}
+                         for name, src in sources.SOURCES.items()}
+        self.derived: dict[str, set[str]] = {}
+        for group in consumer_groups(p):
+            for rule in group.rules:
+                if not isinstance(rule, Alert):
+                    self.derived.setdefault(rule.record, set()).update(_needed(rule.expr))
+        self.alerts = [a for g in consumer_groups(p) for a in g.alerts()]
+        self.conditions = composite.conditions(p)
+        self.profile = p
+
+    def inputs(self, expr: str) -> set[str]:
+        """The normalised series an expression needs, through derived series."""
+        out, seen, todo = set(), set(), _needed(expr)
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                if name in self.derived:
+                    todo |= self.derived[name]
+                else:
+                    out.add(name)
+        return out
+
+    def supports(self, source: str, expr: str) -> bool | None:
+        """True/False; None when the expression reads no normalised series (node_exporter, Prometheus)."""
+        needed = self.inputs(expr)
+        return None if not needed else needed <= self.recorded[source]
+
+    def dimensions(self, source: str) -> list[str]:
+        return [dim for dim, cond in self.conditions.items()
+                if any(self.supports(source, branch) for branch in cond.split("\nor\n"))]
+
+
+def _row(cells: Iterable[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _mark(value: bool | None) -> str:
+    return ANY if value is None else YES if value else NO
+
+
+def _alert_rows(s: Support) -> list[str]:
+    lines = [_row(("alert", *SERVER, *GPU)), _row(["---"] * 5)]
+    seen: set[tuple] = set()
+    loki = [a for g in log_rules.groups(s.profile) for a in g.alerts()]
+    for alert in [*s.alerts, *loki]:
+        key = (alert.name, tuple(alert.labels.items()), alert.severity)
+        if key in seen:
+            continue
+        seen.add(key)
+        name = alert.name + "".join(f" `{k}={v}`" for k, v in alert.labels.items())
+        if sum(a.name == alert.name and a.labels == alert.labels for a in s.alerts) > 1:
+            name += f" ({alert.severity})"
+        if alert.name == composite.COMPOSITE:
+            cells = []
+            for src in (*SERVER, *GPU):
+                dims = s.dimensions(src) if src in SERVER else []
+                cells.append(f"{YES} {len(dims)} of {len(s.conditions)}: {', '.join(dims)}"
+                             if src in SERVER else NO)
+        elif alert in loki:
+            cells = [YES if src == "gpuscope-server" else NO for src in (*SERVER, *GPU)]
+            name += " (Loki)"
+        else:
+            cells = [_mark(s.supports(src, alert.expr)) for src in (*SERVER, *GPU)]
+        lines.append(_row((name, *cells)))
+    return lines
+
+
+def _panel_rows(s: Support) -> list[str]:
+    from gpuscope.dashboards import MODULES, render
+
+    lines = [_row(("dashboard", "panel", *SERVER, *GPU)), _row(["---"] * 6)]
+    for module in MODULES:
+        uid, text = render.dashboard_json(module)
+        for panel in json.loads(text)["panels"]:
+            exprs = [t["expr"] for t in panel.get("targets", []) if t["datasource"]["type"] == "prometheus"]
+            if not exprs:
+                cells = [YES if src == "gpuscope-server" else NO for src in (*SERVER, *GPU)]  # Loki: our logs
+            else:
+                cells = []
+                for src in (*SERVER, *GPU):
+                    marks = [s.supports(src, e) for e in exprs]
+                    cells.append(ANY if all(m is None for m in marks) else _mark(any(m for m in marks)))
+            lines.append(_row((f"`{uid}`", panel["title"], *cells)))
+    return lines
+
+
+def _mapping_rows(p: Profile) -> list[str]:
+    lines = [_row(("normalised series", *SERVER, *GPU)), _row(["---"] * 5)]
+    found: dict[str, dict[str, set[str]]] = {}
+    for name, src in sources.SOURCES.items():
+        for record in sources.records(src, p):
+            found.setdefault(record.record, {}).setdefault(name, set()).update(RAW.findall(record.expr))
+    for record, by_source in found.items():
+        cells = [", ".join(f"`{m}`" for m in sorted(by_source[src])) if src in by_source else NO
+                 for src in (*SERVER, *GPU)]
+        lines.append(_row((f"`{record}`", *cells)))
+    return lines
+
+
+def render(p: Profile) -> str:
+    s = Support(p)
+    notes = []
+    for src in sources.SOURCES.values():
+        notes += [f"### {src.name}: {src.title}", "", f"Follows {src.upstream}.", ""]
+        notes += [f"- {note}" for note in src.notes] or ["- Its own metrics: every normalised series it "
+                                                          "has is a rename-free copy or rate."]
+        notes.append("")
+    table = [_row(("source", "role", "job matcher (`Selectors`)", "layer")), _row(["---"] * 4)]
+    table += [_row((f"`{src.name}`", src.role, f"`{src.selector_field}`: `{src.selector(p)}`",
+                    f"`alerts/sources/<profile>/{src.name}.rules.yml`")) for src in sources.SOURCES.values()]
+    return "\n".join([INTRO.replace("SOURCES_TABLE", "\n".join(table)), *notes,
+                      "## Alerts per source", "", ALERTS_NOTE, "", *_alert_rows(s), "",
+                      "## Dashboard panels per source", "", PANELS_NOTE, "", *_panel_rows(s), "",
+                      "## Normalised series and what each source records them from", "",
+                      *_mapping_rows(p), ""])
+
+
+INTRO = """\
+# Sources: the same alerts and dashboards on gpuscope, vLLM and dcgm-exporter series
+
+Generated by `gpuscope generate` from `exporter/gpuscope/alerting/sources.py` and the rules and
+dashboards built on it; do not edit.
+
+Every alert, the composite, the SLO burn rates, the bottleneck classes and every dashboard panel read
+*normalised series* (`gpuscope:<what>:<aggregation>`, named in `exporter/gpuscope/alerting/names.py`). A
+*source* is a program whose metrics become those series, through its own layer of recording rules:
+
+SOURCES_TABLE
+
+`Profile.sources` in `exporter/gpuscope/alerting/config.py` picks the ones that run (default:
+`gpuscope-server` and `gpuscope-exporter`); their layers are
+`alerts/prometheus/<profile>/sources.rules.yml`, which compose, the fleet profile, Kubernetes and
+`gpuscope stack` load beside `gpuscope.rules.yml`. Several of one role run together (a fleet with
+gpuscope servers and vLLM): each layer records the same series under its own `job`. To run another
+choice, load `gpuscope.rules.yml` and the layers you need from `alerts/sources/<profile>/` (what
+`gpuscope stack --stack.source vllm` does), or set `Profile.sources` and run `gpuscope generate`.
+
+## Why the layer records first aggregations, not copies
+
+The obvious layer copies every raw series under a normalised name (`gpuscope:request_ttft_seconds_bucket
+= gpuscope_request_ttft_seconds_bucket`). For gpuscope's own server that would store every bucket series
+twice, and the rules would still compute the same rates on the copies. Instead each layer records the
+*first aggregation every consumer reads*, straight from the source's metrics:
+
+- histograms: bucket and count rates over the latency window, per tenant (and op/device): the p50/p99
+  records, the spike alerts, the queue-wait alert and every latency panel read them;
+- counters: rates over the window of the alert that reads them (tokens over the starvation window,
+  clock-event seconds over the throttle window), SLO inputs per burn-rate window;
+- gauges: one series per canonical label set (for gpuscope a copy; for vLLM summed over engines; for
+  dcgm-exporter maxed over its identity labels and scaled to base units);
+- memory: the floor growth and headroom the leak alerts compare, computed on the raw gauge so the floors
+  see every scrape.
+
+For the gpuscope source the rules therefore compute no more than before: each bucket rate is computed
+once per evaluation and read by the p50, p99 and sample-rate records, where the old rules computed it
+twice; the series added are the recorded rates themselves (one per bucket series the dashboards and
+alerts use) and small gauge copies. The alerts' values are unchanged: the promtool cases of the default
+sources pass as they did, and the normalised layer of each source is evaluated first
+(`group_eval_order`; in Prometheus a later group may read it up to one evaluation interval late).
+
+What this costs: dashboards show rates over the rule windows (5 m in production, 20 s in the test
+profile), the same rates the alerts see, instead of `$__rate_interval`; and recorded series carry no
+exemplars, so latency panels no longer link a heatmap cell to a trace. Exemplars stay in Prometheus:
+Explore on `gpuscope_request_ttft_seconds_bucket` still opens a request's trace and logs."""
+
+ALERTS_NOTE = """\
+✓: the source's layer records every series the alert reads; —: it does not, and the alert stays
+silent for that source. The composite counts only the dimensions its source has: it fires when two
+hold on one device, so it can fire on vLLM (inter-token latency and starvation) but not on a source
+with only one dimension. Loki alerts read the logs `gpuscope serve` ships."""
+
+PANELS_NOTE = """\
+✓: the panel shows data from that source; —: it stays empty; any: it reads no source (node_exporter,
+the receiver, Prometheus' own series). Loki panels show `gpuscope serve`'s logs."""
