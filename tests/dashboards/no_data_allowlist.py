@@ -12,11 +12,11 @@ NO_GPU = ("NVML series: CI and laptops have no GPU (and no NVML library), so the
 
 ALLOWED_EMPTY: dict[tuple[str, str, str], str] = {
     **{("gpuscope-fleet", title, ref): NO_GPU for title, ref in [
-        ("GPUs answering", "A"), ("Mean utilization", "A"), ("Power draw", "A"), ("XIDs in range", "A"),
+        ("GPUs answering", "A"), ("Mean utilization", "A"), ("Power draw", "A"), ("Power", "C"),
         ("Utilization across GPUs", "A"), ("GPU utilization", "A"), ("Memory bandwidth utilization", "A"),
         ("Framebuffer memory used", "A"), ("Framebuffer memory used", "B"), ("Temperature", "A"),
         ("Temperature", "B"), ("Power", "A"), ("Power", "B"), ("Clocks", "A"), ("Clocks", "B"),
-        ("Throttle reasons (share of time)", "A"), ("Performance state", "A"), ("XID errors per GPU", "A"),
+        ("Throttle reasons (share of time)", "A"), ("Performance state", "A"), ("Recent XIDs per GPU", "A"),
         ("ECC errors and PCIe replays", "A"), ("ECC errors and PCIe replays", "B"),
         ("Oldest cached value", "A"), ("Exporter sampling cost", "A"),
     ]},

@@ -8,12 +8,18 @@ import pytest
 import yaml
 
 from gpuscope import catalogue
+from gpuscope.alerting import generate, names, sources
+from gpuscope.alerting.config import PRODUCTION
 from tests.dashboards.panels import ROOT, UIDS, dashboards, panels, queries
 
 MODERN = {"timeseries", "stat", "heatmap", "table", "logs"}
 PROVISIONED = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "gpuscope.yml"
-#: Series the dashboards may read that are not gpuscope's: Prometheus' own and node_exporter's.
-FOREIGN = re.compile(r"^(up|ALERTS|node_\w+|gpuscope:[a-z_:]+)$")
+#: Series the dashboards may read that no source records: Prometheus' own, node_exporter's (the host,
+#: whatever the sources) and the bundle's own alert receiver's.
+FOREIGN = re.compile(rf"^(up|ALERTS|node_\w+|{catalogue.RECEIVER_NOTIFICATIONS.name})$")
+#: Every normalised and derived series (names.py).
+NAMED = {v for k, v in vars(names).items()
+         if k.isupper() and isinstance(v, str) and v.startswith("gpuscope:")}
 
 
 def provisioned_uids() -> dict[str, str]:
@@ -103,16 +109,17 @@ def test_heatmaps_read_buckets_in_heatmap_format():
             # Grafana buckets raw gauge values itself (utilization across GPUs): no _bucket series exist.
             assert "_bucket" not in target["expr"] and target["format"] == "time_series", p["title"]
             continue
-        assert re.match(r"^sum by \(le\) \(increase\(\w+_bucket\{.*\}\[\$__rate_interval\]\)\)$",
-                        target["expr"]), target["expr"]
+        # The normalised bucket rates (recorded over the latency window): no rate() of their own.
+        assert re.match(r"^sum by \(le\) \(gpuscope:\w+_bucket:rate\{.*\}\)$", target["expr"]), target["expr"]
         assert target["format"] == "heatmap" and target["legendFormat"] == "{{le}}", p["title"]
         assert "dataFormat" not in p and "yBucketBound" not in p, "legacy heatmap fields"
 
 
-def test_latency_panels_show_exemplars():
-    for q_panel in dashboards()["gpuscope-slo"]["panels"]:
-        if q_panel["type"] == "heatmap" or "percentiles" in q_panel["title"]:
-            assert all(t["exemplar"] for t in q_panel["targets"]), q_panel["title"]
+def test_no_panel_asks_recorded_series_for_exemplars():
+    """Recording rules carry no exemplars (docs/sources.md): a switch on would show nothing."""
+    for dash in dashboards().values():
+        for p in panels(dash):
+            assert not any(t.get("exemplar") for t in p.get("targets", [])), p["title"]
 
 
 def test_variables_cover_instance_gpu_op_tenant():
@@ -125,11 +132,35 @@ def test_variables_cover_instance_gpu_op_tenant():
         assert used <= defined, f"{uid} uses undefined variables {used - defined}"
 
 
-def test_every_metric_name_comes_from_the_catalogue():
-    known = {m.name for m in catalogue.all_metrics()}
-    series = known | {m.name + s for m in catalogue.all_metrics() if m.type == "histogram"
-                      for s in ("_bucket", "_sum", "_count")}
+def _read(expr: str) -> set[str]:
+    """Every series name in a query: selectors and bare names (functions and keywords left out)."""
+    stripped = re.sub(r'"[^"]*"', '""', expr)
+    words = set(re.findall(r"(?<![\w:$])[A-Za-z_:][\w:]*", stripped))
+    functions = set(re.findall(r"(?<![\w:])([A-Za-z_]+)\s*\(", stripped))
+    keywords = {"sum", "by", "max", "min", "avg", "count", "without", "on", "ignoring", "group_left",
+                "group_right", "bool", "and", "or", "unless", "vector", "le", "offset"}
+    labels = set(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!=|!~|=)", stripped))
+    clauses = re.findall(r"(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", stripped)
+    grouped = {w for clause in clauses for w in re.findall(r"\w+", clause)}
+    return words - functions - keywords - labels - grouped
+
+
+def test_every_panel_reads_only_normalised_series():
+    """No panel names a source's metric: each reads names.py's series, or node_exporter's, up, ALERTS."""
     for q in queries("prometheus"):
-        stripped = re.sub(r'"[^"]*"', '""', q.expr)  # label values are not metric names
-        for name in re.findall(r"\b[A-Za-z_:][\w:]*(?=\s*\{)", stripped):
-            assert name in series or FOREIGN.match(name), f"{q.dashboard}/{q.panel}: unknown series {name}"
+        for name in _read(q.expr):
+            assert name in NAMED or FOREIGN.match(name), f"{q.dashboard}/{q.panel}: reads {name} ({q.expr})"
+    for dash in dashboards().values():
+        for var in dash["templating"]["list"]:
+            (selector,) = re.findall(r"label_values\((\w[\w:]*)", var["query"])
+            assert selector in NAMED or FOREIGN.match(selector), var["query"]
+
+
+def test_every_series_a_panel_reads_is_recorded():
+    """By some source's layer or by the derived rules: a panel never reads a name no rule writes."""
+    recorded = {r.record for src in sources.SOURCES.values() for r in sources.records(src, PRODUCTION)}
+    recorded |= {r.record for g in generate.consumer_groups(PRODUCTION) for r in g.rules
+                 if hasattr(r, "record")}
+    for q in queries("prometheus"):
+        for name in _read(q.expr) & NAMED:
+            assert name in recorded, f"{q.dashboard}/{q.panel}: {name} is recorded by no rule"

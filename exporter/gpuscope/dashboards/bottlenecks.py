@@ -1,6 +1,5 @@
 """Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
 
-from gpuscope import catalogue as m
 from gpuscope.alerting import names
 from gpuscope.dashboards import uids
 from gpuscope.dashboards.common import (
@@ -21,15 +20,15 @@ CPU_BUSY = ('1 - avg by (instance) (rate(node_cpu_seconds_total{mode="idle",inst
             '[$__rate_interval]))')
 HOST_MEMORY = ('1 - node_memory_MemAvailable_bytes{instance=~"$instance"}'
                ' / node_memory_MemTotal_bytes{instance=~"$instance"}')
-GPU_BUSY = f"avg by (instance) ({sel(m.GPU_UTILIZATION)})"
-GPU_MEMORY = (f"sum by (instance) ({sel(m.GPU_MEMORY_USED)})"
-              f" / sum by (instance) ({sel(m.GPU_MEMORY_TOTAL)})")
+GPU_BUSY = f"avg by (instance) ({sel(names.GPU_UTILIZATION, 'gpu')})"
+GPU_MEMORY = (f"sum by (instance) ({sel(names.GPU_MEMORY_USED, 'gpu')})"
+              f" / sum by (instance) ({sel(names.GPU_MEMORY_TOTAL, 'gpu')})")
 
 dashboard = dashboard(
     uid=uids.BOTTLENECKS,
     title="gpuscope / Bottlenecks",
     description="Is each machine CPU-bound, GPU-bound, under memory pressure or idle? Host CPU and memory "
-                "from node_exporter next to GPU utilization and memory from gpuscope exporter.",
+                "from node_exporter next to GPU utilization and memory from the GPU source.",
     tags=["gpu", "node"],
     variables=[instance_var(), gpu_var()],
     panels=[
@@ -62,16 +61,16 @@ dashboard = dashboard(
                    PromTarget('sum by (instance, mode) (rate(node_cpu_seconds_total{instance=~"$instance",'
                               'mode!="idle"}[$__rate_interval]))', "{{instance}} {{mode}}"),
                    unit="short", stack=True, description="CPU seconds per second (cores) by mode."),
-        timeseries("Server memory held", PromTarget(sel(m.DEVICE_MEMORY_ALLOCATED, labels=["instance"]),
+        timeseries("Server memory held", PromTarget(sel(names.DEVICE_MEMORY_ALLOCATED),
                                                     "{{instance}} {{device}} allocated"),
-                   PromTarget(sel(m.DEVICE_MEMORY_RESERVED, labels=["instance"]),
-                              "{{instance}} {{device}} reserved"), unit="bytes",
+                   PromTarget(sel(names.DEVICE_MEMORY_RESERVED), "{{instance}} {{device}} reserved"),
+                   unit="bytes",
                    description="torch allocated/reserved bytes on CUDA; process resident memory on CPU."),
         timeseries("Load average and run queue",
                    PromTarget('node_load1{instance=~"$instance"}', "{{instance}} load1"),
                    PromTarget('node_procs_running{instance=~"$instance"}', "{{instance}} running")),
         timeseries("Queue depth against GPU utilization",
-                   PromTarget(f"sum by (instance) ({sel(m.QUEUE_DEPTH, labels=['instance'])})",
+                   PromTarget(f"sum by (instance) ({sel(names.QUEUE_DEPTH)})",
                               "{{instance}} waiting requests"),
                    PromTarget(GPU_BUSY, "{{instance}} GPU busy"),
                    description="Requests waiting while the GPU is not busy point at the CPU side."),

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attr
 from grafanalib import core as g
 from grafanalib.core import Dashboard, Panel, Template, Templating, Time
 
-from gpuscope import catalogue
+from gpuscope.alerting import names
 from gpuscope.catalogue import Metric
 from gpuscope.ports import PORTS
 
@@ -87,40 +87,43 @@ def datasources_provisioning() -> dict[str, Any]:
     }
 
 
-# --- selectors ----------------------------------------------------------------------------------------
+# --- selectors ---------------------------------------------------------------------------------------
+# Panels read only normalised series (``gpuscope.alerting.names``), recorded by each source's layer, so
+# every panel is the same for gpuscope, vLLM and dcgm-exporter (docs/sources.md). Rates and bucket
+# rates are recorded over the rule windows: panels show them as they are, no ``rate()`` of their own.
 
 #: Dashboard variable that filters each label.
 VARIABLE_OF_LABEL = {"instance": "instance", "gpu": "gpu", "op": "op", "tenant": "tenant"}
 
 
-def sel(metric: Metric, suffix: str = "", extra: str = "", labels: Iterable[str] | None = None) -> str:
-    """``name_suffix{instance=~"$instance",...}``: the metric filtered by the dashboard variables.
-
-    ``labels`` defaults to the metric's labels that have a variable, plus ``instance``.
-    """
-    wanted = ["instance", *metric.labels] if labels is None else list(labels)
-    matchers = [f'{label}=~"${VARIABLE_OF_LABEL[label]}"' for label in dict.fromkeys(wanted)
-                if label in VARIABLE_OF_LABEL]
+def sel(name: str, *labels: str, extra: str = "") -> str:
+    """``name{instance=~"$instance",...}``: a normalised series filtered by ``instance`` and the
+    dashboard variables of ``labels`` (``gpu``, ``op``, ``tenant``)."""
+    matchers = [f'{label}=~"${VARIABLE_OF_LABEL[label]}"' for label in dict.fromkeys(("instance", *labels))]
     if extra:
         matchers.append(extra)
-    return metric.series(suffix) + "{" + ",".join(matchers) + "}"
+    return name + "{" + ",".join(matchers) + "}"
 
 
-def heatmap_expr(metric: Metric, extra: str = "") -> str:
-    """Bucket increases per interval: the form Grafana's heatmap reads with ``format: heatmap``."""
+def buckets(metric: Metric, *labels: str, extra: str = "") -> str:
+    """The normalised bucket rates of a histogram, filtered."""
+    return sel(names.rate(metric, "_bucket"), *labels, extra=extra)
+
+
+def heatmap_expr(metric: Metric, *labels: str) -> str:
+    """Bucket rates summed per ``le``: the form Grafana's heatmap reads with ``format: heatmap``."""
     assert metric.type == "histogram", metric.name
-    return f"sum by (le) (increase({sel(metric, '_bucket', extra)}[$__rate_interval]))"
+    return f"sum by (le) ({buckets(metric, *labels)})"
 
 
-def quantile_expr(q: float, metric: Metric, by: Sequence[str] = (), extra: str = "") -> str:
-    groups = ", ".join(("le", *by))
-    return (f"histogram_quantile({q}, sum by ({groups}) "
-            f"(rate({sel(metric, '_bucket', extra)}[$__rate_interval])))")
+def quantile_expr(q: float, metric: Metric, *labels: str, by: Sequence[str] = ()) -> str:
+    return f"histogram_quantile({q}, sum by ({', '.join(('le', *by))}) ({buckets(metric, *labels)}))"
 
 
-def rate_expr(metric: Metric, by: Sequence[str] = (), extra: str = "", suffix: str = "") -> str:
+def sum_expr(name: str, *labels: str, by: Sequence[str] = (), extra: str = "") -> str:
+    """``sum by (...) (name{...})``: a normalised rate or gauge summed."""
     grouping = f"sum by ({', '.join(by)}) " if by else "sum "
-    return f"{grouping}(rate({sel(metric, suffix, extra)}[$__rate_interval]))"
+    return f"{grouping}({sel(name, *labels, extra=extra)})"
 
 
 # --- targets ------------------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def table(title: str, *items: PromTarget, description: str = "", w: int = 12, h:
 def heatmap(title: str, expr: str, unit: str = "s", description: str = "", w: int = 12, h: int = 8,
             calculate: bool = False, **kw: Any) -> Heatmap:
     target = PromTarget(expr, legendFormat="{{le}}" if not calculate else "{{gpu}}",
-                        format="time_series" if calculate else "heatmap", exemplar=not calculate)
+                        format="time_series" if calculate else "heatmap")
     return Heatmap(title=title, dataSource=PROMETHEUS, targets=[target], unit=unit, calculate=calculate,
                    description=description, gridPos=g.GridPos(h=h, w=w, x=0, y=0), **kw)
 
@@ -270,19 +273,20 @@ def variable(name: str, query: str, label: str) -> Template:
 
 
 def instance_var() -> Template:
-    return variable("instance", 'label_values(up{job=~"gpuscope-.*|node"}, instance)', "Instance")
+    """Every scraped target: servers, GPU exporters and node_exporters, whatever the source."""
+    return variable("instance", "label_values(up, instance)", "Instance")
 
 
 def gpu_var() -> Template:
-    return variable("gpu", f"label_values({catalogue.GPU_INFO.name}, gpu)", "GPU")
+    return variable("gpu", f"label_values({names.GPU_INFO}, gpu)", "GPU")
 
 
 def op_var() -> Template:
-    return variable("op", f"label_values({catalogue.REGION_GPU_SECONDS.series('_count')}, op)", "Op")
+    return variable("op", f"label_values({names.REGION_COUNT_RATE}, op)", "Op")
 
 
 def tenant_var() -> Template:
-    return variable("tenant", f"label_values({catalogue.REQUESTS.name}, tenant)", "Tenant")
+    return variable("tenant", f"label_values({names.REQUESTS_RATE}, tenant)", "Tenant")
 
 
 def dashboard(uid: str, title: str, description: str, panels: Sequence[Panel],

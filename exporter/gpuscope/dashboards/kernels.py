@@ -1,6 +1,8 @@
-"""Kernel timing: GPU time per op from ``gpuscope.timing`` histograms, and the timer's own health."""
+"""Kernel timing: GPU time per op from ``gpuscope.timing`` histograms, and the timer's own health
+(gpuscope serve only: vLLM times no kernels)."""
 
 from gpuscope import catalogue as m
+from gpuscope.alerting import names as n
 from gpuscope.dashboards import uids
 from gpuscope.dashboards.common import (
                     Heatmap,
@@ -11,9 +13,9 @@ from gpuscope.dashboards.common import (
                     instance_var,
                     op_var,
                     quantile_expr,
-                    rate_expr,
                     sel,
                     stat,
+                    sum_expr,
                     table,
                     timeseries,
 )
@@ -21,14 +23,13 @@ from gpuscope.dashboards.common import (
 H = m.REGION_GPU_SECONDS
 #: Estimated GPU seconds per second of each op, corrected for sampling:
 #: mean sampled time × rate of entered regions (timed or not).
-GPU_TIME_PER_S = (f"(sum by (op) (rate({sel(H, '_sum')}[$__rate_interval]))"
-                  f" / sum by (op) (rate({sel(H, '_count')}[$__rate_interval])))"
-                  f" * sum by (op) (rate({sel(m.REGIONS_ENTERED)}[$__rate_interval]))")
+GPU_TIME_PER_S = (f"({sum_expr(n.REGION_SUM_RATE, 'op', by=['op'])}"
+                  f" / {sum_expr(n.REGION_COUNT_RATE, 'op', by=['op'])})"
+                  f" * {sum_expr(n.REGIONS_ENTERED_RATE, 'op', by=['op'])}")
 
-per_op: Heatmap = heatmap("GPU time of $op", heatmap_expr(H), w=24,
+per_op: Heatmap = heatmap("GPU time of $op", heatmap_expr(H, "op"), w=24,
                           description="One heatmap per op (repeated over the op variable, three to a row); "
-                                      "bright cells are where most regions landed; exemplars link to the "
-                                      "request's logs.")
+                                      "bright cells are where most regions landed.")
 per_op.repeat.variable = "op"
 per_op.repeat.direction = "h"
 per_op.repeat.maxPerRow = 3
@@ -40,22 +41,21 @@ dashboard = dashboard(
     tags=["timing"],
     variables=[instance_var(), op_var()],
     panels=[
-        stat("Timed regions / s", PromTarget(f"sum(rate({sel(H, '_count')}[$__rate_interval]))"), unit="ops"),
-        stat("Timer overhead", PromTarget(f"max({sel(m.TIMER_OVERHEAD_RATIO)})"), unit="percentunit",
+        stat("Timed regions / s", PromTarget(sum_expr(n.REGION_COUNT_RATE, "op")), unit="ops"),
+        stat("Timer overhead", PromTarget(f"max({sel(n.TIMER_OVERHEAD)})"), unit="percentunit",
              decimals=2,
              description="Estimated share of wall time spent timing (callers' threads + resolver)."),
-        stat("Hot path per region", PromTarget(f"max({sel(m.TIMER_HOT_PATH_SECONDS)})"), unit="s",
+        stat("Hot path per region", PromTarget(f"max({sel(n.TIMER_HOT_PATH)})"), unit="s",
              description="CPU cost of timing one region on the caller's thread."),
-        stat("Dropped samples / s", PromTarget(f"sum(rate({sel(m.TIMER_DROPPED)}[$__rate_interval]))"),
-             unit="ops"),
-        stat("Resolver lag", PromTarget(f"max({sel(m.TIMER_RESOLVER_LAG_SECONDS)})"), unit="s"),
-        stat("Pending samples", PromTarget(f"sum({sel(m.TIMER_PENDING)})")),
-        heatmap("GPU time, all selected ops", heatmap_expr(H), w=24, h=9,
+        stat("Dropped samples / s", PromTarget(sum_expr(n.TIMER_DROPPED_RATE)), unit="ops"),
+        stat("Resolver lag", PromTarget(f"max({sel(n.TIMER_RESOLVER_LAG)})"), unit="s"),
+        stat("Pending samples", PromTarget(sum_expr(n.TIMER_PENDING))),
+        heatmap("GPU time, all selected ops", heatmap_expr(H, "op"), w=24, h=9,
                 description="sum by (le) of bucket increases per interval over every selected op."),
         per_op,
         timeseries("p50 and p99 GPU time per op",
-                   PromTarget(quantile_expr(0.5, H, by=["op"]), "{{op}} p50", exemplar=True),
-                   PromTarget(quantile_expr(0.99, H, by=["op"]), "{{op}} p99", exemplar=True),
+                   PromTarget(quantile_expr(0.5, H, "op", by=["op"]), "{{op}} p50"),
+                   PromTarget(quantile_expr(0.99, H, "op", by=["op"]), "{{op}} p99"),
                    unit="s", w=16),
         timeseries("Share of GPU time by op",
                    PromTarget(f"{GPU_TIME_PER_S} / ignoring(op) group_left sum({GPU_TIME_PER_S})", "{{op}}"),
@@ -64,20 +64,20 @@ dashboard = dashboard(
                                "each op's sampling ratio."),
         timeseries("GPU seconds per second by op", PromTarget(GPU_TIME_PER_S, "{{op}}"), unit="s",
                    stack=True, description="Estimated GPU time per wall second (1 = one GPU fully busy)."),
-        timeseries("Sampling ratio per op", PromTarget(sel(m.TIMER_SAMPLING_RATIO), "{{instance}} {{op}}"),
-                   unit="percentunit"),
+        timeseries("Sampling ratio per op",
+                   PromTarget(sel(n.TIMER_SAMPLING_RATIO, "op"), "{{instance}} {{op}}"), unit="percentunit"),
         timeseries("Dropped samples by reason",
-                   PromTarget(rate_expr(m.TIMER_DROPPED, by=["reason"]), "{{reason}}"), unit="ops"),
+                   PromTarget(sum_expr(n.TIMER_DROPPED_RATE, by=["reason"]), "{{reason}}"), unit="ops"),
         timeseries("Timer overhead against budget",
-                   PromTarget(sel(m.TIMER_OVERHEAD_RATIO), "{{instance}} overhead"),
-                   PromTarget(sel(m.TIMER_OVERHEAD_BUDGET_RATIO), "{{instance}} budget"),
+                   PromTarget(sel(n.TIMER_OVERHEAD), "{{instance}} overhead"),
+                   PromTarget(sel(n.TIMER_OVERHEAD_BUDGET), "{{instance}} budget"),
                    unit="percentunit"),
         timeseries("Resolver lag and ring occupancy",
-                   PromTarget(sel(m.TIMER_RESOLVER_LAG_SECONDS), "{{instance}} lag (s)"),
-                   PromTarget(sel(m.TIMER_PENDING), "{{instance}} pending samples"), unit="short"),
+                   PromTarget(sel(n.TIMER_RESOLVER_LAG), "{{instance}} lag (s)"),
+                   PromTarget(sel(n.TIMER_PENDING), "{{instance}} pending samples"), unit="short"),
         table("Timer backend and calibrated baseline",
-              PromTarget(sel(m.TIMER_BACKEND), instant=True, format="table"),
-              PromTarget(sel(m.TIMER_BASELINE_SECONDS), instant=True, format="table"),
+              PromTarget(sel(n.TIMER_BACKEND), instant=True, format="table"),
+              PromTarget(sel(n.TIMER_BASELINE), instant=True, format="table"),
               exclude=("Time", "__name__", "job")),
     ],
 )

@@ -10,9 +10,8 @@ from gpuscope.dashboards.common import (
                     dashboard,
                     instance_var,
                     logs,
-                    rate_expr,
-                    sel,
                     stat,
+                    sum_expr,
                     table,
                     tenant_var,
                     timeseries,
@@ -20,6 +19,10 @@ from gpuscope.dashboards.common import (
 
 # Tenant, level and trace id are structured metadata (not stream labels), filtered after the selector.
 FILTERED = SERVER_LOG_STREAM + ' | tenant=~"$tenant"'
+#: The bundle's own alert receiver (not a source: the same whatever the server and GPU exporter).
+NOTIFICATIONS = f"rate({m.RECEIVER_NOTIFICATIONS.name}[$__rate_interval])"
+RECEIVED = f"sum({NOTIFICATIONS})"
+RECEIVED_BY_STATUS = f"sum by (status) ({NOTIFICATIONS})"
 
 dashboard = dashboard(
     uid=uids.LOGS,
@@ -30,13 +33,11 @@ dashboard = dashboard(
     variables=[instance_var(), tenant_var()],
     panels=[
         stat("Alerts firing", PromTarget('count(ALERTS{alertstate="firing"}) or vector(0)'), w=6),
-        stat("Notifications received / s", PromTarget(rate_expr(m.RECEIVER_NOTIFICATIONS)), unit="ops", w=6),
-        stat("Log records dropped",
-             PromTarget(f"sum(increase({sel(m.LOG_RECORDS_DROPPED, labels=['instance'])}[$__range]))"),
-             w=6,
-             description="Records the server's Loki handler dropped over the range (queue full, rejected, "
-                         "shutdown)."),
-        stat("Log queue", PromTarget(f"sum({sel(m.LOG_QUEUE_RECORDS)})"), w=6,
+        stat("Notifications received / s", PromTarget(RECEIVED), unit="ops", w=6),
+        stat("Log records dropped / s",
+             PromTarget(f"{sum_expr(names.LOG_RECORDS_DROPPED_RATE)} or vector(0)"), w=6, unit="ops",
+             description="Records the server's Loki handler drops (queue full, rejected, shutdown)."),
+        stat("Log queue", PromTarget(sum_expr(names.LOG_QUEUE_RECORDS)), w=6,
              description="Records waiting to be pushed to Loki."),
         table("Firing alerts",
               PromTarget('ALERTS{alertstate="firing"}', instant=True, format="table"), w=24, h=7,
@@ -52,7 +53,7 @@ dashboard = dashboard(
                    LokiTarget(f"sum by (level) (count_over_time({FILTERED} [$__interval]))", "{{level}}"),
                    stack=True, w=12),
         timeseries("Notifications by status",
-                   PromTarget(rate_expr(m.RECEIVER_NOTIFICATIONS, by=["status"]), "{{status}}"), unit="ops",
+                   PromTarget(RECEIVED_BY_STATUS, "{{status}}"), unit="ops",
                    w=12),
         logs("Errors", f'{FILTERED} | level=~"error|critical"', h=8,
              description="Error lines only; each carries trace_id in its structured metadata."),

@@ -1,7 +1,8 @@
-"""Inference SLO: latency heatmaps and percentiles, throughput, outcomes, queue, batch and KV cache."""
+"""Inference SLO: latency heatmaps and percentiles, throughput, outcomes, queue, batch and KV cache, for
+gpuscope serve or vLLM through the normalised series (vLLM's model_name is the tenant)."""
 
 from gpuscope import catalogue as m
-from gpuscope.alerting import names
+from gpuscope.alerting import names as n
 from gpuscope.dashboards import uids
 from gpuscope.dashboards.common import (
     PromTarget,
@@ -10,16 +11,18 @@ from gpuscope.dashboards.common import (
     heatmap_expr,
     instance_var,
     quantile_expr,
-    rate_expr,
     sel,
     stat,
+    sum_expr,
     tenant_var,
     timeseries,
 )
 
+T = "tenant"
+
 
 def percentiles(title: str, metric: m.Metric, description: str) -> object:
-    return timeseries(title, *(PromTarget(quantile_expr(q, metric), f"p{round(q * 100)}", exemplar=True)
+    return timeseries(title, *(PromTarget(quantile_expr(q, metric, T), f"p{round(q * 100)}")
                                for q in (0.5, 0.9, 0.99)), unit="s", w=8, description=description)
 
 
@@ -29,58 +32,58 @@ dashboard = dashboard(
     uid=uids.SLO,
     title="gpuscope / Inference SLO",
     description="Time to first token, inter-token and end-to-end latency (vLLM's definitions and buckets), "
-                "tokens/s, outcomes, queue depth, batch size and KV cache of the reference server.",
+                "tokens/s, outcomes, queue depth, batch size and KV cache of gpuscope serve or vLLM.",
     tags=["server", "slo"],
     variables=[instance_var(), tenant_var()],
     panels=[
-        stat("Requests / s", PromTarget(rate_expr(m.REQUESTS)), unit="reqps"),
+        stat("Requests / s", PromTarget(sum_expr(n.REQUESTS_RATE, T)), unit="reqps"),
         stat("Error ratio",
-             PromTarget(f"(sum(rate({sel(m.REQUESTS, extra=ERRORS)}[$__rate_interval])) or vector(0))"
-                        f" / sum(rate({sel(m.REQUESTS)}[$__rate_interval]))"),
+             PromTarget(f"({sum_expr(n.REQUESTS_RATE, T, extra=ERRORS)} or vector(0))"
+                        f" / {sum_expr(n.REQUESTS_RATE, T)}"),
              unit="percentunit", decimals=2,
              description="Requests ending in error, abort or rejection, over all finished requests."),
-        stat("p99 TTFT", PromTarget(quantile_expr(0.99, m.REQUEST_TTFT)), unit="s"),
-        stat("p99 inter-token", PromTarget(quantile_expr(0.99, m.REQUEST_ITL)), unit="s"),
-        stat("Output tokens / s", PromTarget(rate_expr(m.GENERATION_TOKENS)), unit="short"),
-        stat("KV cache in use", PromTarget(f"max({sel(m.KV_CACHE_USAGE)})"), unit="percentunit"),
-        heatmap("Time to first token", heatmap_expr(m.REQUEST_TTFT), w=8,
-                description="Arrival to first token. Exemplars carry trace_id: click one for that request's "
-                            "logs in Loki."),
-        heatmap("Inter-token latency", heatmap_expr(m.REQUEST_ITL), w=8),
-        heatmap("End-to-end latency", heatmap_expr(m.REQUEST_E2E), w=8),
-        percentiles("TTFT percentiles", m.REQUEST_TTFT, "From histogram buckets; exemplars shown."),
+        stat("p99 TTFT", PromTarget(quantile_expr(0.99, m.REQUEST_TTFT, T)), unit="s"),
+        stat("p99 inter-token", PromTarget(quantile_expr(0.99, m.REQUEST_ITL, T)), unit="s"),
+        stat("Output tokens / s", PromTarget(sum_expr(n.GENERATION_TOKENS_RATE, T)), unit="short"),
+        stat("KV cache in use", PromTarget(f"max({sel(n.KV_CACHE_USAGE)})"), unit="percentunit"),
+        heatmap("Time to first token", heatmap_expr(m.REQUEST_TTFT, T), w=8,
+                description="Arrival to first token: requests per second in each bucket over the latency "
+                            "window."),
+        heatmap("Inter-token latency", heatmap_expr(m.REQUEST_ITL, T), w=8),
+        heatmap("End-to-end latency", heatmap_expr(m.REQUEST_E2E, T), w=8),
+        percentiles("TTFT percentiles", m.REQUEST_TTFT, "From histogram buckets."),
         percentiles("Inter-token percentiles", m.REQUEST_ITL, "Gap between consecutive output tokens."),
         percentiles("End-to-end percentiles", m.REQUEST_E2E, "Arrival to last token."),
         timeseries("Tokens / s",
-                   PromTarget(rate_expr(m.GENERATION_TOKENS, by=["tenant"]), "output {{tenant}}"),
-                   PromTarget(rate_expr(m.PROMPT_TOKENS, by=["tenant"]), "prompt {{tenant}}"), unit="short",
+                   PromTarget(sum_expr(n.GENERATION_TOKENS_RATE, T, by=[T]), "output {{tenant}}"),
+                   PromTarget(sum_expr(n.PROMPT_TOKENS_RATE, T, by=[T]), "prompt {{tenant}}"), unit="short",
                    w=8),
-        timeseries("Requests by outcome", PromTarget(rate_expr(m.REQUESTS, by=["outcome"]), "{{outcome}}"),
+        timeseries("Requests by outcome",
+                   PromTarget(sum_expr(n.REQUESTS_RATE, T, by=["outcome"]), "{{outcome}}"),
                    unit="reqps", stack=True, w=8),
         timeseries("Time per output token",
-                   PromTarget(quantile_expr(0.5, m.REQUEST_TPOT), "p50", exemplar=True),
-                   PromTarget(quantile_expr(0.99, m.REQUEST_TPOT), "p99", exemplar=True), unit="s", w=8),
+                   PromTarget(quantile_expr(0.5, m.REQUEST_TPOT, T), "p50"),
+                   PromTarget(quantile_expr(0.99, m.REQUEST_TPOT, T), "p99"), unit="s", w=8),
         timeseries("Queue depth and running batch",
-                   PromTarget(f"sum({sel(m.QUEUE_DEPTH)})", "waiting"),
-                   PromTarget(f"sum({sel(m.REQUESTS_RUNNING)})", "running"), w=8),
+                   PromTarget(sum_expr(n.QUEUE_DEPTH, T), "waiting"),
+                   PromTarget(sum_expr(n.REQUESTS_RUNNING, T), "running"), w=8),
         timeseries("Batch size",
-                   PromTarget(f"sum by (phase) (rate({sel(m.BATCH_SIZE, '_sum')}[$__rate_interval]))"
-                              f" / sum by (phase) (rate({sel(m.BATCH_SIZE, '_count')}[$__rate_interval]))",
-                              "{{phase}} mean"),
+                   PromTarget(f"{sum_expr(n.BATCH_SIZE_SUM_RATE, by=['phase'])}"
+                              f" / {sum_expr(n.BATCH_SIZE_COUNT_RATE, by=['phase'])}", "{{phase}} mean"),
                    PromTarget(quantile_expr(0.99, m.BATCH_SIZE, by=["phase"]), "{{phase}} p99"), w=8,
-                   description="Requests per model step, by phase."),
-        timeseries("KV cache usage", PromTarget(sel(m.KV_CACHE_USAGE), "{{instance}}"), unit="percentunit",
+                   description="Requests per model step, by phase (gpuscope serve)."),
+        timeseries("KV cache usage", PromTarget(sel(n.KV_CACHE_USAGE), "{{instance}}"), unit="percentunit",
                    w=8),
         timeseries("Queue, prefill and decode time (p99)",
-                   PromTarget(quantile_expr(0.99, m.REQUEST_QUEUE), "queue", exemplar=True),
-                   PromTarget(quantile_expr(0.99, m.REQUEST_PREFILL), "prefill", exemplar=True),
-                   PromTarget(quantile_expr(0.99, m.REQUEST_DECODE), "decode", exemplar=True),
+                   PromTarget(quantile_expr(0.99, m.REQUEST_QUEUE, T), "queue"),
+                   PromTarget(quantile_expr(0.99, m.REQUEST_PREFILL, T), "prefill"),
+                   PromTarget(quantile_expr(0.99, m.REQUEST_DECODE, T), "decode"),
                    unit="s", w=24),
         timeseries("SLO burn rate: TTFT",
-                   PromTarget(f"max by (window) ({names.SLO_TTFT_BURN_RATE})", "{{window}}"), w=12,
+                   PromTarget(f"max by (window) ({n.SLO_TTFT_BURN_RATE})", "{{window}}"), w=12,
                    description="Bad fraction over the error budget, per window (recorded by the alert "
                                "rules); pages at 14.4× over 1h/5m, 6× over 6h/30m."),
         timeseries("SLO burn rate: availability",
-                   PromTarget(f"max by (window) ({names.SLO_AVAILABILITY_BURN_RATE})", "{{window}}"), w=12),
+                   PromTarget(f"max by (window) ({n.SLO_AVAILABILITY_BURN_RATE})", "{{window}}"), w=12),
     ],
 )

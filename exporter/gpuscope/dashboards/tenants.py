@@ -1,4 +1,5 @@
-"""Tenants and scheduling: GPU-time share against quota, queue wait, starvation."""
+"""Tenants and scheduling: GPU-time share against quota, queue wait, starvation (a vLLM model is a
+tenant: its queue, its tokens; GPU-time shares are gpuscope serve's)."""
 
 from gpuscope import catalogue as m
 from gpuscope.alerting import names
@@ -10,19 +11,20 @@ from gpuscope.dashboards.common import (
     heatmap_expr,
     instance_var,
     quantile_expr,
-    rate_expr,
     sel,
+    sum_expr,
     table,
     tenant_var,
     timeseries,
 )
 
-GPU_RATE = rate_expr(m.TENANT_GPU_SECONDS, by=["tenant"])
+T = "tenant"
+GPU_RATE = sum_expr(names.TENANT_GPU_SECONDS_RATE, T, by=[T])
 SHARE = f"{GPU_RATE} / ignoring(tenant) group_left sum({GPU_RATE})"
-QUOTA = f"max by (tenant) ({sel(m.TENANT_SHARE_QUOTA)})"
-#: 1 while a tenant has requests waiting but got no GPU time in the interval: starvation in the making.
-STARVING = (f"(sum by (tenant) ({sel(m.QUEUE_DEPTH)}) > bool 0)"
-            f" * on (tenant) ({GPU_RATE} == bool 0)")
+QUOTA = f"max by (tenant) ({sel(names.TENANT_SHARE_QUOTA, T)})"
+#: 1 while a tenant has requests waiting but generated no token: starvation in the making.
+STARVING = (f"(sum by (tenant) ({sel(names.QUEUE_DEPTH, T)}) > bool 0)"
+            f" * on (tenant) ({sum_expr(names.GENERATION_TOKENS_RATE, T, by=[T])} == bool 0)")
 
 dashboard = dashboard(
     uid=uids.TENANTS,
@@ -43,30 +45,28 @@ dashboard = dashboard(
         timeseries("GPU seconds per second per tenant", PromTarget(GPU_RATE, "{{tenant}}"), unit="s",
                    stack=True, w=12),
         timeseries("Queue wait p99 per tenant",
-                   PromTarget(quantile_expr(0.99, m.REQUEST_QUEUE, by=["tenant"]), "{{tenant}} p99",
-                              exemplar=True),
-                   PromTarget(quantile_expr(0.5, m.REQUEST_QUEUE, by=["tenant"]), "{{tenant}} p50",
-                              exemplar=True), unit="s", w=12),
-        heatmap("Queue wait", heatmap_expr(m.REQUEST_QUEUE), w=12,
+                   PromTarget(quantile_expr(0.99, m.REQUEST_QUEUE, T, by=[T]), "{{tenant}} p99"),
+                   PromTarget(quantile_expr(0.5, m.REQUEST_QUEUE, T, by=[T]), "{{tenant}} p50"),
+                   unit="s", w=12),
+        heatmap("Queue wait", heatmap_expr(m.REQUEST_QUEUE, T), w=12,
                 description="Queued to first scheduled, every selected tenant."),
-        timeseries("Waiting requests per tenant", PromTarget(f"sum by (tenant) ({sel(m.QUEUE_DEPTH)})",
+        timeseries("Waiting requests per tenant", PromTarget(sum_expr(names.QUEUE_DEPTH, T, by=[T]),
                                                              "{{tenant}}"), w=12),
         timeseries("Recorded GPU-time share (starvation window)",
-                   PromTarget(f'{names.TENANT_GPU_SHARE}{{instance=~"$instance",tenant=~"$tenant"}}',
-                              "{{instance}} {{tenant}}"), unit="percentunit", w=12,
+                   PromTarget(sel(names.TENANT_GPU_SHARE, T), "{{instance}} {{tenant}}"),
+                   unit="percentunit", w=12,
                    description="The share the starvation alert compares with each tenant's quota."),
         timeseries("Starvation indicator", PromTarget(STARVING, "{{tenant}}"), w=12,
-                   description="1 while a tenant has requests waiting and received no GPU time in the "
-                               "interval."),
+                   description="1 while a tenant has requests waiting and generated no token over the "
+                               "starvation window."),
         timeseries("Rejected and aborted requests per tenant",
-                   PromTarget(rate_expr(m.REQUESTS, by=["tenant", "outcome"],
-                                        extra='outcome=~"rejected|abort"'),
+                   PromTarget(sum_expr(names.REQUESTS_RATE, T, by=[T, "outcome"],
+                                       extra='outcome=~"rejected|abort"'),
                               "{{tenant}} {{outcome}}"), unit="reqps", w=12),
         timeseries("Output tokens / s per tenant",
-                   PromTarget(rate_expr(m.GENERATION_TOKENS, by=["tenant"]), "{{tenant}}"), w=12),
+                   PromTarget(sum_expr(names.GENERATION_TOKENS_RATE, T, by=[T]), "{{tenant}}"), w=12),
         timeseries("TTFT p99 per tenant",
-                   PromTarget(quantile_expr(0.99, m.REQUEST_TTFT, by=["tenant"]), "{{tenant}}",
-                              exemplar=True),
+                   PromTarget(quantile_expr(0.99, m.REQUEST_TTFT, T, by=[T]), "{{tenant}}"),
                    unit="s", w=12),
     ],
 )
