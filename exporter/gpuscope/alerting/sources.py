@@ -24,6 +24,7 @@ from typing import Literal
 
 from gpuscope import catalogue as m
 from gpuscope.alerting import memory, names, slo
+from gpuscope.alerting import upstream as up
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record, by, duration, sel
 
@@ -298,23 +299,18 @@ VLLM = Source(
     upstream="vllm-project/vllm vllm/v1/metrics/loggers.py (PrometheusStatLogger), v0.12",
     selector_field="vllm",
     raw={
-        "ttft": _vllm("vllm:time_to_first_token_seconds"),
-        "itl": _vllm("vllm:inter_token_latency_seconds", fallback="vllm:time_per_output_token_seconds"),
-        "tpot": _vllm("vllm:request_time_per_output_token_seconds"),
-        "e2e": _vllm("vllm:e2e_request_latency_seconds"),
-        "queue": _vllm("vllm:request_queue_time_seconds"),
-        "prefill": _vllm("vllm:request_prefill_time_seconds"),
-        "decode": _vllm("vllm:request_decode_time_seconds"),
-        "requests": _vllm("vllm:request_success_total", labels={"tenant": "model_name",
-                                                                 "outcome": "finished_reason"}),
-        "prompt_tokens": _vllm("vllm:prompt_tokens_total"),
-        "generation_tokens": _vllm("vllm:generation_tokens_total"),
-        "preemptions": _vllm("vllm:num_preemptions_total"),
-        "queue_depth": _vllm("vllm:num_requests_waiting"),
-        "running": _vllm("vllm:num_requests_running"),
-        "devices": Raw("vllm:num_requests_running", drop=("engine", "model_name")),
-        "kv_cache": Raw("vllm:kv_cache_usage_perc", fallback="vllm:gpu_cache_usage_perc",
-                        drop=("engine", "model_name")),
+        "ttft": _vllm(up.VLLM_TTFT.name),
+        "itl": _vllm(up.VLLM_ITL.name, fallback=up.VLLM_ITL_BEFORE_0_11),
+        "tpot": _vllm(up.VLLM_TPOT.name), "e2e": _vllm(up.VLLM_E2E.name), "queue": _vllm(up.VLLM_QUEUE.name),
+        "prefill": _vllm(up.VLLM_PREFILL.name), "decode": _vllm(up.VLLM_DECODE.name),
+        "requests": _vllm(up.VLLM_REQUEST_SUCCESS.name,
+                          labels={"tenant": "model_name", "outcome": "finished_reason"}),
+        "prompt_tokens": _vllm(up.VLLM_PROMPT_TOKENS.name),
+        "generation_tokens": _vllm(up.VLLM_GENERATION_TOKENS.name),
+        "preemptions": _vllm(up.VLLM_PREEMPTIONS.name),
+        "queue_depth": _vllm(up.VLLM_WAITING.name), "running": _vllm(up.VLLM_RUNNING.name),
+        "devices": Raw(up.VLLM_RUNNING.name, drop=up.VLLM_LABELS),
+        "kv_cache": Raw(up.VLLM_KV_CACHE.name, fallback=up.VLLM_KV_CACHE_BEFORE_0_9, drop=up.VLLM_LABELS),
     },
     notes=(
         "`tenant` is vLLM's `model_name`: one queue per served model, so a starved tenant is a stalled "
@@ -336,8 +332,7 @@ VLLM = Source(
 
 #: dcgm-exporter's identity labels, aggregated away (gpu, and the scrape's own labels, stay); its
 #: Kubernetes labels (pod, namespace, container) stay on gpuscope:gpu:info only.
-DCGM_IDENTITY = ("UUID", "modelName", "Hostname", "pci_bus_id", "device", "DCGM_FI_DRIVER_VERSION",
-                 "pod", "namespace", "container")
+DCGM_IDENTITY = (*(label for label in up.DCGM_LABELS if label != "gpu"), *up.DCGM_KUBERNETES_LABELS)
 _DCGM = {"drop": DCGM_IDENTITY}
 #: NVML's clock event (throttle) reason bits that hold clocks back, named as gpuscope exporter names them.
 DCGM_CLOCK_EVENT_BITS = (("sw_power_cap", 0x4), ("hw_slowdown", 0x8), ("sync_boost", 0x10),

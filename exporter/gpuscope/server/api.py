@@ -207,7 +207,7 @@ class Handlers:
         except BadRequest as exc:
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         req = Request(tenant, completion.prompt_ids, completion.max_tokens, completion.temperature, trace_id,
-                      channel=asyncio.Queue())
+                      channel=asyncio.Queue(), ignore_eos=completion.ignore_eos)
         if rt is not None:
             self.tracing.track(rt, req, tenant)
         try:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from gpuscope.tenants import NAME_RULE, valid_tenant_name
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+#: ``--metrics.names``: gpuscope's own names, or vLLM's (names, labels, buckets of vLLM's V1 engine).
+METRIC_NAMES = ("gpuscope", "vllm")
 OTHER = "other"
 
 
@@ -193,6 +195,8 @@ class ServerConfig:
     max_body_bytes: int = 65536
     timing: str = "budget"
     timing_budget: float = 0.01
+    #: Names of the serving metrics on /metrics: gpuscope's catalogue, or vLLM's (``metrics.METRIC_NAMES``).
+    metric_names: str = "gpuscope"
     faults_enabled: bool = False
     faults_token: str | None = None
     loki_url: str | None = None
@@ -220,6 +224,9 @@ class ServerConfig:
             raise ConfigError(f"--timing {self.timing!r} must be off, budget or all")
         if not 0 < self.timing_budget < 1:
             raise ConfigError("--timing.budget must be in (0, 1)")
+        if self.metric_names not in METRIC_NAMES:
+            raise ConfigError(f"--metrics.names {self.metric_names!r} must be one of "
+                              f"{', '.join(METRIC_NAMES)}")
         if not 1 <= self.max_batch_size <= 1024:
             raise ConfigError("--batch.max-size must be between 1 and 1024")
         if not 0 <= self.max_wait_s <= 10:

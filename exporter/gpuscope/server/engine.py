@@ -86,6 +86,7 @@ class Request:
     outcome: str | None = None
     tokens: list[int] | None = None  # the prompt in the model's tokens, set when first scheduled
     decoder: Decoder = field(default_factory=StreamDecoder)
+    ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens (vLLM's parameter)
 
     @property
     def prompt_tokens(self) -> int:
@@ -326,7 +327,7 @@ class Engine:
         text = req.decoder.feed(token)
         if text:
             events.append((req, Token(text)))
-        if token in self._eos:
+        if token in self._eos and not req.ignore_eos:
             self._finish(req, "stop", events)
         elif len(req.generated) >= req.max_tokens or req.cached + 1 >= self._context:
             self._finish(req, "length", events)

@@ -56,6 +56,9 @@ def build_parser() -> FlagParser:
     p.add_flag("--request.max-body-bytes", type=int, default=65536, help="largest request body accepted")
     p.add_flag("--timing", default="budget", help="kernel timing: off, budget (default) or all regions")
     p.add_flag("--timing.budget", type=float, default=0.01, help="timer overhead budget (share of wall time)")
+    p.add_flag("--metrics.names", default="gpuscope",
+               help="serving metrics under gpuscope's names, or vllm: vLLM's names, labels (model_name, "
+                    "engine) and buckets, for the bundle's vLLM source (no kernel timing or tenant series)")
     p.add_toggle("faults.enable", False, "fault-injection admin API (needs a token)")
     p.add_flag("--faults.token-file", default=None, help="file holding the fault-injection bearer token")
     p.add_flag("--loki.url", default=None, help="Loki base URL, e.g. http://loki:3100 (off when unset)")
@@ -103,7 +106,8 @@ def config_from_args(ns) -> ServerConfig:
         scheduler=args["scheduler"], batching=args["batching"], max_batch_size=args["batch.max_size"],
         max_wait_s=args["batch.max_wait"], max_queue_per_tenant=args["queue.max_per_tenant"],
         max_tokens_limit=args["request.max_tokens"], max_body_bytes=args["request.max_body_bytes"],
-        timing=args["timing"], timing_budget=args["timing.budget"], faults_enabled=args["faults.enable"],
+        timing=args["timing"], timing_budget=args["timing.budget"], metric_names=args["metrics.names"],
+        faults_enabled=args["faults.enable"],
         faults_token=token if args["faults.enable"] else None, loki_url=args["loki.url"],
         instance=f"{socket.gethostname()}:{port}",
         tracing_endpoint=tracing_endpoint, tracing_source=tracing_source,

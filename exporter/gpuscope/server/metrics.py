@@ -4,6 +4,10 @@ Histograms and counters are observed by the engine thread as requests
 progress; queue depth, running requests, tenant GPU seconds, quotas, KV-cache
 usage, device memory and active faults are read at scrape time from state the
 engine already keeps, so a scrape never waits on the model.
+
+With ``--metrics.names vllm`` the same observations are exposed as vLLM's V1 engine exposes them
+(``VllmRequestMetrics``, ``VllmStateCollector``; definitions in ``gpuscope.alerting.upstream``), so the
+bundle's vLLM source can be run end to end against this server.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from gpuscope import catalogue as c
+from gpuscope.alerting import upstream as up
 
 from .scheduler import Scheduler
 
@@ -49,6 +54,66 @@ class RequestMetrics:
     @staticmethod
     def observe(histogram, tenant: str, value: float, trace_id: str) -> None:
         histogram.labels(tenant).observe(max(0.0, value), {"trace_id": trace_id})
+
+
+class _One:
+    """A labelled metric whose every ``labels(...)`` is one child: vLLM labels by served model and engine,
+    not by tenant, so every tenant's requests count for the one model."""
+
+    def __init__(self, child) -> None:
+        self._child = child
+
+    def labels(self, *_: str):
+        return self._child
+
+
+class _Discard:
+    """What vLLM does not count: its HTTP layer rejects requests before the engine, and it has no
+    batch-size histogram."""
+
+    def labels(self, *_: str) -> _Discard:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
+
+
+class _FinishReasons:
+    """``requests.labels(tenant, outcome)`` → ``vllm:request_success_total{finished_reason}``."""
+
+    def __init__(self, children: dict[str, object]) -> None:
+        self._children = children
+
+    def labels(self, tenant: str, outcome: str):
+        return self._children.get(outcome, _Discard())
+
+
+class VllmRequestMetrics:
+    """``RequestMetrics`` under vLLM's names, labels (model_name, engine 0) and buckets; no exemplars
+    (vLLM attaches none)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        values = (model_name, "0")
+
+        def one(metric: c.Metric) -> _One:
+            return _One(metric.create(registry).labels(*values))
+
+        self.ttft, self.itl, self.tpot = one(up.VLLM_TTFT), one(up.VLLM_ITL), one(up.VLLM_TPOT)
+        self.e2e, self.queue = one(up.VLLM_E2E), one(up.VLLM_QUEUE)
+        self.prefill, self.decode = one(up.VLLM_PREFILL), one(up.VLLM_DECODE)
+        self.prompt_tokens = one(up.VLLM_PROMPT_TOKENS)
+        self.generation_tokens = one(up.VLLM_GENERATION_TOKENS)
+        success = up.VLLM_REQUEST_SUCCESS.create(registry)
+        self.requests = _FinishReasons({reason: success.labels(*values, reason)
+                                        for reason in up.VLLM_FINISH_REASONS})
+        self.batch_size = _Discard()
+
+    @staticmethod
+    def observe(histogram, tenant: str, value: float, trace_id: str) -> None:
+        histogram.labels(tenant).observe(max(0.0, value))
 
 
 def _process_resident_bytes() -> float:
@@ -132,3 +197,29 @@ class StateCollector:
         for name, active in self._faults().items():
             faults.add_metric([name], 1.0 if active else 0.0)
         yield faults
+
+
+class VllmStateCollector:
+    """Scrape-time state under vLLM's names: every tenant's queue and batch summed, as vLLM's one
+    scheduler would count them::
+
+        vllm:num_requests_running{model_name="gpuscope-tiny",engine="0"} 8.0
+        vllm:num_requests_waiting{model_name="gpuscope-tiny",engine="0"} 3.0
+        vllm:kv_cache_usage_perc{model_name="gpuscope-tiny",engine="0"} 0.25
+        vllm:num_preemptions_total{model_name="gpuscope-tiny",engine="0"} 4.0
+    """
+
+    def __init__(self, scheduler: Scheduler, kv_usage: Callable[[], float], model_name: str) -> None:
+        self._scheduler = scheduler
+        self._kv_usage = kv_usage
+        self._values = [model_name, "0"]
+
+    def collect(self):
+        states = self._scheduler.state().values()
+        for metric, value in ((up.VLLM_RUNNING, sum(s.running for s in states)),
+                              (up.VLLM_WAITING, sum(s.queued for s in states)),
+                              (up.VLLM_KV_CACHE, self._kv_usage()),
+                              (up.VLLM_PREEMPTIONS, sum(s.preemptions for s in states))):
+            family = metric.family()
+            family.add_metric(self._values, value)
+            yield family

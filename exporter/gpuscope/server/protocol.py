@@ -39,6 +39,8 @@ class Completion:
     max_tokens: int
     temperature: float
     stream: bool
+    #: vLLM's sampling parameter: keep generating past end-of-sequence tokens, up to max_tokens.
+    ignore_eos: bool = False
 
 
 def parse_traceparent(header: str | None) -> str | None:
@@ -110,6 +112,9 @@ def parse_completion(body: Any, config: ServerConfig) -> Completion:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be true or false", param="stream")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(400, "'ignore_eos' must be true or false", param="ignore_eos")
     n = body.get("n", 1)
     if n != 1 or isinstance(n, bool):
         raise BadRequest(400, "only 'n' = 1 is supported", param="n")
@@ -121,4 +126,4 @@ def parse_completion(body: Any, config: ServerConfig) -> Completion:
     if len(ids) + max_tokens > context:
         raise BadRequest(400, f"prompt is {len(ids)} tokens and max_tokens is {max_tokens}; together they "
                               f"exceed the model's context of {context} tokens", param="prompt")
-    return Completion(prompt, ids, max_tokens, float(temperature), stream)
+    return Completion(prompt, ids, max_tokens, float(temperature), stream, ignore_eos)

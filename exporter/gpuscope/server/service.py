@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from .config import ServerConfig
 from .engine import Deliver, Engine
 from .faults import FAULTS, FaultInjector
-from .metrics import RequestMetrics, StateCollector
+from .metrics import RequestMetrics, StateCollector, VllmRequestMetrics, VllmStateCollector
 from .model import ModelRunner, TinyRunner, build_model
 from .scheduler import Scheduler
 from .step_timing import build_timer
@@ -40,19 +40,24 @@ class Service:
         self.runner = build_runner(config)
         self.model = self.runner.module
         self.device = self.runner.device
-        self.timer = build_timer(config.timing, self.registry, config.timing_budget)
+        vllm = config.metric_names == "vllm"
+        # vLLM times no kernels: under its names the timer's metrics stay off /metrics.
+        self.timer = build_timer(config.timing, CollectorRegistry() if vllm else self.registry,
+                                 config.timing_budget)
         self.instrumentation = self.runner.instrument(self.timer) if config.timing != "off" else None
         if config.model.cuda_graphs:
             self.runner.use_cuda_graphs(self.timer)  # captured at the engine's warm-up
         names = [t.name for t in config.tenants]
         self.scheduler = Scheduler(config.tenants, config.scheduler, config.max_queue_per_tenant)
         self.faults = FaultInjector(set(names), self.device) if config.faults_enabled else None
-        self.metrics = RequestMetrics(self.registry, names)
+        self.metrics = (VllmRequestMetrics(self.registry, config.model_name) if vllm
+                        else RequestMetrics(self.registry, names))
         self.engine = Engine(self.runner, self.scheduler, self.timer, batch_size=config.batch_size,
                              max_wait_s=config.max_wait_s, deliver=lambda events: None,
                              metrics=self.metrics, faults=self.faults)
-        self.registry.register(StateCollector(self.scheduler, self.device, self.engine.kv_usage,
-                                              self._fault_state))
+        self.registry.register(
+            VllmStateCollector(self.scheduler, self.engine.kv_usage, config.model_name) if vllm
+            else StateCollector(self.scheduler, self.device, self.engine.kv_usage, self._fault_state))
 
     def _fault_state(self) -> dict[str, bool]:
         return self.faults.active() if self.faults is not None else dict.fromkeys(FAULTS, False)

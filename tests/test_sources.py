@@ -1,0 +1,135 @@
+"""Each source's normalisation layer against the exposition it reads (tests/fixtures/sources/).
+
+The fixtures are vLLM's and dcgm-exporter's /metrics as those programs write them (each names the
+upstream file and version it follows). The layers may read only series, and rely only on labels, that
+the fixtures hold; the upstream definitions (names, types, labels, buckets) must be the fixtures'.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpuscope import catalogue
+from gpuscope.alerting import sources, upstream
+from gpuscope.alerting.config import PROFILES
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sources"
+FIXTURES_OF = {"vllm": ("vllm-0.12.prom", "vllm-0.10.prom"),
+               "dcgm-exporter": ("dcgm-exporter-3.3.prom", "dcgm-exporter-4.x.prom")}
+#: The exposition of the current version of each source (what a fresh install exposes).
+CURRENT = {"vllm": "vllm-0.12.prom", "dcgm-exporter": "dcgm-exporter-4.x.prom"}
+SELECTOR = re.compile(r'(?<![\w:])([A-Za-z_][\w:]*)(?=\{)|__name__=~"([^"]+)"')
+
+
+def families(name: str) -> dict[str, object]:
+    text = (FIXTURES / name).read_text()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def samples(name: str) -> dict[str, list[dict[str, str]]]:
+    """Series name, as Prometheus stores it, → the label sets it is exposed with. (The parser names a
+    counter's samples with ``_total`` even where the text has none, as dcgm-exporter's counters.)"""
+    text = (FIXTURES / name).read_text()
+    written = set(re.findall(r"^([A-Za-z_:][\w:]*)[{ ]", text, re.M))
+    out: dict[str, list[dict[str, str]]] = {}
+    for family in families(name).values():
+        for sample in family.samples:
+            series = sample.name if sample.name in written else sample.name.removesuffix("_total")
+            out.setdefault(series, []).append(sample.labels)
+    return out
+
+
+def read_by(source: sources.Source) -> set[str]:
+    """Every series name the source's layers (both profiles) select, ``up`` aside."""
+    names: set[str] = set()
+    for profile in PROFILES.values():
+        for record in sources.records(source, profile):
+            for plain, alternatives in SELECTOR.findall(record.expr):
+                names |= {plain} if plain else set(alternatives.split("|"))
+    return names - {"up", ""}
+
+
+def test_every_fixture_names_its_upstream_file_and_version():
+    for files in FIXTURES_OF.values():
+        for name in files:
+            header = (FIXTURES / name).read_text().split("\n# HELP")[0]
+            assert re.search(r"\d+\.\d+", header) and ("etc/" in header or "vllm/v1/" in header), name
+
+
+@pytest.mark.parametrize("source", sorted(FIXTURES_OF))
+def test_a_layer_reads_only_series_its_source_exposes(source):
+    exposed = {series for f in FIXTURES_OF[source] for series in samples(f)}
+    read = read_by(sources.SOURCES[source])
+    assert read, source
+    assert read <= exposed, f"{source}'s layer reads series no fixture exposes: {sorted(read - exposed)}"
+
+
+@pytest.mark.parametrize("source", sorted(FIXTURES_OF))
+def test_every_quantity_of_the_current_version_is_there_or_has_a_fallback(source):
+    """What a fresh install exposes covers every quantity; older names are fallbacks only."""
+    current = samples(CURRENT[source])
+    for key, raw in sources.SOURCES[source].raw.items():
+        suffix = "_count" if key in sources.HISTOGRAMS else ""
+        if raw.metric + suffix not in current:
+            assert source == "dcgm-exporter", f"{key}: {raw.metric} is not in {CURRENT[source]}"
+            assert raw.metric in upstream.DCGM, f"{key}: {raw.metric} is not a dcgm-exporter field"
+
+
+@pytest.mark.parametrize("source", sorted(FIXTURES_OF))
+def test_the_labels_a_layer_renames_or_drops_are_on_the_series(source):
+    """A rename of a label the source does not have would silently give every series one tenant."""
+    src = sources.SOURCES[source]
+    on_series = {label for f in FIXTURES_OF[source] for sets in samples(f).values()
+                 for s in sets for label in s}
+    for key, raw in src.raw.items():
+        needed = {*raw.labels.values(), *raw.drop}
+        assert needed <= on_series | set(upstream.DCGM_KUBERNETES_LABELS), (key, needed - on_series)
+    if source == "dcgm-exporter":
+        assert set(sources.DCGM_IDENTITY) <= on_series
+        kube = samples("dcgm-exporter-4.x.prom")["DCGM_FI_DEV_FB_USED"]
+        assert all(set(upstream.DCGM_KUBERNETES_LABELS) <= set(s) for s in kube)
+
+
+def _buckets(family) -> list[float]:
+    first = {tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")) for s in family.samples
+             if s.name.endswith("_bucket")}
+    key = sorted(first)[0]
+    return [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")
+            and tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")) == key]
+
+
+def _family(found: dict[str, object], metric: catalogue.Metric):
+    """The parsed family of a metric (prometheus_client names counter families without _total)."""
+    return found[metric.base_name]
+
+
+@pytest.mark.parametrize("metric", upstream.VLLM_METRICS, ids=lambda m: m.name)
+def test_the_vllm_definitions_are_the_fixtures(metric):
+    family = _family(families(CURRENT["vllm"]), metric)
+    assert family.type == metric.type and family.documentation == metric.help
+    labels = {label for s in family.samples for label in s.labels} - {"le"}
+    assert labels == set(metric.labels)
+    if metric.buckets:
+        assert _buckets(family) == [*metric.buckets, float("inf")]
+
+
+def test_the_vllm_finish_reasons_are_the_fixtures():
+    reasons = {s.labels["finished_reason"] for s in families(CURRENT["vllm"])["vllm:request_success"].samples}
+    assert reasons == set(upstream.VLLM_FINISH_REASONS)
+
+
+@pytest.mark.parametrize("name", sorted(upstream.DCGM))
+def test_the_dcgm_fields_are_typed_and_in_the_units_the_fixtures_say(name):
+    kind, unit = upstream.DCGM[name]
+    found = [families(f)[name] for f in FIXTURES_OF["dcgm-exporter"] if name in families(f)]
+    assert found, f"{name} is in no dcgm-exporter fixture"
+    for family in found:
+        assert family.type == kind, name
+        if unit in ("MiB", "MHz", "W", "mJ", "%"):
+            assert f"(in {unit})" in family.documentation, (name, family.documentation)
+        for sample in family.samples:
+            assert set(upstream.DCGM_LABELS) <= set(sample.labels), sample
