@@ -1,11 +1,15 @@
-"""Shared test plumbing: GPU and distro-binary markers, and a deadline poller."""
+"""Shared test plumbing: GPU and distro-binary markers, a deadline poller, usage errors, benchmark runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -54,10 +58,29 @@ def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.
     return last
 
 
+def usage_error(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
+    """The line ``python -m ARGV`` prints for a usage error. Fails unless it exits 2 with exactly one
+    line on stderr: every gpuscope command checks its flags before it starts anything."""
+    result = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout,
+                            env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, f"exit status {result.returncode}:\n{result.stderr}"
+    return lines[0]
+
+
+def run_bench(script: Path, tmp_path: Path, *args: str, status: int = 0,
+              timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """``python SCRIPT --quick --out JSON ARGS`` (a benchmark's CPU smoke run): its output and the JSON
+    report it wrote, failing with the end of its output unless it exits with ``status``."""
+    out = tmp_path / f"{script.stem}.json"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
 def promtool_check_metrics(exposition: str | bytes) -> None:
     """Fail the test unless ``promtool check metrics`` accepts this exposition (lint warnings included)."""
-    import subprocess
-
     promtool = require_binary("promtool")
     data = exposition.encode() if isinstance(exposition, str) else exposition
     result = subprocess.run([promtool, "check", "metrics"], input=data, capture_output=True, timeout=60)

@@ -7,25 +7,17 @@ streaming client, and the report.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from tests import conftest
+
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_serve_bench.py"
-
-
-def run_bench(tmp_path: Path, *args: str, status: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "hf.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=280, env=os.environ.copy())
-    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+run_bench = partial(conftest.run_bench, SCRIPT, timeout=280)  # (tmp_path, *args, status=0)
 
 
 def test_quick_run_measures_every_part(tmp_path: Path) -> None:

@@ -7,25 +7,17 @@ not crash; with ``--cpu-stand-in`` the timer and server parts' code runs on CPU 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from tests import conftest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu_bench.py"
 TOP_LEVEL = {"gpu", "gpu_count", "date", "torch", "parts", "targets", "summary"}
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def run_bench(tmp_path: Path, *args: str, status: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "x.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=240, env=os.environ.copy())
-    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads(out.read_text())
+run_bench = partial(conftest.run_bench, SCRIPT)  # (tmp_path, *args, status=0)
 
 
 def test_quick_run_reports_what_it_could_not_do(tmp_path: Path) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from gpuscope.loadtest import fault_drill as alerts
 from gpuscope.loadtest.alertwatch import distinct, firing, first_of, groups_resolved, parse_time, rule_for_s
 
-from ..conftest import require_binary, wait_for
+from ..conftest import require_binary, usage_error, wait_for
 
 
 def _record(at, status, group, *alerts_):
@@ -57,10 +55,8 @@ def test_alertmanager_times_with_nanoseconds_parse():
 
 
 def test_unknown_scenario_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "gpuscope.loadtest.fault_drill", "--scenarios", "meteor"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "unknown scenario 'meteor'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    line = usage_error("gpuscope.loadtest.fault_drill", "--scenarios", "meteor")
+    assert "unknown scenario 'meteor'" in line
 
 
 def _require_stack_binaries() -> None:

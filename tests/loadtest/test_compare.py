@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import subprocess
-import sys
 
 import matplotlib.image
 import pytest
@@ -14,6 +12,7 @@ from gpuscope.loadtest import compare
 from gpuscope.loadtest.configs import build
 from gpuscope.loadtest.report import RunResult, markdown, write_csv
 from gpuscope.loadtest.stats import Summary
+from tests.conftest import usage_error
 
 
 def _summary(rps: float, ttft_p99: float) -> Summary:
@@ -63,10 +62,7 @@ def test_markdown_shows_median_and_spread_per_configuration_and_tenant(tmp_path)
     (["--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_bad_flags_fail_with_one_line(argv, needle):
-    result = subprocess.run([sys.executable, "-m", "gpuscope.loadtest.compare", *argv], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2
-    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert needle in usage_error("gpuscope.loadtest.compare", *argv)
 
 
 @pytest.mark.slow

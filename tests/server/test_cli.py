@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from gpuscope.loadtest.serverproc import ServerProcess
-from tests.conftest import wait_for
+from tests.conftest import usage_error, wait_for
 from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +40,7 @@ def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProc
     (["--model.cuda-graphs", "--model.hf", "/nonexistent"], "cannot go with --model.hf"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
-    result = serve(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert message in usage_error("gpuscope", "serve", *args, env=ENV)
 
 
 def test_env_variables_configure_flags():

@@ -13,13 +13,11 @@ import contextlib
 import itertools
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -27,11 +25,11 @@ import yaml
 
 from gpuscope import fleet as fl
 from gpuscope import stack as st
-from tests.conftest import require_binary, wait_for
+from tests.conftest import require_binary, usage_error, wait_for
 from tests.dashboards.conftest import SCRAPE_INTERVAL_S, TTFT_COUNT, LokiSink, send_traffic
-from tests.dashboards.no_data_allowlist import ALLOWED_EMPTY, MAY_BE_EMPTY
 from tests.dashboards.panels import queries
-from tests.dashboards.test_live import _target_ref, evaluate
+from tests.dashboards.test_live import query_problems
+from tests.stack.conftest import StackCommand
 
 ROOT = st.find_root()
 FLEET = ROOT / "deploy" / "fleet"
@@ -142,10 +140,7 @@ def test_unknown_part_names_the_parts(tmp_path):
                                   ["--stack.hosts", "2", "--no-stack.server"],
                                   ["--stack.hosts", "2", "--stack.port", "server=18000"]])
 def test_bad_fleet_flags_exit_2_with_one_line(argv):
-    result = subprocess.run([sys.executable, "-m", "gpuscope", "stack", *argv], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    usage_error("gpuscope", "stack", *argv)
 
 
 @pytest.mark.distro
@@ -176,17 +171,9 @@ def test_command_starts_a_fleet_and_stops_on_sigterm(tmp_path):
     and a clean stop on SIGTERM."""
     for binary in BINARIES:
         require_binary(binary)
-    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "stack", "--stack.hosts", "1",
-                             "--stack.profile", "test", "--stack.free-ports",
-                             "--stack.run-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        urls: dict[str, str] = {}
-        while "host1/vmagent" not in urls:  # the summary lists the central parts, then the host's
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-            if match := re.match(r"\s+([\w/-]+)\s+(http://\S+)", line):
-                urls[match.group(1)] = match.group(2)
+    args = ("--stack.hosts", "1", "--stack.profile", "test", "--stack.free-ports")
+    with StackCommand(tmp_path, *args) as command:
+        urls = command.urls(last="host1/vmagent")  # the summary lists the central parts, then the host's
         assert set(urls) == {*fl.CENTRAL_URLS, *(f"host1/{p}" for p in (*fl.HOST_PARTS, "vmagent"))}
 
         def host_up() -> bool:
@@ -198,22 +185,11 @@ def test_command_starts_a_fleet_and_stops_on_sigterm(tmp_path):
                 return False
 
         wait_for(host_up, timeout=120, interval=0.5, what="host1's four targets up in the central store")
-        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
+        children = command.children()
         assert len(children) == len(urls)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        assert "killing it" not in err and "gpuscope stack: stopped" in err, err
-        for pid in children:
-            assert not Path(f"/proc/{pid}").exists() or \
-                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"child {pid} outlived the fleet"
+        command.stop_cleanly(children)
         assert (tmp_path / "central" / "logs" / "victoria-metrics.log").exists()
         assert (tmp_path / "host1" / "vmagent-queue").is_dir()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # --- a live fleet -------------------------------------------------------------------------------------
@@ -422,20 +398,8 @@ def test_every_dashboard_query_returns_data_from_the_central_store(live_fleet):
             return live_fleet.url("victoria-metrics")
 
     def problems() -> list[str]:
-        found = []
-        for q in queries("prometheus"):
-            key = (q.dashboard, q.panel, _target_ref(q))
-            try:
-                error, result = evaluate(Central, q)
-            except (requests.RequestException, ValueError) as exc:
-                error, result = f"{type(exc).__name__}: {exc}", []
-            if error:
-                found.append(f"{key}: {error}")
-            elif not result and key not in ALLOWED_EMPTY and key not in MAY_BE_EMPTY:
-                found.append(f"{key}: no data for {q.expr}")
-            elif result and key in ALLOWED_EMPTY:
-                found.append(f"{key}: returns data; it is allowed to be empty only for lack of a GPU")
-        return found
+        failing, stale = query_problems(Central)
+        return failing + stale
 
     assert len(queries("prometheus")) > 80
     with steady_traffic(live_fleet.hosts["hostB"]):

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +10,8 @@ import yaml
 
 from gpuscope import stack as st
 from gpuscope.ports import PORTS
-from tests.conftest import require_binary, wait_for
+from tests.conftest import require_binary, usage_error, wait_for
+from tests.stack.conftest import StackCommand
 
 ADDRESSES = {"server": "127.0.0.1:18000", "receiver": "127.0.0.1:19095", "alertmanager": "127.0.0.1:19093"}
 
@@ -80,10 +77,7 @@ def test_default_ports_are_the_ports_module():
 @pytest.mark.parametrize("argv", [["--stack.port", "nope"], ["--stack.port", "grafana=3000"],
                                   ["--stack.profile", "staging"], ["--bogus"]])
 def test_bad_flags_exit_2_with_one_line(argv):
-    result = subprocess.run([sys.executable, "-m", "gpuscope", "stack", *argv], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    usage_error("gpuscope", "stack", *argv)
 
 
 @pytest.mark.slow
@@ -93,16 +87,8 @@ def test_command_starts_everything_routes_an_alert_and_stops_on_sigterm(tmp_path
     Alertmanager (its templated webhook URL) to the receiver, and a clean stop on SIGTERM."""
     for binary in ("prometheus", "prometheus-alertmanager", "prometheus-node-exporter"):
         require_binary(binary)
-    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "stack", "--stack.profile", "test",
-                             "--stack.free-ports", "--stack.run-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines: dict[str, str] = {}
-        while "prometheus" not in lines:  # the summary lists every part, prometheus last
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-            if match := re.match(r"\s+([\w-]+)\s+(http://\S+)$", line):
-                lines[match.group(1)] = match.group(2)
+    with StackCommand(tmp_path, "--stack.profile", "test", "--stack.free-ports") as command:
+        lines = command.urls(last="prometheus")  # the summary lists every part, prometheus last
         assert set(lines) == set(st.COMPONENTS)
         prom, am, receiver = lines["prometheus"], lines["alertmanager"], lines["receiver"]
 
@@ -138,19 +124,7 @@ def test_command_starts_everything_routes_an_alert_and_stops_on_sigterm(tmp_path
                        for n in notes for a in n["notification"]["alerts"])
 
         wait_for(delivered, timeout=120, interval=0.5, what="the alert at the receiver (after group_wait)")
-        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                   text=True).stdout.split()]
+        children = command.children()
         assert len(children) == len(st.COMPONENTS)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        # Clean: every part exited on its SIGTERM; none outlived the stack's grace period and got SIGKILL.
-        assert "killing it" not in err and "gpuscope stack: stopped" in err, err
-        for pid in children:
-            assert not Path(f"/proc/{pid}").exists() or \
-                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", f"child {pid} outlived the stack"
+        command.stop_cleanly(children)
         assert (tmp_path / "logs" / "prometheus.log").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
