@@ -3,9 +3,11 @@
     pip install 'gpuscope[cupti]'
     python benchmarks/kernel_busy_bench.py --out benchmarks/results/kernel-busy-h200.json   # ~3 min
 
-1. Separation: two instrumented modules timed under the window, each alone in its model so the
-   queue is idle when it starts: ``tiny_ops`` (40 elementwise kernels on a 1k-element tensor:
-   launch-bound) and ``matmul`` (one 4096² bf16 matmul: GPU-bound). Reports each module's region
+1. Separation: two instrumented modules, each alone in its model and run after a short idle gap
+   so the queue is empty when it starts, with windows as often as the budget allows:
+   ``tiny_ops`` (40 elementwise kernels on a 1k-element tensor:
+   launch-bound) and ``matmul_4096``/``matmul_8192`` (one bf16 matmul: GPU-bound, the smaller one
+   behind a launch gap that is a visible share of it). Reports each module's region
    time, its CUPTI kernel time and the ratio, over several windows.
 2. Cost: the 12-layer transformer of timing_bench.py with the default timer (1% budget), window
    off vs on at its default schedule vs forced on every sampled pass, in interleaved paired
@@ -59,27 +61,30 @@ class Holder(torch.nn.Module):
 def separation(windows: int) -> dict:
     dev = torch.device("cuda")
     cases = {"tiny_ops": (Holder(TinyOps()), torch.zeros(1024, device=dev)),
-             "matmul": (Holder(MatMul(4096)).to(dev, torch.bfloat16),
-                        torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16))}
+             "matmul_4096": (Holder(MatMul(4096)).to(dev, torch.bfloat16),
+                             torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)),
+             "matmul_8192": (Holder(MatMul(8192)).to(dev, torch.bfloat16),
+                             torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16))}
     out = {}
     for name, (model, x) in cases.items():
         timer = Timer(None, sample_rate=1.0)
         busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
         timer.instrument(model, include=("inner",))
-        ratios, region_us = [], []
+        ratios: list[float] = []
+        deadline = time.monotonic() + 60
         with torch.no_grad():
             for _ in range(3):
                 model(x)
-            for _ in range(windows):
+            # Ordinary passes between windows give the module's usual region time (busy.py).
+            while len(ratios) < windows and time.monotonic() < deadline:
                 torch.cuda.synchronize()
                 time.sleep(0.002)  # an idle queue when the module starts, as in a lightly loaded server
                 before = busy.windows["ok"]
                 model(x)
                 torch.cuda.synchronize()
-                deadline = time.monotonic() + 5
-                while busy.windows["ok"] == before and time.monotonic() < deadline:
-                    timer.flush(0.1)
-                ratios.append(busy.ratios.get(("inner", "0"), float("nan")))
+                timer.flush(1.0)
+                if busy.windows["ok"] > before:
+                    ratios.append(busy.ratios[("inner", "0")])
         hist = timer.core.op_state("inner").hists[0]
         region_us = hist.sum / max(1, hist.count) * 1e6
         out[name] = {"busy_ratio_median": statistics.median(ratios),
@@ -147,7 +152,7 @@ def cost(rounds: int, iters: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="kernel-busy.json")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -155,9 +160,9 @@ def main() -> int:
     out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "hot_path": "C" if hot.native_available() else "Python"}
     progress("separation: launch-bound vs GPU-bound module")
-    out["separation"] = separation(windows=20)
+    out["separation"] = separation(windows=10)
     progress("cost: window off / default / every sampled pass")
-    out["cost"] = cost(args.rounds, iters=100)
+    out["cost"] = cost(args.rounds, iters=200)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -351,6 +351,10 @@ def accuracy(n_ms: int, n_short: int) -> dict:
     c = torch.empty_like(a)
     for _ in range(3):
         torch.matmul(a, b, out=c)
+    # Each timer's first region makes its event pool (4096 events): a torch-route pool made inside
+    # our first measured region would add tens of ms of idle GPU to it.
+    for t in (timer, torch_timer):
+        t.stop(t.start("warm-up", on_elapsed=lambda s: None))
     torch.cuda.synchronize()
     got, got_torch = [], []
     with torch.profiler.profile(activities=acts) as prof:

@@ -85,6 +85,9 @@ class FakeTrace:
     def pop(self) -> None:
         self.calls.append(("pop",))
 
+    def stop_launches(self) -> None:
+        self.calls.append(("stop_launches",))
+
     def stop(self) -> dict[int, int]:
         self.calls.append(("stop",))
         return dict(self.busy_ns)
@@ -120,7 +123,8 @@ def test_a_window_divides_each_modules_kernel_time_by_its_region_time(make_timer
     assert ratio(registry, "attn") == pytest.approx(0.25)
     assert ratio(registry, "mlp") == 1.0  # other streams' kernels can exceed the region: capped
     # Each module ran under its own correlation id, and tracing stopped once the regions completed.
-    assert trace.calls == [("start",), ("push", 0), ("pop",), ("push", 1), ("pop",), ("stop",)]
+    assert trace.calls == [("start",), ("push", 0), ("pop",), ("push", 1), ("pop",), ("stop_launches",),
+                           ("stop",)]
     # The traced pass's regions are ordinary samples too.
     counts = [registry.get_sample_value("gpuscope_region_gpu_seconds_count", {"op": op, "device": "cpu"})
               for op in ("attn", "mlp")]
@@ -217,3 +221,22 @@ def test_cupti_python_records_have_the_attributes_the_parser_reads():
         assert hasattr(cupti.ActivityKernel11, name)
     for name in ("kind", "correlation_id", "external_id"):
         assert hasattr(cupti.ActivityExternalCorrelation, name)
+
+
+def test_the_ratio_divides_by_the_ops_ordinary_region_time_not_the_traced_passs(make_timer, registry):
+    """Tracing slows launches, so the traced pass's own region reads long: the window divides by
+    the mean of the op's untraced samples since the last window."""
+    clock = Clock()
+    trace = FakeTrace({0: 1_000_000, 1: 1_000_000})
+    timer, busy, model, _, _ = busy_timer(make_timer, trace, clock, min_interval_s=10.0)
+    model(torch.zeros(2))  # window 1: attn 4 ms, mlp 2 ms (no ordinary samples yet)
+    assert timer.flush(5) and busy.windows["ok"] == 1
+    model.attn.seconds, model.mlp.seconds = 2e-3, 1e-3  # ordinary passes: attn 2 ms, mlp 1 ms
+    for _ in range(3):
+        model(torch.zeros(2))
+    clock.t += 11.0
+    model.attn.seconds, model.mlp.seconds = 8e-3, 8e-3  # the traced pass reads long
+    model(torch.zeros(2))
+    assert timer.flush(5) and busy.windows["ok"] == 2
+    assert ratio(registry, "attn") == pytest.approx(0.5)  # 1 ms of kernels in a usual 2 ms
+    assert ratio(registry, "mlp") == pytest.approx(1.0)

@@ -9,18 +9,21 @@ kernels help) or because the CPU feeds them slowly (launch-bound: CUDA graphs, f
 kernels, or a faster host help). Region time alone cannot say which.
 
 **The busy ratio** says it: the kernels' own execution time inside the region, from CUPTI's
-activity records, over the region's time; ``gpuscope_region_gpu_busy_ratio{op,device}``. Near 1:
-the GPU was busy with this op's kernels; well under 1: it mostly waited for launches.
+activity records, over the region's usual time (the mean of its ordinary samples since the last
+window: tracing itself slows launches, so the traced pass's own region time would read long):
+``gpuscope_region_gpu_busy_ratio{op,device}``. Near 1: the GPU was busy with this op's kernels;
+well under 1: it mostly waited for launches.
 
 **How it is measured: a sampled window.** Tracing every kernel with CUPTI costs CPU time on every
 launch, so it is switched on only for one forward pass at a time (``instrument()`` passes: the
 per-module regions), at most once per ``min_interval_s`` and no more often than its measured cost
 allows within ``budget_share`` of the timer's overhead budget. During such a pass each module's
 forward runs under a CUPTI external correlation id (its index), so every kernel it launches is
-attributed to it; the module's region is timed with events as usual, with a callback that hands
-the region's seconds to the window. When the resolver has seen every region of the pass complete,
-the window stops tracing, flushes CUPTI's buffers and divides. Kernels on other streams launched
-inside a module count too, so the ratio is capped at 1.
+attributed to it (CUPTI links the two through the launch's runtime or driver API record, so API
+activity is traced too during the window); the module's region is timed with events as usual,
+with a callback that hands the region's seconds to the window. When the resolver has seen every
+region of the pass complete, the window stops tracing, flushes CUPTI's buffers and divides.
+Kernels on other streams launched inside a module count too, so the ratio is capped at 1.
 
 CUPTI admits one activity client per process: do not run the window together with
 ``torch.profiler`` (or Nsight Systems) in the same process.
@@ -63,6 +66,10 @@ class KernelTrace(Protocol):
 
     def pop(self) -> None: ...
 
+    def stop_launches(self) -> None:
+        """The traced pass has launched everything: stop what costs per launch (API records)."""
+        ...
+
     def stop(self) -> dict[int, int]:
         """Stop recording; return the kernel nanoseconds recorded per external id."""
         ...
@@ -104,18 +111,29 @@ class CuptiTrace:
             raise RuntimeError("kernel busy ratios need CUPTI's Python package: "
                                "pip install 'gpuscope[cupti]' (cupti-python)") from exc
         self._cupti = cupti
-        self._kinds = (cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.EXTERNAL_CORRELATION)
+        kinds = cupti.ActivityKind
+        kernel, correlation = kinds.CONCURRENT_KERNEL, kinds.EXTERNAL_CORRELATION
+        self._kept = (int(kernel), int(correlation))
+        # CUPTI emits external correlation records only beside API records: runtime for torch's
+        # launches, driver for libraries that launch through it. Their records are dropped on arrival.
+        self._kinds = (kernel, correlation, kinds.RUNTIME, kinds.DRIVER)
         self._correlation = cupti.ExternalCorrelationKind.CUSTOM0
         self._records: list[Any] = []
         self._lock = threading.Lock()
         cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        # CUPTI sets itself up on first use (hundreds of ms): pay that here, not in the first window,
+        # whose cost would otherwise push the next one far out.
+        self.start()
+        self.stop()
 
     def _buffer_requested(self) -> tuple[int, int]:
         return self.BUFFER_BYTES, 0
 
     def _buffer_completed(self, activities: list) -> None:
+        kept = self._kept
+        mine = [record for record in activities if record.kind in kept]
         with self._lock:
-            self._records.extend(activities)
+            self._records.extend(mine)
 
     def start(self) -> None:
         with self._lock:
@@ -129,22 +147,26 @@ class CuptiTrace:
     def pop(self) -> None:
         self._cupti.activity_pop_external_correlation_id(self._correlation)
 
+    def stop_launches(self) -> None:
+        for kind in self._kinds[1:]:
+            self._cupti.activity_disable(kind)
+
     def stop(self) -> dict[int, int]:
         for kind in self._kinds:
             self._cupti.activity_disable(kind)
         self._cupti.activity_flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
         with self._lock:
             records, self._records = self._records, []
-        kernel, correlation = self._kinds
-        return kernel_ns_by_external_id(records, int(kernel), int(correlation))
+        return kernel_ns_by_external_id(records, *self._kept)
 
 
 class _Window:
     """One traced pass: what it expects and what has arrived (guarded by the owner's lock)."""
 
-    def __init__(self, ops: list[Any], device: str, opened: float) -> None:
+    def __init__(self, ops: list[Any], device: int, label: str, opened: float) -> None:
         self.ops = ops
         self.device = device
+        self.label = label
         self.opened = opened
         self.region_s = [0.0] * len(ops)
         self.expected = 0  # regions whose start was recorded
@@ -174,6 +196,8 @@ class KernelBusy:
         self._next_at = clock()  # the first sampled pass opens a window
         self._window: _Window | None = None
         self._lock = threading.Lock()
+        #: each op's histogram (sum, count) at the last window
+        self._seen: dict[tuple[str, int], tuple[float, int]] = {}
 
     def due(self) -> bool:
         """Whether the next sampled pass should be traced (cheap: called once per sampled pass)."""
@@ -188,7 +212,8 @@ class KernelBusy:
     def open(self, ops: list[Any], originals: list[Callable]) -> list[Callable] | None:
         """Start tracing a pass over ``ops`` (OpStates, in wrapper order); the forwards to install
         in place of ``originals`` for this pass, or None if tracing could not start (counted)."""
-        window = _Window(ops, self.core.device_label(self.core.current_device()), self.clock())
+        device = self.core.current_device()
+        window = _Window(ops, device, self.core.device_label(device), self.clock())
         try:
             self.trace.start()
         except Exception as exc:
@@ -222,7 +247,15 @@ class KernelBusy:
         return forward
 
     def close_pass(self, extra_cpu_s: float) -> None:
-        """The traced pass returned; ``extra_cpu_s``: its CPU time beyond an ordinary sampled pass."""
+        """The traced pass returned; ``extra_cpu_s``: its CPU time beyond an ordinary sampled pass.
+        API tracing stops now (it slows every launch); kernel records are collected until the
+        resolver has the pass's regions."""
+        try:
+            self.trace.stop_launches()
+        except Exception as exc:
+            self._give_up("failed")
+            log.warning("gpuscope: kernel busy window failed (counted): %r", exc)
+            return
         with self._lock:
             window = self._window
             if window is None:
@@ -257,12 +290,29 @@ class KernelBusy:
             self._failed(exc)
             return
         for index, op in enumerate(window.ops):
-            region_s = window.region_s[index]
+            region_s = self._typical_region_s(op, window, index)
             if region_s > 0:
                 ratio = busy_ns.get(index, 0) * 1e-9 / region_s
-                self.ratios[(op.name, window.device)] = min(1.0, ratio)
+                self.ratios[(op.name, window.label)] = min(1.0, ratio)
         self.windows["ok"] += 1
         self._schedule(window.pass_cost_s + time.thread_time() - t0)
+
+    def _typical_region_s(self, op: Any, window: _Window, index: int) -> float:
+        """The op's mean region time over its ordinary samples since the last window, or the traced
+        pass's own when there are none. Tracing slows every launch (CUPTI records each API call), so
+        the traced pass's regions wait longer for launches than untraced ones do; its kernels run
+        as fast as ever. Called on the resolver thread, which also fills the histograms."""
+        traced = window.region_s[index]
+        hist = op.hists.get(window.device)
+        if hist is None:
+            return traced
+        key = (op.name, window.device)
+        last_sum, last_count = self._seen.get(key, (0.0, 0))
+        self._seen[key] = (hist.sum, hist.count)
+        ordinary = hist.count - last_count - 1  # the traced region is in the histogram too
+        if ordinary <= 0:
+            return traced
+        return max(0.0, (hist.sum - last_sum - traced) / ordinary)
 
     def _schedule(self, cost_s: float) -> None:
         """Next window after ``min_interval_s``, or later if its cost needs more time to fit."""
