@@ -119,6 +119,9 @@ def test_spike_shape_drives_the_user_count(paced_server, tmp_path):
 @pytest.mark.parametrize(("args", "env", "needle"), [
     (["--prompt-tokens", "gauss:mean=3"], {}, "unknown distribution 'gauss'"),
     (["--shape", "sawtooth"], {}, "unknown shape 'sawtooth'"),
+    (["--temperature", "hot"], {}, "temperature 'hot' is not a number"),
+    (["--temperature", "2.5"], {}, "temperature '2.5' is outside 0..2"),
+    (["--ignore-eos", "maybe"], {}, "'maybe' is not true or false"),
     ([], {"GPUSCOPE_LOAD_TENANTS": "alpha:0"}, "weights must be positive"),
 ])
 def test_bad_options_fail_with_one_readable_line(args, env, needle):

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,28 +31,33 @@ DEFAULT_TENANTS = "default:1"
 TENANTS_ENV = "GPUSCOPE_LOAD_TENANTS"
 
 
-def _checked_distribution(spec: str) -> str:
-    try:
-        parse_distribution(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return spec
+def _string_option(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse ``type`` that validates with ``check`` (its ValueError is the user's one error
+    line) and keeps the string itself: options reach Locust's workers as strings."""
+
+    def option_type(raw: str) -> str:
+        try:
+            check(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return raw
+
+    option_type.__name__ = getattr(check, "__name__", "value")
+    return option_type
 
 
-def _checked_shape(name: str) -> str:
+def _known_shape(name: str) -> None:
     if name not in shape_names():
-        raise argparse.ArgumentTypeError(f"unknown shape {name!r} (one of: {', '.join(shape_names())})")
-    return name
+        raise ValueError(f"unknown shape {name!r} (one of: {', '.join(shape_names())})")
 
 
-def _checked_temperature(raw: str) -> str:
+def _temperature(raw: str) -> None:
     try:
         value = float(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"temperature {raw!r} is not a number") from None
+        raise ValueError(f"temperature {raw!r} is not a number") from None
     if not 0 <= value <= 2:
-        raise argparse.ArgumentTypeError(f"temperature {raw!r} is outside 0..2")
-    return raw
+        raise ValueError(f"temperature {raw!r} is outside 0..2")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -67,12 +73,10 @@ def parse_bool(raw: str | bool) -> bool:
     raise ValueError(f"{raw!r} is not true or false")
 
 
-def _checked_bool(raw: str) -> str:
-    try:
-        parse_bool(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return raw
+_checked_distribution = _string_option(parse_distribution)
+_checked_shape = _string_option(_known_shape)
+_checked_temperature = _string_option(_temperature)
+_checked_bool = _string_option(parse_bool)
 
 
 def add_locust_arguments(parser: Any) -> None:

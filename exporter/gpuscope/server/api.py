@@ -17,12 +17,14 @@ it the route is the untraced one and nothing of OpenTelemetry is imported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import signal
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ from prometheus_client.exposition import choose_encoder
 from gpuscope import catalogue as c
 
 from .engine import Done, Failed, Request, Token
-from .faults import FaultError
+from .faults import FaultError, FaultInjector
 from .protocol import (
     BadRequest,
     new_trace_id,
@@ -164,6 +166,27 @@ async def _close_tracing(app: web.Application) -> None:
     from .tracing import close_async
 
     await close_async(app[TRACING])
+
+
+FaultHandler = Callable[["Handlers", web.Request, FaultInjector], Awaitable[web.Response]]
+
+
+def _fault_endpoint(handler: FaultHandler) -> Callable[[Handlers, web.Request], Awaitable[web.Response]]:
+    """A fault-injection endpoint: the bearer token is checked first (``Handlers._authorize``), then
+    ``handler`` gets the injector; a FaultError it raises is answered with its status and message."""
+
+    @functools.wraps(handler)
+    async def endpoint(self: Handlers, request: web.Request) -> web.Response:
+        denied = self._authorize(request)
+        if denied is not None:
+            return denied
+        assert self.service.faults is not None  # _authorize answers 404 without one
+        try:
+            return await handler(self, request, self.service.faults)
+        except FaultError as exc:
+            return error_response(exc.status, str(exc))
+
+    return endpoint
 
 
 class Handlers:
@@ -303,7 +326,10 @@ class Handlers:
 
     async def metrics(self, request: web.Request) -> web.Response:
         # OpenMetrics when the scraper asks for it (Prometheus with exemplar storage does): exemplars show.
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        # Under vLLM's names, the text format: vLLM attaches no exemplars, and prometheus_client's
+        # OpenMetrics writer (0.26) turns the colons of sample names into underscores.
+        accept = "" if self.config.metric_names == "vllm" else request.headers.get("Accept", "")
+        encoder, content_type = choose_encoder(accept)
         return web.Response(body=encoder(self.service.registry), headers={"Content-Type": content_type})
 
     # --- fault injection ---------------------------------------------------------
@@ -320,39 +346,23 @@ class Handlers:
             return error_response(403, "wrong fault-injection token", "permission_error")
         return None
 
-    async def faults_list(self, request: web.Request) -> web.Response:
-        denied = self._authorize(request)
-        if denied is not None:
-            return denied
-        assert self.service.faults is not None
-        return web.json_response({"active": self.service.faults.describe()})
+    @_fault_endpoint
+    async def faults_list(self, request: web.Request, faults: FaultInjector) -> web.Response:
+        return web.json_response({"active": faults.describe()})
 
-    async def fault_set(self, request: web.Request) -> web.Response:
-        denied = self._authorize(request)
-        if denied is not None:
-            return denied
-        assert self.service.faults is not None
+    @_fault_endpoint
+    async def fault_set(self, request: web.Request, faults: FaultInjector) -> web.Response:
         try:
             raw = await request.read()
             body = json.loads(raw) if raw.strip() else {}
         except (ValueError, RecursionError):
             return error_response(400, "request body is not valid JSON")
-        try:
-            state = self.service.faults.activate(request.match_info["name"], body)
-        except FaultError as exc:
-            return error_response(exc.status, str(exc))
-        return web.json_response(state)
+        return web.json_response(faults.activate(request.match_info["name"], body))
 
-    async def fault_clear(self, request: web.Request) -> web.Response:
-        denied = self._authorize(request)
-        if denied is not None:
-            return denied
-        assert self.service.faults is not None
-        try:
-            removed = self.service.faults.clear(request.match_info["name"])
-        except FaultError as exc:
-            return error_response(exc.status, str(exc))
-        return web.json_response({"name": request.match_info["name"], "cleared": removed})
+    @_fault_endpoint
+    async def fault_clear(self, request: web.Request, faults: FaultInjector) -> web.Response:
+        name = request.match_info["name"]
+        return web.json_response({"name": name, "cleared": faults.clear(name)})
 
 
 def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Application:
