@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing_bench, also when imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
 
 import torch
@@ -58,7 +59,9 @@ class Holder(torch.nn.Module):
         return self.inner(x)
 
 
-def separation(windows: int) -> dict:
+def separation(windows: int, names: tuple[str, ...] = ("tiny_ops", "matmul_4096", "matmul_8192")) -> dict:
+    """Busy ratios of modules that are launch-bound or GPU-bound by construction (the GPU tests
+    assert on this too)."""
     dev = torch.device("cuda")
     cases = {"tiny_ops": (Holder(TinyOps()), torch.zeros(1024, device=dev)),
              "matmul_4096": (Holder(MatMul(4096)).to(dev, torch.bfloat16),
@@ -66,7 +69,8 @@ def separation(windows: int) -> dict:
              "matmul_8192": (Holder(MatMul(8192)).to(dev, torch.bfloat16),
                              torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16))}
     out = {}
-    for name, (model, x) in cases.items():
+    for name in names:
+        model, x = cases[name]
         timer = Timer(None, sample_rate=1.0)
         busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
         timer.instrument(model, include=("inner",))

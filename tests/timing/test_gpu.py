@@ -1,11 +1,11 @@
 """The timer on a real GPU (skipped without CUDA; the last test needs two)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from gpuscope.timing import Timer
 
 pytestmark = pytest.mark.gpu
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
@@ -253,50 +254,16 @@ def test_both_hot_paths_time_exact_and_shared_regions_alike(registry, native):
         assert sums[op] / 10 == pytest.approx(mean_exact, rel=0.05)
 
 
-def test_kernel_busy_ratio_tells_a_launch_bound_module_from_a_gpu_bound_one(registry):
+def test_kernel_busy_ratio_tells_a_launch_bound_module_from_a_gpu_bound_one():
+    """40 tiny kernels launched one by one keep the GPU busy a small share of their region; one
+    8192² matmul keeps it busy nearly all of it (benchmarks/kernel_busy_bench.py, asserted)."""
     pytest.importorskip("cupti.cupti", reason="cupti-python is not installed (gpuscope[cupti])")
-
-    class Tiny(torch.nn.Module):
-        def forward(self, x):
-            for _ in range(40):
-                x = x + 1
-            return x
-
-    class Big(torch.nn.Module):  # an 8192² matmul: ~1.5 ms of kernel behind a launch gap of µs
-        def forward(self, x):
-            return x @ x
-
-    class Model(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x)
-
-    ratios = {}
-    for name, inner, x in (("tiny", Tiny(), torch.zeros(1024, device="cuda")),
-                           ("big", Big(), torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16))):
-        with Timer(registry if name == "tiny" else None, sample_rate=1.0) as timer:
-            busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
-            model = Model(inner)
-            timer.instrument(model, include=("inner",))
-            got = []
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # ordinary passes between windows (a window every ~0.5 s)
-                torch.cuda.synchronize()
-                before = busy.windows["ok"]
-                model(x)
-                torch.cuda.synchronize()
-                timer.flush(1.0)
-                if busy.windows["ok"] > before:
-                    got.append(busy.ratios[("inner", "0")])
-                    if len(got) == 3:
-                        break
-            assert len(got) == 3, busy.windows
-            assert busy.windows["failed"] == busy.windows["timeout"] == 0
-            ratios[name] = sorted(got)[len(got) // 2]
-    assert ratios["big"] > 0.8, ratios
-    assert ratios["tiny"] < 0.6 * ratios["big"], ratios
-    labels = {"op": "inner", "device": "0"}
-    assert registry.get_sample_value("gpuscope_region_gpu_busy_ratio", labels) is not None
+    spec = importlib.util.spec_from_file_location("kernel_busy_bench", BENCHMARKS / "kernel_busy_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.separation(windows=3, names=("tiny_ops", "matmul_8192"))
+    for case in result.values():
+        assert case["windows"]["ok"] >= 3 and case["windows"]["failed"] == case["windows"]["timeout"] == 0
+    tiny, big = result["tiny_ops"]["busy_ratio_median"], result["matmul_8192"]["busy_ratio_median"]
+    assert big > 0.8, result
+    assert tiny < 0.6 * big, result

@@ -289,37 +289,19 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-static int HotPath_traverse(HotPath *h, visitproc visit, void *arg) {
-    Py_VISIT(h->core);
-    Py_VISIT(h->pools);
-    Py_VISIT(h->ring);
-    Py_VISIT(h->ring_append);
-    Py_VISIT(h->dropped);
-    Py_VISIT(h->record);
-    Py_VISIT(h->current_device);
-    Py_VISIT(h->current_stream);
-    Py_VISIT(h->trace_var);
-    Py_VISIT(h->captures);
-    Py_VISIT(h->capturing);
-    Py_VISIT(h->pending_type);
-    Py_VISIT(h->graph_token_type);
+/* The object fields, listed once for the garbage collector's traverse and clear. */
+#define HOTPATH_OBJECTS(X) X(core) X(pools) X(ring) X(ring_append) X(dropped) X(record) \
+    X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type)
+#define VISIT_FIELD(field) Py_VISIT(self->field);
+#define CLEAR_FIELD(field) Py_CLEAR(self->field);
+
+static int HotPath_traverse(HotPath *self, visitproc visit, void *arg) {
+    HOTPATH_OBJECTS(VISIT_FIELD)
     return 0;
 }
 
-static int HotPath_clear(HotPath *h) {
-    Py_CLEAR(h->core);
-    Py_CLEAR(h->pools);
-    Py_CLEAR(h->ring);
-    Py_CLEAR(h->ring_append);
-    Py_CLEAR(h->dropped);
-    Py_CLEAR(h->record);
-    Py_CLEAR(h->current_device);
-    Py_CLEAR(h->current_stream);
-    Py_CLEAR(h->trace_var);
-    Py_CLEAR(h->captures);
-    Py_CLEAR(h->capturing);
-    Py_CLEAR(h->pending_type);
-    Py_CLEAR(h->graph_token_type);
+static int HotPath_clear(HotPath *self) {
+    HOTPATH_OBJECTS(CLEAR_FIELD)
     return 0;
 }
 
@@ -493,27 +475,15 @@ done:
     return result;
 }
 
-static int Sequence_traverse(SequenceBase *s, visitproc visit, void *arg) {
-    Py_VISIT(s->core);
-    Py_VISIT(s->hot);
-    Py_VISIT(s->pass_);
-    Py_VISIT(s->op);
-    Py_VISIT(s->event);
-    Py_VISIT(s->device);
-    Py_VISIT(s->stream);
-    Py_VISIT(s->recorder);
+#define SEQUENCE_OBJECTS(X) X(core) X(hot) X(pass_) X(op) X(event) X(device) X(stream) X(recorder)
+
+static int Sequence_traverse(SequenceBase *self, visitproc visit, void *arg) {
+    SEQUENCE_OBJECTS(VISIT_FIELD)
     return 0;
 }
 
-static int Sequence_clear(SequenceBase *s) {
-    Py_CLEAR(s->core);
-    Py_CLEAR(s->hot);
-    Py_CLEAR(s->pass_);
-    Py_CLEAR(s->op);
-    Py_CLEAR(s->event);
-    Py_CLEAR(s->device);
-    Py_CLEAR(s->stream);
-    Py_CLEAR(s->recorder);
+static int Sequence_clear(SequenceBase *self) {
+    SEQUENCE_OBJECTS(CLEAR_FIELD)
     return 0;
 }
 

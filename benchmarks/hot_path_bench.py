@@ -1,0 +1,133 @@
+"""The timer's hot path in context, finely interleaved: C vs Python vs two raw records per region.
+
+    python benchmarks/hot_path_bench.py --out benchmarks/results/hot-path-h200.json   # ~2 min
+
+timing_bench.py compares configurations in rounds of a few hundred forwards each; on a shared VM
+whose speed drifts by tens of percent within a minute, the per-round ratios scatter too widely to
+separate configurations a few percent apart. Here each configuration alternates with the untimed
+model in blocks of ``--block`` forwards, many times over, and every forward's CPU time (the main
+thread's ``thread_time``) and every block's wall time are kept. Reported per configuration:
+
+- CPU µs added per forward and per region: median forward CPU time minus the untimed median;
+- the in-context ratio: that CPU added over raw_records' (the floor: two ctypes records a region);
+- throughput loss: 1 - (untimed wall / configuration wall), summed over the paired blocks.
+
+Configurations come from timing_bench.py (24 regions a forward: attention and MLP of 12 blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
+
+import torch
+from timing_bench import Block, Config, progress
+
+from gpuscope.timing import hot
+
+CONFIGS = ["raw_records", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
+           "gpuscope_full_python", "gpuscope_full_partition_python"]
+
+
+def run_blocks(model, x, cfg: Config | None, block: int, cpu: list[float]) -> float:
+    """``block`` forwards (wall seconds returned, each forward's CPU µs appended to ``cpu``)."""
+    if cfg is not None:
+        cfg.install()
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            c0 = time.thread_time_ns()
+            model(x)
+            cpu.append((time.thread_time_ns() - c0) / 1e3)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    finally:
+        if cfg is not None:
+            cfg.uninstall()
+
+
+def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    d, layers, heads = 1024, 12, 16
+    model = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)]).to(dev, torch.bfloat16).eval()
+    x = torch.randn(bs, seq, d, device=dev, dtype=torch.bfloat16)
+    mods = [(f"{i}.{n}", getattr(b, n)) for i, b in enumerate(model) for n in ("attn", "mlp")]
+    cfgs = {name: Config(name, mods, model, True) for name in CONFIGS}
+    base_cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    base_wall: dict[str, float] = dict.fromkeys(CONFIGS, 0.0)
+    wall: dict[str, float] = dict.fromkeys(CONFIGS, 0.0)
+    with torch.no_grad():
+        for name in CONFIGS:  # warm-up; lets the default timer's budget controller settle
+            run_blocks(model, x, cfgs[name], 50, [])
+        for i in range(blocks):
+            order = list(CONFIGS)
+            random.Random(i).shuffle(order)
+            for name in order:
+                base_wall[name] += run_blocks(model, x, None, block, base_cpu[name])
+                wall[name] += run_blocks(model, x, cfgs[name], block, cpu[name])
+            if (i + 1) % 10 == 0:
+                progress(f"bs {bs} seq {seq}: {i + 1}/{blocks} block rounds")
+    out = {}
+    for name in CONFIGS:
+        added = statistics.median(cpu[name]) - statistics.median(base_cpu[name])
+        out[name] = {"cpu_us_added_per_forward": added, "cpu_us_added_per_region": added / len(mods),
+                     "loss_pct": 100 * (1 - base_wall[name] / wall[name]),
+                     "forwards": len(cpu[name])}
+        timer = cfgs[name].timer
+        if timer is not None:
+            timer.flush(10)
+            out[name]["dropped"] = dict(timer.dropped)
+            out[name]["sampling_ratio_final"] = 1 / timer.sampling_period()
+    floor = max(1e-9, out["raw_records"]["cpu_us_added_per_forward"])
+    for name in CONFIGS:
+        out[name]["in_context_ratio_to_raw_records"] = out[name]["cpu_us_added_per_forward"] / floor
+    for cfg in cfgs.values():
+        cfg.close()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="hot-path.json")
+    parser.add_argument("--blocks", type=int, default=100, help="paired block rounds per workload")
+    parser.add_argument("--block", type=int, default=10, help="forwards per block")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "hot_path_built": hot.native_available(),
+           "method": f"blocks of {args.block} forwards alternating untimed/config, {args.blocks} rounds, "
+                     "shuffled config order; CPU = median per-forward thread_time difference",
+           "workloads": {}}
+    for label, (bs, seq) in {"large": (8, 512), "small": (1, 64)}.items():
+        out["workloads"][label] = workload(bs, seq, args.blocks, args.block)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nwrote {args.out}\n")
+    print(f"{'config':32s} {'loss% L':>8s} {'loss% S':>8s} {'ratio L':>8s} {'ratio S':>8s} {'µs/reg L':>9s} "
+          f"{'µs/reg S':>9s}")
+    large, small = out["workloads"]["large"], out["workloads"]["small"]
+    for name in CONFIGS:
+        a, b = large[name], small[name]
+        ratio = "in_context_ratio_to_raw_records"
+        print(f"{name:32s} {a['loss_pct']:8.2f} {b['loss_pct']:8.2f} {a[ratio]:8.2f} {b[ratio]:8.2f} "
+              f"{a['cpu_us_added_per_region']:9.2f} "
+              f"{b['cpu_us_added_per_region']:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
