@@ -38,9 +38,19 @@ def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProc
     (["--batch.max-size", "lots"], "invalid int value"),
     (["--model.cuda-graphs", "--model.device", "cpu"], "--model.cuda-graphs needs a CUDA device"),
     (["--model.cuda-graphs", "--model.hf", "/nonexistent"], "cannot go with --model.hf"),
+    (["--timing", "off", "--timing.kernel-busy"], "--timing.kernel-busy needs the timer"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message):
     assert message in usage_error("gpuscope", "serve", *args, env=ENV)
+
+
+def test_kernel_busy_windows_need_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the server would start")
+    message = usage_error("gpuscope", "serve", *SMALL, "--timing.kernel-busy", env=ENV)
+    assert "--timing.kernel-busy needs a CUDA GPU" in message
 
 
 def test_env_variables_configure_flags():

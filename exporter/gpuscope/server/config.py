@@ -195,6 +195,7 @@ class ServerConfig:
     max_body_bytes: int = 65536
     timing: str = "budget"
     timing_budget: float = 0.01
+    timing_kernel_busy: bool = False
     #: Names of the serving metrics on /metrics: gpuscope's catalogue, or vLLM's (``metrics.METRIC_NAMES``).
     metric_names: str = "gpuscope"
     faults_enabled: bool = False
@@ -224,6 +225,8 @@ class ServerConfig:
             raise ConfigError(f"--timing {self.timing!r} must be off, budget or all")
         if not 0 < self.timing_budget < 1:
             raise ConfigError("--timing.budget must be in (0, 1)")
+        if self.timing_kernel_busy and self.timing == "off":
+            raise ConfigError("--timing.kernel-busy needs the timer: drop --timing off")
         if self.metric_names not in METRIC_NAMES:
             raise ConfigError(f"--metrics.names {self.metric_names!r} must be one of "
                               f"{', '.join(METRIC_NAMES)}")

@@ -56,6 +56,8 @@ def build_parser() -> FlagParser:
     p.add_flag("--request.max-body-bytes", type=int, default=65536, help="largest request body accepted")
     p.add_flag("--timing", default="budget", help="kernel timing: off, budget (default) or all regions")
     p.add_flag("--timing.budget", type=float, default=0.01, help="timer overhead budget (share of wall time)")
+    p.add_toggle("timing.kernel-busy", False,
+                 "per-module kernel busy ratio from sampled CUPTI windows (GPU; needs gpuscope[cupti])")
     p.add_flag("--metrics.names", default="gpuscope",
                help="serving metrics under gpuscope's names, or vllm: vLLM's names, labels (model_name, "
                     "engine) and buckets, for the bundle's vLLM source (no kernel timing or tenant series)")
@@ -106,7 +108,8 @@ def config_from_args(ns) -> ServerConfig:
         scheduler=args["scheduler"], batching=args["batching"], max_batch_size=args["batch.max_size"],
         max_wait_s=args["batch.max_wait"], max_queue_per_tenant=args["queue.max_per_tenant"],
         max_tokens_limit=args["request.max_tokens"], max_body_bytes=args["request.max_body_bytes"],
-        timing=args["timing"], timing_budget=args["timing.budget"], metric_names=args["metrics.names"],
+        timing=args["timing"], timing_budget=args["timing.budget"],
+        timing_kernel_busy=args["timing.kernel_busy"], metric_names=args["metrics.names"],
         faults_enabled=args["faults.enable"],
         faults_token=token if args["faults.enable"] else None, loki_url=args["loki.url"],
         instance=f"{socket.gethostname()}:{port}",

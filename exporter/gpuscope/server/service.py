@@ -17,7 +17,7 @@ from .faults import FAULTS, FaultInjector
 from .metrics import RequestMetrics, StateCollector, VllmRequestMetrics, VllmStateCollector
 from .model import ModelRunner, TinyRunner, build_model
 from .scheduler import Scheduler
-from .step_timing import build_timer
+from .step_timing import build_timer, enable_kernel_busy
 
 log = logging.getLogger("gpuscope.server")
 
@@ -45,6 +45,8 @@ class Service:
         self.timer = build_timer(config.timing, CollectorRegistry() if vllm else self.registry,
                                  config.timing_budget)
         self.instrumentation = self.runner.instrument(self.timer) if config.timing != "off" else None
+        if config.timing_kernel_busy:
+            enable_kernel_busy(self.timer)
         if config.model.cuda_graphs:
             self.runner.use_cuda_graphs(self.timer)  # captured at the engine's warm-up
         names = [t.name for t in config.tenants]

@@ -17,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from .config import ConfigError
+
 try:
     from gpuscope.timing import Timer, trace
 except ImportError:  # the timer package is optional for this module's importers (benchmarks)
@@ -67,6 +69,18 @@ def build_timer(mode: str, registry: CollectorRegistry | None, budget: float = 0
     if mode == "all":
         return Timer(registry=registry, sample_rate=1.0)
     return Timer(registry=registry, budget=budget)
+
+
+def enable_kernel_busy(timer) -> None:
+    """``--timing.kernel-busy``: sampled CUPTI windows over the instrumented modules
+    (``gpuscope.timing.busy``), or a one-line ConfigError where they cannot run."""
+    route = getattr(timer, "route", None)
+    if route is None or route.on_host:
+        raise ConfigError("--timing.kernel-busy needs a CUDA GPU (the timer runs on the host clock here)")
+    try:
+        timer.enable_kernel_busy()
+    except RuntimeError as exc:
+        raise ConfigError(f"--timing.kernel-busy: {exc}") from None
 
 
 def instrument_model(timer, model):
