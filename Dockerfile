@@ -15,9 +15,14 @@ RUN test -n "${TORCH_VERSION}" || { echo "build with docker compose, or pass --b
  && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY exporter ./exporter
-RUN pip install ".[server,loadtest,kubernetes,tracing]"
+# gcc only for the build: it compiles the timer's C hot path (gpuscope/timing/_hotpath.c; without it
+# the timer runs its Python hot path), then leaves the image.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install ".[server,loadtest,kubernetes,tracing]" \
+ && python -c "from gpuscope.timing import hot; assert hot.native_available(), 'C hot path not built'" \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 COPY loadtest ./loadtest
 
 # Non-root; compose runs it with a read-only root filesystem and a tmpfs /tmp (HOME above).
