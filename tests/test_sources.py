@@ -133,3 +133,36 @@ def test_the_dcgm_fields_are_typed_and_in_the_units_the_fixtures_say(name):
             assert f"(in {unit})" in family.documentation, (name, family.documentation)
         for sample in family.samples:
             assert set(upstream.DCGM_LABELS) <= set(sample.labels), sample
+
+
+def test_the_stack_runs_the_vllm_source(tmp_path):
+    """``gpuscope stack --stack.source vllm``: the server under vLLM's names, scraped as the vLLM
+    source's job, and Prometheus loading that source's layer with the GPU exporter's."""
+    import yaml
+
+    from gpuscope.alerting import generate
+    from gpuscope.stack import Stack, StackOptions
+
+    root = Path(__file__).resolve().parents[1]
+    stack = Stack(StackOptions(profile="test", ports="free", source="vllm", run_dir=tmp_path, root=root,
+                               components=("server", "prometheus")))
+    stack.render_configs()
+    config = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+    jobs = [job["job_name"] for job in config["scrape_configs"]]
+    assert "vllm" in jobs and "gpuscope-server" not in jobs
+    files = generate.stack_rule_files(PROFILES["test"], "vllm")
+    assert config["rule_files"] == [str(root / f) for f in files]
+    assert all((root / f).is_file() for f in files)
+    server = stack._process("server").argv
+    assert server[server.index("--metrics.names") + 1] == "vllm"
+
+
+def test_the_drill_runs_what_the_vllm_source_can_detect():
+    """``fault_drill --source vllm``: the latency spike is the step alert's; a leak has no vLLM series."""
+    from gpuscope.loadtest import fault_drill
+    from tests.conftest import usage_error
+
+    assert fault_drill.VLLM_SCENARIOS["latency_spike"].alerts[0] == "GPUStepLatencySpike"
+    assert fault_drill.evidence_s("GPUStepLatencySpike") == PROFILES["test"].windows.latency
+    line = usage_error("gpuscope.loadtest.fault_drill", "--source", "vllm", "--scenarios", "memory_leak")
+    assert "unknown scenario 'memory_leak' for --source vllm" in line

@@ -243,6 +243,9 @@ class StackOptions:
     root: Path = field(default_factory=find_root)
     evaluation_interval: str | None = None  # None: the profile's (test: 1s; production: the file's)
     health_timeout_s: float = 180.0
+    #: The server's source (gpuscope.alerting.sources): "gpuscope-server", or "vllm" (the server exposes
+    #: vLLM's metrics, is scraped as job vllm, and Prometheus loads the vLLM layer).
+    source: str = "gpuscope-server"
 
 
 class Stack(Parts):
@@ -333,12 +336,25 @@ class Stack(Parts):
             rules = rule_dir(root, self.options.profile)
             interval = self.options.evaluation_interval or (
                 TEST_EVALUATION_INTERVAL if self.options.profile == "test" else None)
+            text, files = prometheus_src.read_text(), [str(rules / "*.yml")]
+            if self.options.source != "gpuscope-server":
+                text, files = self._other_source(text)
             (self.run_dir / "prometheus.yml").write_text(render_prometheus_config(
-                prometheus_src.read_text(), addresses, [str(rules / "*.yml")], interval))
+                text, addresses, files, interval))
         if "alertmanager" in self.options.components:
             (self.run_dir / "alertmanager.yml").write_text(
                 f"# Rendered by gpuscope stack from {am_src.relative_to(root)}; edit that file.\n"
                 + localize(am_src.read_text(), addresses))
+
+    def _other_source(self, text: str) -> tuple[str, list[str]]:
+        """prometheus.yml scraping the server under its source's job, and that source's rule files."""
+        from gpuscope.alerting import PROFILES, generate, sources
+
+        profile = PROFILES[self.options.profile]
+        job = sources.stack_job(self.options.source, profile)
+        files = generate.stack_rule_files(profile, self.options.source)
+        return (text.replace("- job_name: gpuscope-server\n", f"- job_name: {job}\n", 1),
+                [str(self.options.root / f) for f in files])
 
     def _binary(self, part: str) -> str:
         names, package = BINARIES[part]
@@ -351,7 +367,10 @@ class Stack(Parts):
         if name == "server":
             # An explicit flag beats the environment, so GPUSCOPE_TENANTS, when set, keeps its say.
             tenants = [] if env_name("--tenants") in os.environ else ["--tenants", SERVER_TENANTS]
-            argv = [*gpuscope, "serve", "--web.listen-address", listen, *tenants, *self.options.server_args]
+            from gpuscope.alerting.sources import STACK_SERVER_FLAGS
+
+            argv = [*gpuscope, "serve", "--web.listen-address", listen, *tenants,
+                    *STACK_SERVER_FLAGS[self.options.source], *self.options.server_args]
         elif name == "exporter":
             argv = [*gpuscope, "exporter", "--web.listen-address", listen, *self.options.exporter_args]
         elif name == "receiver":
@@ -401,6 +420,10 @@ def _parser() -> FlagParser:
                     default=False, help="pick a free port for every part instead of the defaults")
     parser.add_argument("--stack.port", dest="port", action="append", default=[], metavar="PART=PORT",
                         help="listen port of one part (repeatable), e.g. server=18000")
+    parser.add_flag("--stack.source", dest="source", choices=("gpuscope-server", "vllm"),
+                    default="gpuscope-server",
+                    help="the server's metrics: gpuscope's, or vllm (the server exposes vLLM's names, is "
+                         "scraped as job vllm, and the rules read them through the vLLM source)")
     parser.add_flag("--stack.server", dest="server", action=argparse.BooleanOptionalAction, default=True,
                     help="start the reference server (--no-stack.server: run your own on its port)")
     parser.add_flag("--stack.hosts", dest="hosts", type=checked(_host_count), default=0, metavar="N",
@@ -443,8 +466,8 @@ def main(argv: list[str]) -> int:
         ports: str | dict[str, int] = "free" if args.free_ports else _parse_ports(args.port) or "default"
     except ValueError as exc:
         parser.error(str(exc))
-    if args.hosts and (args.port or not args.server):
-        parser.error("--stack.port and --no-stack.server are for the single-host stack; "
+    if args.hosts and (args.port or not args.server or args.source != "gpuscope-server"):
+        parser.error("--stack.port, --no-stack.server and --stack.source are for the single-host stack; "
                      "with --stack.hosts use --stack.free-ports")
     components = [c for c in COMPONENTS if c != "server" or args.server]
     try:
@@ -452,7 +475,7 @@ def main(argv: list[str]) -> int:
     except StackError as exc:
         parser.error(str(exc))
     options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
-                           server_args=server_args, components=components, root=root)
+                           server_args=server_args, components=components, root=root, source=args.source)
     # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

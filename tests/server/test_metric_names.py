@@ -19,9 +19,15 @@ def vllm_server():
     srv.stop()
 
 
+#: What Prometheus asks for: OpenMetrics first, the text format after.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,"
+                     "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3")
+
+
 def exposition(srv: ServerThread) -> dict[str, object]:
-    text = requests.get(srv.url + "/metrics", timeout=30).text
-    return {f.name: f for f in text_string_to_metric_families(text)}
+    r = requests.get(srv.url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}, timeout=30)
+    assert r.headers["Content-Type"].startswith("text/plain")  # vLLM's names keep their colons
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
 
 
 def test_unknown_metric_names_are_refused():

@@ -16,6 +16,10 @@ the server; see `alerting/alertmanager.py` for why alert names never share a gro
 Windows are given for the production profile and for the test profile, which compresses every window
 15× (never below 20 s) so that an end-to-end run with injected faults sees each alert within a
 minute or two. Thresholds are the same in both.
+
+Every alert reads normalised series, recorded from each source's own metrics (gpuscope serve or vLLM,
+gpuscope exporter or dcgm-exporter): which alerts each source feeds, and why the layer looks as it
+does, is in [sources.md](sources.md).
 """
 
 COMPOSITE = """\
@@ -24,10 +28,13 @@ COMPOSITE = """\
 Three degradation dimensions are recorded per server instance as
 `gpuscope:degradation:active{dimension=...}` (0 or 1, for dashboards) and per device as
 `gpuscope:degradation:device_active{device=...,dimension=...}` (1 while it holds): `latency_spike`
-(GPUKernelLatencySpike's condition), `memory_leak` (GPUMemoryLeak's or GPUMemoryRunningOut's) and
-`starvation` (GPUTenantStarved's or GPUTenantUnderServed's). GPUServiceDegraded fires when at least
-two hold on the same device for as long as the longest `for` of their alerts; its `dimensions`
-annotation names them, and Alertmanager then inhibits those component alerts on that instance.
+(GPUKernelLatencySpike's condition, or GPUStepLatencySpike's on a server without kernel timing),
+`memory_leak` (GPUMemoryLeak's or GPUMemoryRunningOut's, or GPUKVCacheExhausted's on a server without
+a memory floor of its own) and `starvation` (GPUTenantStarved's or GPUTenantUnderServed's). A source
+feeds the dimensions it has series for (vLLM: inter-token latency, KV cache, a stalled model).
+GPUServiceDegraded fires when at least two hold on the same device for as long as the longest `for`
+of their alerts; its `dimensions` annotation names them, and Alertmanager then inhibits those
+component alerts on that instance.
 
 - **Same device.** A latency spike on one GPU and a leak on another GPU of the same server are two
   problems, each with its own ticket. Starvation is a property of the instance's queues (no device),
@@ -39,8 +46,9 @@ annotation names them, and Alertmanager then inhibits those component alerts on 
   the first dimension's ticket may already have gone out, while it was a single problem.
 
 All three dimensions come from the server's own metrics, so they join on the server's `job`,
-`instance` and `device`. Request-latency spikes and queue-wait growth are alerted but are not
-dimensions: queueing and memory pressure raise them too, so one fault would count twice. Each
+`instance` and `device` (vLLM has no device: its instance is one unit). Request-latency spikes and
+queue-wait growth are alerted but are not dimensions: queueing and memory pressure raise them too,
+so one fault would count twice. Each
 injected fault therefore moves exactly one dimension: `latency_spike` the kernel time, `memory_leak`
 the server's memory, `starvation` one tenant's queue; `error_burst` moves none (it raises
 GPUServiceErrorBudgetBurn and the Loki alerts).
@@ -50,7 +58,8 @@ TUNING = """\
 ## How to tune
 
 Every selector, threshold and window is in `exporter/gpuscope/alerting/config.py`, commented:
-`Selectors` (job names and the Loki stream), `Thresholds` (shared by both profiles), `Windows`
+`Profile.sources` (whose metrics the rules read), `Selectors` (job names of each source and the Loki
+stream), `Thresholds` (shared by both profiles), `Windows`
 (production; the test profile is derived from it), `Notify` (Alertmanager timing and the receiver
 URL) and `Links` (runbook and Grafana base URLs). Change a value there, run
 `gpuscope generate`, and commit the regenerated files with it; the tests fail on
@@ -66,6 +75,8 @@ stale files and re-run every promtool test against the new rules.
   `leak_fast_floor + leak_fast_step + leak_fast_for` well under `leak_fast_horizon` (a test checks).
 - Starvation too eager: lengthen `starvation` (the queue must stay non-empty that long) or lower
   `underserved_share_fraction`.
+- vLLM: `kv_cache_full_ratio` (how full the KV cache must be while preempting). A vLLM job named
+  otherwise than `vllm`: `Selectors.vllm`; dcgm-exporter likewise `Selectors.dcgm`.
 - SLOs: `slo_ttft_objective_s` must be a bucket of `gpuscope_request_ttft_seconds` (checked at
   generation); `slo_ttft_target` and `slo_availability_target` set the budgets.
 - XID codes that page: `xid_critical`. Throttling reasons: `throttle_*_reasons` (regexes over the
@@ -80,11 +91,14 @@ stale files and re-run every promtool test against the new rules.
 
 | file | what |
 |---|---|
-| `alerts/prometheus/production/gpuscope.rules.yml` | recording and alerting rules (production) |
-| `alerts/prometheus/test/gpuscope.rules.yml` | the same, test profile |
+| `alerts/prometheus/production/gpuscope.rules.yml` | alerts and derived series (production) |
+| `alerts/prometheus/production/sources.rules.yml` | normalisation layer of `Profile.sources` |
+| `alerts/prometheus/test/*.rules.yml` | the same, test profile |
+| `alerts/sources/<profile>/<source>.rules.yml` | each source's layer on its own |
 | `alerts/loki/<profile>/fake/gpuscope.rules.yml` | Loki ruler rules (LogQL); mount as the ruler's directory |
 | `alerts/alertmanager.yml`, `alerts/alertmanager-test-profile.yml` | routes, inhibition, receivers |
-| `alerts/tests/*.test.yml` | promtool unit tests, one per area |
+| `alerts/tests/*.test.yml` | promtool unit tests, one per area (default sources) |
+| `alerts/tests/sources/*.test.yml` | promtool unit tests on vLLM's and dcgm-exporter's series |
 | `alerts/tests/routes.yml` | amtool routing cases |
 """
 

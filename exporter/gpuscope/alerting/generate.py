@@ -74,6 +74,13 @@ def source_rules_path(p: Profile, source: str) -> str:
     return f"alerts/sources/{p.name}/{source}.rules.yml"
 
 
+def stack_rule_files(p: Profile, server_source: str) -> list[str]:
+    """The rule files of a stack whose server is ``server_source`` beside gpuscope exporter: every alert
+    and derived series, and the two sources' layers (``gpuscope stack --stack.source``)."""
+    return [prometheus_rules_path(p), source_rules_path(p, server_source),
+            source_rules_path(p, "gpuscope-exporter")]
+
+
 def loki_rules_path(p: Profile) -> str:
     return f"alerts/loki/{p.name}/fake/gpuscope.rules.yml"
 

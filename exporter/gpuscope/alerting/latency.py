@@ -42,27 +42,33 @@ def recorded_quantile(metric: m.Metric, q: float, labels: Sequence[str]) -> str:
             f"sum by ({by(labels)}) ({names.rate(metric, '_count')}) > 0")
 
 
-def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile, baseline: bool) -> list[Record]:
+#: The baseline recorded for each quantile that a spike compares: the median over the baseline window.
+BASELINE_OF = {names.P50: names.P50_BASELINE, names.P99: names.P99_BASELINE}
+
+
+def _quantile_records(metric: m.Metric, labels: Sequence[str], p: Profile,
+                      baseline: str = "") -> list[Record]:
+    """p50 and p99, and with ``baseline`` (P50 or P99) that quantile's baseline and the sample rate."""
     records = [
         Record(names.quantile(metric, names.P50), recorded_quantile(metric, 0.5, labels)),
         Record(names.quantile(metric, names.P99), recorded_quantile(metric, 0.99, labels)),
     ]
     if baseline:
-        p99 = names.quantile(metric, names.P99)
+        recorded = names.quantile(metric, baseline)
         records += [
-            Record(names.quantile(metric, names.P99_BASELINE),
-                   f"quantile_over_time(0.5, {p99}[{duration(p.windows.latency_baseline)}])"),
+            Record(names.quantile(metric, BASELINE_OF[baseline]),
+                   f"quantile_over_time(0.5, {recorded}[{duration(p.windows.latency_baseline)}])"),
             Record(names.quantile(metric, names.SAMPLES_RATE),
                    f"sum by ({by(labels)}) ({names.rate(metric, '_count')})"),
         ]
     return records
 
 
-def spike_expr(metric: m.Metric, min_rate: float, p: Profile) -> str:
-    """Short p99 over baseline p99 (the alert's value), with the minimum-traffic guard."""
-    p99, base = names.quantile(metric, names.P99), names.quantile(metric, names.P99_BASELINE)
+def spike_expr(metric: m.Metric, min_rate: float, p: Profile, q: str = names.P99) -> str:
+    """Short-window quantile over its baseline (the alert's value), with the minimum-traffic guard."""
+    now, base = names.quantile(metric, q), names.quantile(metric, BASELINE_OF[q])
     rate = names.quantile(metric, names.SAMPLES_RATE)
-    return f"{p99} / {base} > {num(p.thresholds.latency_spike_ratio)}\nand\n{rate} >= {num(min_rate)}"
+    return f"{now} / {base} > {num(p.thresholds.latency_spike_ratio)}\nand\n{rate} >= {num(min_rate)}"
 
 
 def kernel_spike_condition(p: Profile) -> str:
@@ -71,9 +77,11 @@ def kernel_spike_condition(p: Profile) -> str:
 
 
 def step_spike_condition(p: Profile) -> str:
-    """Inter-token latency far above its baseline, on a server without kernel timing (vLLM): the
-    engine's step time as requests see it, which queueing cannot raise either."""
-    return (f"{spike_expr(m.REQUEST_ITL, p.thresholds.kernel_min_samples_per_s, p)}\n"
+    """Median inter-token latency far above its baseline, on a server without kernel timing (vLLM):
+    the engine's step time as requests see it, which queueing cannot raise either. The median, not
+    the p99: a token's gap also holds any prefill batched into the step before it (vLLM mixes
+    prefills into decode steps), so the tail measures prefill interference, the median the step."""
+    return (f"{spike_expr(m.REQUEST_ITL, p.thresholds.kernel_min_samples_per_s, p, names.P50)}\n"
             f"unless on ({by(ENDPOINT_LABELS)})\n{names.REGION_SAMPLES_RATE}")
 
 
@@ -82,76 +90,69 @@ def latency_spike_condition(p: Profile) -> str:
     return f"({kernel_spike_condition(p)})\nor\n({step_spike_condition(p)})"
 
 
-def _detail(metric: m.Metric, labels: Sequence[str]) -> tuple[str, str]:
+def _detail(metric: m.Metric, labels: Sequence[str], q: str = names.P99) -> tuple[str, str]:
     match = ",".join(f"{label}='%s'" for label in labels)
-    p99 = query_value(f"{names.quantile(metric, names.P99)}{{{match}}}", labels, "humanizeDuration")
-    base = query_value(f"{names.quantile(metric, names.P99_BASELINE)}{{{match}}}", labels, "humanizeDuration")
-    return p99, base
+    now = query_value(f"{names.quantile(metric, q)}{{{match}}}", labels, "humanizeDuration")
+    base = query_value(f"{names.quantile(metric, BASELINE_OF[q])}{{{match}}}", labels, "humanizeDuration")
+    return now, base
+
+
+def _spike(p: Profile, metric: m.Metric, keys: Sequence[str], min_rate: float, rate_unit: str, *,
+           subject: str, what: str, why: str, where: str = "", tail: str = "", q: str = names.P99,
+           **alert) -> Alert:
+    """A latency-spike alert: a short-window quantile against its baseline, as ``spike_expr``."""
+    w = p.windows
+    window, baseline = duration(w.latency), duration(w.latency_baseline)
+    now, base = _detail(metric, keys, q)
+    return Alert(
+        for_s=w.latency_for, evidence_s=w.latency, severity="warning", service=p.selectors.server_service,
+        description=(f"{q} {subject} on {{{{ $labels.instance }}}}{where} is {now} over {window}, "
+                     f"{{{{ $value | humanize }}}}× its baseline of {base} (median {q} over "
+                     f"{baseline}){tail}."),
+        doc=Doc(what=what, threshold=f"{q} ≥ {num(p.thresholds.latency_spike_ratio)}× baseline, ≥ "
+                                     f"{num(min_rate)} {rate_unit}",
+                window=f"{q} over {window}, baseline = median {q} over {baseline}, for "
+                       f"{duration(w.latency_for)}",
+                why=why),
+        **alert)
 
 
 def groups(p: Profile) -> list[Group]:
-    t, w = p.thresholds, p.windows
-    window, baseline = duration(w.latency), duration(w.latency_baseline)
-    ratio = num(t.latency_spike_ratio)
-    k_p99, k_base = _detail(m.REGION_GPU_SECONDS, KERNEL_LABELS)
+    t = p.thresholds
+    kernel_rate = t.kernel_min_samples_per_s
     alerts = [
-        Alert(
-            name="GPUKernelLatencySpike", expr=kernel_spike_condition(p), for_s=w.latency_for,
-            evidence_s=w.latency,
-            severity="warning", service=p.selectors.server_service, dashboard=uids.KERNELS,
-            dashboard_vars=("instance", "op"),
-            summary="GPU time of op {{ $labels.op }} spiked on {{ $labels.instance }}",
-            description=(f"p99 GPU time of op {{{{ $labels.op }}}} on {{{{ $labels.instance }}}} "
-                         f"({{{{ $labels.device }}}}) is {k_p99} over {window}, {{{{ $value | humanize }}}}× "
-                         f"its baseline of {k_base} (median p99 over {baseline})."),
-            doc=Doc(what="p99 GPU time of a timed op far above its usual p99 (one of the composite's "
-                         "three dimensions)",
-                    threshold=f"p99 ≥ {ratio}× baseline, ≥ {num(t.kernel_min_samples_per_s)} samples/s",
-                    window=f"p99 over {window}, baseline = median p99 over {baseline}, for "
-                           f"{duration(w.latency_for)}",
-                    why="Kernel time is measured on the GPU, so queueing and load cannot raise it: a "
-                        "sustained rise means slower kernels (throttling, contention, a bad build)."),
-        ),
+        _spike(p, m.REGION_GPU_SECONDS, KERNEL_LABELS, kernel_rate, "samples/s",
+               name="GPUKernelLatencySpike", expr=kernel_spike_condition(p), dashboard=uids.KERNELS,
+               dashboard_vars=("instance", "op"),
+               summary="GPU time of op {{ $labels.op }} spiked on {{ $labels.instance }}",
+               subject="GPU time of op {{ $labels.op }}", where=" ({{ $labels.device }})",
+               what="p99 GPU time of a timed op far above its usual p99 (one of the composite's three "
+                    "dimensions)",
+               why="Kernel time is measured on the GPU, so queueing and load cannot raise it: a sustained "
+                   "rise means slower kernels (throttling, contention, a bad build)."),
+        _spike(p, m.REQUEST_ITL, ENDPOINT_LABELS, kernel_rate, "tokens/s",
+               name="GPUStepLatencySpike", expr=step_spike_condition(p), dashboard=uids.SLO, q=names.P50,
+               summary="Inter-token latency spiked on {{ $labels.instance }}", subject="inter-token latency",
+               tail="; the server has no kernel timing, so this is its step time as requests see it",
+               what="Median inter-token latency far above its usual median, on a server without kernel "
+                    "timing (vLLM): the composite's latency dimension there",
+               why="Each token waits one engine step, so its gap rises with slower kernels and not with "
+                   "queueing; the median, because prefills batched into a step lengthen the tail. Where "
+                   "kernels are timed, GPUKernelLatencySpike says more and this stays silent."),
+        *(_spike(p, metric, ENDPOINT_LABELS, t.request_min_requests_per_s, "requests/s",
+                 name="GPURequestLatencySpike", expr=spike_expr(metric, t.request_min_requests_per_s, p),
+                 dashboard=uids.SLO, labels={"latency": key},
+                 summary=f"Request {key.upper()} spiked on {{{{ $labels.instance }}}}", subject=key.upper(),
+                 what=f"p99 request {key.upper()} far above its usual p99",
+                 why="What users feel. Not a composite dimension: queueing (starvation) and memory "
+                     "pressure raise it too, so it would count one fault twice.")
+          for key, metric in (("ttft", m.REQUEST_TTFT), ("e2e", m.REQUEST_E2E))),
     ]
-    i_p99, i_base = _detail(m.REQUEST_ITL, ENDPOINT_LABELS)
-    alerts.append(Alert(
-        name="GPUStepLatencySpike", expr=step_spike_condition(p), for_s=w.latency_for,
-        evidence_s=w.latency, severity="warning", service=p.selectors.server_service, dashboard=uids.SLO,
-        summary="Inter-token latency spiked on {{ $labels.instance }}",
-        description=(f"p99 inter-token latency on {{{{ $labels.instance }}}} is {i_p99} over {window}, "
-                     f"{{{{ $value | humanize }}}}× its baseline of {i_base} (median p99 over {baseline}); "
-                     f"the server has no kernel timing, so this is its step time as requests see it."),
-        doc=Doc(what="p99 inter-token latency far above its usual p99, on a server without kernel timing "
-                     "(vLLM): the composite's latency dimension there",
-                threshold=f"p99 ≥ {ratio}× baseline, ≥ {num(t.kernel_min_samples_per_s)} tokens/s",
-                window=f"p99 over {window}, baseline = median p99 over {baseline}, for "
-                       f"{duration(w.latency_for)}",
-                why="Each token waits one engine step, so its gap rises with slower kernels and not with "
-                    "queueing; where kernels are timed, GPUKernelLatencySpike says more and this stays "
-                    "silent."),
-    ))
-    for key, metric in (("ttft", m.REQUEST_TTFT), ("e2e", m.REQUEST_E2E)):
-        p99, base = _detail(metric, ENDPOINT_LABELS)
-        alerts.append(Alert(
-            name="GPURequestLatencySpike", expr=spike_expr(metric, t.request_min_requests_per_s, p),
-            for_s=w.latency_for, severity="warning", service=p.selectors.server_service,
-            dashboard=uids.SLO, labels={"latency": key},
-            summary=f"Request {key.upper()} spiked on {{{{ $labels.instance }}}}",
-            description=(f"p99 {key.upper()} on {{{{ $labels.instance }}}} is {p99} over {window}, "
-                         f"{{{{ $value | humanize }}}}× its baseline of {base} "
-                         f"(median p99 over {baseline})."),
-            doc=Doc(what=f"p99 request {key.upper()} far above its usual p99",
-                    threshold=f"p99 ≥ {ratio}× baseline, ≥ {num(t.request_min_requests_per_s)} requests/s",
-                    window=f"p99 over {window}, baseline = median p99 over {baseline}, for "
-                           f"{duration(w.latency_for)}",
-                    why="What users feel. Not a composite dimension: queueing (starvation) and memory "
-                        "pressure raise it too, so it would count one fault twice."),
-        ))
     records = [
-        *_quantile_records(m.REGION_GPU_SECONDS, KERNEL_LABELS, p, baseline=True),
-        *_quantile_records(m.REQUEST_TTFT, ENDPOINT_LABELS, p, baseline=True),
-        *_quantile_records(m.REQUEST_E2E, ENDPOINT_LABELS, p, baseline=True),
-        *_quantile_records(m.REQUEST_ITL, ENDPOINT_LABELS, p, baseline=True),
-        *_quantile_records(m.REQUEST_QUEUE, TENANT_LABELS, p, baseline=True),
+        *_quantile_records(m.REGION_GPU_SECONDS, KERNEL_LABELS, p, baseline=names.P99),
+        *_quantile_records(m.REQUEST_TTFT, ENDPOINT_LABELS, p, baseline=names.P99),
+        *_quantile_records(m.REQUEST_E2E, ENDPOINT_LABELS, p, baseline=names.P99),
+        *_quantile_records(m.REQUEST_ITL, ENDPOINT_LABELS, p, baseline=names.P50),
+        *_quantile_records(m.REQUEST_QUEUE, TENANT_LABELS, p, baseline=names.P99),
     ]
     return [Group("gpuscope-latency", (*records, *alerts))]

@@ -36,12 +36,13 @@ def gauge(metric: m.Metric, aggregation: str) -> str:
 
 
 #: What a latency histogram's recording rules record (latency.py), the last part of their names.
-P50, P99, P99_BASELINE, SAMPLES_RATE = "p50", "p99", "p99_baseline", "samples_rate"
-QUANTILE_SUFFIXES = (P50, P99, P99_BASELINE, SAMPLES_RATE)
+P50, P99, SAMPLES_RATE = "p50", "p99", "samples_rate"
+P50_BASELINE, P99_BASELINE = "p50_baseline", "p99_baseline"
+QUANTILE_SUFFIXES = (P50, P99, P50_BASELINE, P99_BASELINE, SAMPLES_RATE)
 
 
 def quantile(metric: m.Metric, q: str) -> str:
-    """``gpuscope:<histogram>:<q>``, q one of P50, P99, P99_BASELINE, SAMPLES_RATE."""
+    """``gpuscope:<histogram>:<q>``, q one of QUANTILE_SUFFIXES."""
     return f"gpuscope:{_base(metric)}:{q}"
 
 
@@ -206,8 +207,9 @@ E2E_P99_BASELINE = quantile(m.REQUEST_E2E, P99_BASELINE)
 E2E_SAMPLES_RATE = quantile(m.REQUEST_E2E, SAMPLES_RATE)
 ITL_P50 = quantile(m.REQUEST_ITL, P50)
 ITL_P99 = quantile(m.REQUEST_ITL, P99)
-#: The step-latency dimension of servers without kernel timing (vLLM) compares these.
-ITL_P99_BASELINE = quantile(m.REQUEST_ITL, P99_BASELINE)
+#: The step-latency dimension of servers without kernel timing (vLLM) compares the median with this:
+#: the median of the recorded p50 over the baseline window.
+ITL_P50_BASELINE = quantile(m.REQUEST_ITL, P50_BASELINE)
 ITL_SAMPLES_RATE = quantile(m.REQUEST_ITL, SAMPLES_RATE)
 #: {job, instance, tenant}
 QUEUE_P50 = quantile(m.REQUEST_QUEUE, P50)

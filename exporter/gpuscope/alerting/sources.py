@@ -318,12 +318,15 @@ VLLM = Source(
         "No kernel timing: the latency dimension of the composite is the inter-token latency "
         "(GPUStepLatencySpike), the engine's step time as requests see it, which queueing cannot raise.",
         "No memory of the serving process (vLLM preallocates GPU memory for its KV cache): the leak "
-        "alerts and the composite's memory dimension have nothing to read; the GPU role's framebuffer "
-        "alerts still watch the GPU.",
+        "alerts have nothing to read, and the composite's memory dimension is the KV cache full and "
+        "preempting (GPUKVCacheExhausted); the GPU role's framebuffer alerts still watch the GPU.",
         "No per-tenant GPU seconds or quotas (GPUTenantUnderServed), no batch-size histogram, no timer "
         "health, no log shipping to Loki.",
         "Availability counts `finished_reason=\"error\"` (vLLM 0.11+); requests vLLM's HTTP layer rejects "
         "before the engine are not in `vllm:request_success_total`.",
+        "prometheus_client 0.26's OpenMetrics writer, which vLLM's /metrics uses when the scraper asks "
+        "for OpenMetrics (Prometheus does by default), writes `vllm_...` sample names for `vllm:...` "
+        "families: where your series arrive so, scrape vLLM with the text format or pin prometheus_client.",
         "`vllm:time_per_output_token_seconds` (the inter-token latency's name before 0.11) is read where "
         "`vllm:inter_token_latency_seconds` is absent, and `vllm:gpu_cache_usage_perc` where "
         "`vllm:kv_cache_usage_perc` is.",
@@ -421,3 +424,17 @@ def selected(p: Profile) -> list[Source]:
         raise ValueError(f"unknown sources {sorted(unknown)}; known: {', '.join(SOURCES)}")
     return sorted((SOURCES[n] for n in p.sources),
                   key=lambda s: (s.role != "server", p.sources.index(s.name)))
+
+
+#: The server source ``gpuscope stack --stack.source`` (and the alert drill) can run: the gpuscope serve
+#: flags that make it expose that source's metrics. The stack scrapes it under the job the source's
+#: selector names and loads that source's layer with the GPU exporter's.
+STACK_SERVER_FLAGS = {"gpuscope-server": (), "vllm": ("--metrics.names", "vllm")}
+
+
+def stack_job(name: str, p: Profile) -> str:
+    """The job a source's selector picks (``job="vllm"`` → ``vllm``)."""
+    match = re.fullmatch(r'job="([^"]+)"', SOURCES[name].selector(p))
+    if match is None:
+        raise ValueError(f"the {name} selector {SOURCES[name].selector(p)!r} names no single job")
+    return match.group(1)

@@ -24,8 +24,12 @@ SERVER = ("gpuscope-server", "vllm")
 GPU = ("gpuscope-exporter", "dcgm-exporter")
 
 
-def _needed(expr: str) -> set[str]:
-    return set(NORMALISED.findall(expr.split("unless")[0]))
+def _branches(expr: str) -> list[set[str]]:
+    """The normalised series each alternative of an expression needs: ``or`` splits alternatives, and
+    what follows ``unless`` in one is not needed (it must be absent). Alternatives that read no
+    normalised series (``vector(0)``) are left out."""
+    needed = [set(NORMALISED.findall(branch.split("unless")[0])) for branch in re.split(r"\bor\b", expr)]
+    return [names for names in needed if names]
 
 
 class Support:
@@ -36,32 +40,40 @@ class Support:
 
         self.recorded = {name: {r.record for r in sources.records(src, p)}
                          for name, src in sources.SOURCES.items()}
-        self.derived: dict[str, set[str]] = {}
+        #: derived series → the alternatives of every rule recording it
+        self.derived: dict[str, list[set[str]]] = {}
         for group in consumer_groups(p):
             for rule in group.rules:
                 if not isinstance(rule, Alert):
-                    self.derived.setdefault(rule.record, set()).update(_needed(rule.expr))
+                    self.derived.setdefault(rule.record, []).extend(_branches(rule.expr))
         self.alerts = [a for g in consumer_groups(p) for a in g.alerts()]
         self.conditions = composite.conditions(p)
         self.profile = p
 
-    def inputs(self, expr: str) -> set[str]:
-        """The normalised series an expression needs, through derived series."""
-        out, seen, todo = set(), set(), _needed(expr)
-        while todo:
-            name = todo.pop()
-            if name not in seen:
-                seen.add(name)
-                if name in self.derived:
-                    todo |= self.derived[name]
-                else:
-                    out.add(name)
-        return out
+    def _has(self, source: str, name: str, seen: frozenset[str] = frozenset()) -> bool:
+        if name not in self.derived:
+            return name in self.recorded[source]
+        return name not in seen and any(all(self._has(source, n, seen | {name}) for n in branch)
+                                        for branch in self.derived[name])
 
     def supports(self, source: str, expr: str) -> bool | None:
-        """True/False; None when the expression reads no normalised series (node_exporter, Prometheus)."""
-        needed = self.inputs(expr)
-        return None if not needed else needed <= self.recorded[source]
+        """Whether the source's layer feeds the expression (some alternative has every series it needs);
+        None when the expression reads no normalised series (node_exporter, Prometheus' own)."""
+        branches = _branches(expr)
+        if not branches:
+            return None
+        return any(all(self._has(source, n) for n in branch) for branch in branches)
+
+    def reads_none_of(self, source: str, expr: str) -> bool:
+        """True when no series the expression reads (through derived ones) comes from the source."""
+        def leaves(name: str, seen: frozenset[str]) -> set[str]:
+            if name not in self.derived:
+                return {name}
+            return {leaf for branch in self.derived[name] for n in branch - seen
+                    for leaf in leaves(n, seen | {name})}
+
+        names = {leaf for branch in _branches(expr) for n in branch for leaf in leaves(n, frozenset())}
+        return bool(names) and not names & self.recorded[source]
 
     def dimensions(self, source: str) -> list[str]:
         return [dim for dim, cond in self.conditions.items()
@@ -146,7 +158,7 @@ def render(p: Profile) -> str:
     table = [_row(("source", "role", "job matcher (`Selectors`)", "layer")), _row(["---"] * 4)]
     table += [_row((f"`{src.name}`", src.role, f"`{src.selector_field}`: `{src.selector(p)}`",
                     f"`alerts/sources/<profile>/{src.name}.rules.yml`")) for src in sources.SOURCES.values()]
-    return "\n".join([INTRO.replace("SOURCES_TABLE", "\n".join(table)), *notes,
+    return "\n".join([INTRO.replace("SOURCES_TABLE", "\n".join(table)), "", *notes, END_TO_END,
                       "## Alerts per source", "", ALERTS_NOTE, "", *_alert_rows(s), "",
                       "## Dashboard panels per source", "", PANELS_NOTE, "", *_panel_rows(s), "",
                       "## Normalised series and what each source records them from", "",
@@ -201,11 +213,28 @@ profile), the same rates the alerts see, instead of `$__rate_interval`; and reco
 exemplars, so latency panels no longer link a heatmap cell to a trace. Exemplars stay in Prometheus:
 Explore on `gpuscope_request_ttft_seconds_bucket` still opens a request's trace and logs."""
 
+END_TO_END = """\
+## End to end with the vLLM source
+
+`gpuscope serve --metrics.names vllm` exposes the reference server's serving metrics as vLLM's V1
+engine does (names, types, `model_name` and `engine` labels, bucket layouts, `finished_reason`), with
+no kernel-timing or tenant series; `gpuscope stack --stack.source vllm` runs it scraped as job `vllm`,
+with Prometheus loading `gpuscope.rules.yml`, the vLLM layer and gpuscope exporter's layer. The
+dashboard proof runs on it (`tests/dashboards/test_live_vllm.py`: what the table below says vLLM feeds
+shows data, what it does not stays empty), and so does the alert drill:
+`python -m gpuscope.loadtest.fault_drill --source vllm` injects a latency spike (seen as
+GPUStepLatencySpike), a starved tenant (the only tenant under load, so the model stalls, as vLLM's one
+queue would) and an error burst, and writes `benchmarks/results/alerts-vllm-cpu.json`. A memory leak
+has no vLLM series to move, and the composite's two dimensions the drill can move there exclude each
+other on one model (tokens flow or they do not), so promtool proves the vLLM composite
+(`alerts/tests/sources/vllm.test.yml`: inter-token latency and a KV cache that preempts).
+"""
+
 ALERTS_NOTE = """\
 ✓: the source's layer records every series the alert reads; —: it does not, and the alert stays
-silent for that source. The composite counts only the dimensions its source has: it fires when two
-hold on one device, so it can fire on vLLM (inter-token latency and starvation) but not on a source
-with only one dimension. Loki alerts read the logs `gpuscope serve` ships."""
+silent for that source. The composite counts only the dimensions its source has, each read as that
+source can (on vLLM: inter-token latency, the KV cache preempting, a stalled model): it fires when two
+hold on one device. Loki alerts read the logs `gpuscope serve` ships."""
 
 PANELS_NOTE = """\
 ✓: the panel shows data from that source; —: it stays empty; any: it reads no source (node_exporter,

@@ -109,7 +109,7 @@ def build_parser() -> FlagParser:
     p.add_flag("--load.prompt-tokens", default=DEFAULT_PROMPT_TOKENS, help="prompt length distribution")
     p.add_flag("--load.output-tokens", default=DEFAULT_OUTPUT_TOKENS, help="max_tokens distribution")
     p.add_toggle("load.ignore-eos", True,
-                 "send ignore_eos: true, so vLLM generates max_tokens tokens (gpuscope serve ignores it)")
+                 "send ignore_eos: true, so vLLM and gpuscope serve generate max_tokens tokens")
     p.add_flag("--batch.sizes", type=_int_list, default=[4, 8, 16], help="batch sizes of the batching set")
     p.add_flag("--server.args", default="", help="extra gpuscope serve flags for every configuration")
     p.add_flag("--output.dir", default="benchmarks/results", help="where the table, CSV and plots go")

@@ -104,6 +104,23 @@ def evidence_s(alertname: str, labels: dict[str, str] | None = None) -> float:
     return float(min((a.evidence_s for a in candidates), default=0))
 
 
+#: ``--source vllm``: the server exposes vLLM's metrics and the rules read them through the vLLM source.
+#: Its latency dimension is the inter-token latency; a starved tenant shows only as a stalled model, so
+#: the load comes from the starved tenant alone; vLLM has no memory series for a leak to move, and its
+#: two remaining dimensions (step latency, a stalled model) exclude each other on one model, so the
+#: memory_leak and composite scenarios have nothing to detect (docs/sources.md).
+VLLM_SCENARIOS = {**{name: SCENARIOS[name] for name in ("starvation", "error_burst")},
+                  "latency_spike": Scenario("latency_spike", {"latency_spike": {"extra_passes": 16}},
+                                            ("GPUStepLatencySpike", COMPOSITE))}
+VLLM_ORDER = ("latency_spike", "starvation", "error_burst")
+#: vLLM's inter-token buckets start at 10 ms, so the one-layer toy model's 1-3 ms steps, spiked or
+#: not, all land in the first: the vLLM drill serves a model whose decode step takes about that long
+#: on CPU (measured here: 12 ms; 60 ms with 8 extra MLP passes, 104 ms with the 16 it injects, so the
+#: median clears 3× in vLLM's coarser buckets), as a real model's does on a GPU.
+VLLM_SERVER_ARGS = "--model.layers 2 --model.dim 1024"
+VLLM_LOAD_TENANTS = f"{STARVED_TENANT}:1"
+VLLM_OUTPUT = "benchmarks/results/alerts-vllm-cpu.json"
+
 FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
 #: error_burst last: its slow-burn ticket (1× budget over the test profile's 24 min window) keeps
 #: firing long after the burst, as an SLO alert should, and would hold up every later scenario.
@@ -123,7 +140,11 @@ def build_parser() -> FlagParser:
                help="longest wait for quiet after a fault")
     p.add_flag("--server.args", default="--model.layers 1",
                help="extra gpuscope serve flags (tenants and faults are set by the runner)")
-    p.add_flag("--output", default="benchmarks/results/alerts-cpu.json", help="JSON report path")
+    p.add_flag("--output", default="benchmarks/results/alerts-cpu.json",
+               help=f"JSON report path ({VLLM_OUTPUT} with --source vllm)")
+    p.add_flag("--source", choices=("gpuscope-server", "vllm"), default="gpuscope-server",
+               help="the server's metrics: gpuscope's, or vllm (vLLM's names, read through the vLLM source; "
+                    f"scenarios {', '.join(VLLM_ORDER)})")
     p.add_flag("--run-dir", default="", help="keep the stack's configs, logs and Locust's report here")
     return p
 
@@ -205,10 +226,19 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     parser = build_parser()
     ns = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    vllm = ns["source"] == "vllm"
+    known, load_tenants = (VLLM_SCENARIOS, VLLM_LOAD_TENANTS) if vllm else (SCENARIOS, LOAD_TENANTS)
+    if vllm and ns["scenarios"] == parser.get_default("scenarios"):
+        ns["scenarios"] = ",".join(VLLM_ORDER)
+    if vllm and ns["output"] == parser.get_default("output"):
+        ns["output"] = VLLM_OUTPUT
+    if vllm and ns["server.args"] == parser.get_default("server.args"):
+        ns["server.args"] = VLLM_SERVER_ARGS
     names = [s.strip() for s in ns["scenarios"].split(",") if s.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown scenario {unknown[0]!r} (one of: {', '.join(SCENARIOS)})")
+        parser.error(f"unknown scenario {unknown[0]!r} for --source {ns['source']} "
+                     f"(one of: {', '.join(known)})")
     if ns["users"] < 2:
         parser.error("--users must be at least 2 (one per tenant)")
     if not locust_available():
@@ -231,13 +261,14 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     budget_s = ns["warmup"] + ns["steady"] + len(names) * (ns["detect_timeout"] + ns["quiet_timeout"] + 60)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _say(out, f"starting the stack (test profile) in {run_dir}")
-    with Stack(StackOptions(profile="test", ports="free", server_args=server_args, run_dir=run_dir / "stack"),
+    with Stack(StackOptions(profile="test", ports="free", server_args=server_args, run_dir=run_dir / "stack",
+                            source=ns["source"]),
                log=lambda line: _say(out, line)) as stack:
         sources = AlertSources(stack.url("receiver"), stack.url("alertmanager"), stack.url("prometheus"))
         server = stack.url("server")
         rules, interval = sources.alert_rules()
         group_wait = _group_wait_s(run_dir / "stack" / "alertmanager.yml")
-        locust = _start_locust(server, ns["users"], budget_s, run_dir)
+        locust = _start_locust(server, ns["users"], budget_s, run_dir, load_tenants)
         try:
             _say(out, f"warm-up {ns['warmup']:.0f} s with {ns['users']} users")
             time.sleep(ns["warmup"])  # load runs meanwhile; nothing to poll for
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             _countdown(ns["steady"], out)
             steady = distinct(firing(sources.notifications(), steady_start, time.time()))
             _say(out, f"steady: {len(steady)} alerts ({', '.join(s.alertname for s in steady) or 'none'})")
-            results = {name: run_scenario(SCENARIOS[name], server, token, sources, rules, interval,
+            results = {name: run_scenario(known[name], server, token, sources, rules, interval,
                                           group_wait, settings, out, last=i == len(names) - 1)
                        for i, name in enumerate(names)}
         finally:
@@ -266,8 +297,9 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         "evaluation_interval_s": interval,
         "group_wait_s": group_wait,
         "profile": "test",
+        "source": ns["source"],
         "machine": describe_machine(),
-        "load": {"users": ns["users"], "tenants": LOAD_TENANTS, "server_args": " ".join(server_args),
+        "load": {"users": ns["users"], "tenants": load_tenants, "server_args": " ".join(server_args),
                  "warmup_s": ns["warmup"]},
         "command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]),
     }
@@ -287,7 +319,8 @@ def _group_wait_s(alertmanager_yml: Path) -> float:
     return duration_arg(text)
 
 
-def _start_locust(server: str, users: int, budget_s: float, run_dir: Path) -> procs.Child:
+def _start_locust(server: str, users: int, budget_s: float, run_dir: Path,
+                  tenants: str = LOAD_TENANTS) -> procs.Child:
     """Steady load for at most the whole run's budget: it stops by itself even if we never stop it.
 
     Stopped with SIGINT, as Ctrl-C does: with a load shape (gpuscope's locustfile always has one)
@@ -298,7 +331,7 @@ def _start_locust(server: str, users: int, budget_s: float, run_dir: Path) -> pr
                "--host", server, "-u", str(users), "-r", str(users), "-t", f"{budget_s:.0f}s",
                "--output-tokens", "uniform:min=8,max=32", "--html", str(run_dir / "locust.html"),
                "--samples-file", str(run_dir / "samples.json")]
-    env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": LOAD_TENANTS, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": tenants, "PYTHONUNBUFFERED": "1"}
     return procs.Child(command, name="locust", env=env, log_path=run_dir / "locust.log",
                        stop_signal=signal.SIGINT, grace_s=LOCUST_GRACE_S, new_session=True,
                        die_with_parent=True).start()
