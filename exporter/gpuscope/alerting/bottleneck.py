@@ -10,6 +10,10 @@ at least ``bottleneck_memory_ratio`` full), ``idle`` (busiest CPU core and GPU b
 ``bottleneck_idle_ratio``), else the busier of the two: ``gpu_bound`` or ``cpu_bound``. CPU is the
 busiest core, not the average: an inference server starved by one Python thread shows one core at
 100% on an otherwise idle machine. Hosts without GPUs count as GPU utilization 0.
+
+Per op, where the server measures kernel busy ratios (``--timing.kernel-busy``): ``op_launch_bound``
+keeps the ops whose kernels keep the GPU busy less than ``launch_bound_busy_ratio`` of their region
+time. A launch-bound op on a ``cpu_bound`` host says which modules to capture in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def groups(p: Profile) -> list[Group]:
         Record(names.BOTTLENECK_CLASS,
                f"group by (host, instance) (\n  {cpu} > {ON} {gpu}\n  unless {ON} ({pressure})\n"
                f"  unless {ON} ({idle})\n)", {"class": "cpu_bound"}),
+        Record(names.OP_LAUNCH_BOUND, f"{names.REGION_GPU_BUSY_RATIO} < {num(t.launch_bound_busy_ratio)}"),
     ]
     return [Group("gpuscope-bottleneck", tuple(records))]
 

@@ -102,6 +102,9 @@ class Thresholds:
     # Bottleneck classification (recording rules only, for the bottlenecks dashboard).
     bottleneck_memory_ratio: float = 0.9    # host RAM or GPU framebuffer this full: memory_pressure
     bottleneck_idle_ratio: float = 0.1      # both CPU and GPU below this: idle
+    #: An op whose kernels keep the GPU busy less than this share of its region time is launch-bound
+    #: (gpuscope serve --timing.kernel-busy; timing/busy.py): CUDA graphs or fewer, larger kernels help.
+    launch_bound_busy_ratio: float = 0.5
 
 
 @dataclass(frozen=True)

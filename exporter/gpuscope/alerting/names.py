@@ -123,6 +123,8 @@ TIMER_RESOLVER_LAG = gauge(m.TIMER_RESOLVER_LAG_SECONDS, "max")
 TIMER_PENDING = gauge(m.TIMER_PENDING, "sum")
 #: {backend}
 TIMER_BACKEND = gauge(m.TIMER_BACKEND, "info")
+#: Share of an op's region time its kernels keep the GPU busy (kernel busy windows). {op, device}
+REGION_GPU_BUSY_RATIO = gauge(m.REGION_GPU_BUSY_RATIO, "max")
 LOG_QUEUE_RECORDS = gauge(m.LOG_QUEUE_RECORDS, "sum")
 
 # --- GPU role (per GPU: {gpu}) --------------------------------------------------------------------------
@@ -244,6 +246,9 @@ HOST_GPU_MEMORY_USED = "gpuscope:host_gpu_memory_used:ratio"
 HOST_MEMORY_USED = "gpuscope:host_memory_used:ratio"
 #: Value 1, label ``class`` one of the classes of ``bottleneck.py``: exactly one class per host.
 BOTTLENECK_CLASS = "gpuscope:bottleneck:class"
+#: The busy ratio of ops whose kernels keep the GPU busy less than ``launch_bound_busy_ratio`` of
+#: their region time: modules that mostly wait for the CPU to launch them. {op, device}
+OP_LAUNCH_BOUND = "gpuscope:op_launch_bound:ratio"
 
 #: Per role, the up copy and the absence record of its targets (health alerts, sources).
 TARGETS = {"server": (SERVER_UP, SERVER_TARGETS_ABSENT),

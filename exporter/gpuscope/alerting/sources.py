@@ -130,6 +130,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "timer_overhead": (names.TIMER_OVERHEAD, "max"), "timer_budget": (names.TIMER_OVERHEAD_BUDGET, "max"),
     "timer_baseline": (names.TIMER_BASELINE, "max"), "timer_lag": (names.TIMER_RESOLVER_LAG, "max"),
     "timer_pending": (names.TIMER_PENDING, "sum"), "timer_backend": (names.TIMER_BACKEND, "max"),
+    "busy_ratio": (names.REGION_GPU_BUSY_RATIO, "max"),
     "log_queue": (names.LOG_QUEUE_RECORDS, "sum"),
     "gpu_info": (names.GPU_INFO, "group"),
     "gpu_utilization": (names.GPU_UTILIZATION, "max"),
@@ -251,7 +252,8 @@ GPUSCOPE_SERVER = Source(
         "timer_hot_path": m.TIMER_HOT_PATH_SECONDS, "timer_overhead": m.TIMER_OVERHEAD_RATIO,
         "timer_budget": m.TIMER_OVERHEAD_BUDGET_RATIO, "timer_baseline": m.TIMER_BASELINE_SECONDS,
         "timer_lag": m.TIMER_RESOLVER_LAG_SECONDS, "timer_pending": m.TIMER_PENDING,
-        "timer_backend": m.TIMER_BACKEND, "log_queue": m.LOG_QUEUE_RECORDS,
+        "timer_backend": m.TIMER_BACKEND, "busy_ratio": m.REGION_GPU_BUSY_RATIO,
+        "log_queue": m.LOG_QUEUE_RECORDS,
     }.items()},
 )
 

@@ -1,6 +1,7 @@
 """Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
 
 from gpuscope.alerting import names
+from gpuscope.alerting.config import PRODUCTION
 from gpuscope.dashboards import uids
 from gpuscope.dashboards.common import (
             PromTarget,
@@ -48,6 +49,14 @@ dashboard = dashboard(
                               "{{host}} fullest memory"),
                    unit="percentunit", w=24,
                    description="What the classification reads; GPU is 0 on hosts without GPUs."),
+        table("Launch-bound modules",
+              PromTarget(sel(names.OP_LAUNCH_BOUND), instant=True, format="table"),
+              w=24, h=6, unit="percentunit", exclude=("Time", "__name__", "job"),
+              description=f"Ops whose kernels keep the GPU busy less than "
+                          f"{PRODUCTION.thresholds.launch_bound_busy_ratio:.0%} of their region time "
+                          "(Value: the busy share), from sampled CUPTI windows (gpuscope serve "
+                          "--timing.kernel-busy): the GPU mostly waits for their launches; CUDA graphs or "
+                          "fewer, larger kernels help."),
         stat("Host CPU busy", PromTarget(f"max({CPU_BUSY})"), unit="percentunit", w=6),
         stat("Host memory used", PromTarget(f"max({HOST_MEMORY})"), unit="percentunit", w=6),
         stat("GPU busy", PromTarget(f"avg({GPU_BUSY})"), unit="percentunit", w=6),

@@ -64,6 +64,12 @@ dashboard = dashboard(
                                "each op's sampling ratio."),
         timeseries("GPU seconds per second by op", PromTarget(GPU_TIME_PER_S, "{{op}}"), unit="s",
                    stack=True, description="Estimated GPU time per wall second (1 = one GPU fully busy)."),
+        timeseries("Kernel busy share per op",
+                   PromTarget(sel(n.REGION_GPU_BUSY_RATIO, "op"), "{{instance}} {{op}}"), unit="percentunit",
+                   description="Share of each op's region time its own kernels keep the GPU busy, from the "
+                               "latest sampled CUPTI window (gpuscope serve --timing.kernel-busy). Near 1: "
+                               "GPU-bound; well under 1: the GPU waits for launches (region time includes "
+                               "those waits)."),
         timeseries("Sampling ratio per op",
                    PromTarget(sel(n.TIMER_SAMPLING_RATIO, "op"), "{{instance}} {{op}}"), unit="percentunit"),
         timeseries("Dropped samples by reason",
