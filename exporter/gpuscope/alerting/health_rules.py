@@ -26,6 +26,18 @@ def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
                     "every kernel runs slower."))
 
 
+def _scrape_down(p: Profile, name: str, up: str, severity: Severity, service: str, title: str,
+                 consequence: str, what: str, why: str) -> Alert:
+    """``up == 0`` for a listed target of one role, with what its silence means."""
+    down_for = duration(p.windows.scrape_down_for)
+    return Alert(name=name, expr=f"{up} == 0", for_s=p.windows.scrape_down_for, severity=severity,
+                 service=service, dashboard=uids.FLEET,
+                 summary=f"{title} {{{{ $labels.instance }}}} is down",
+                 description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
+                              f"(job {{{{ $labels.job }}}}) for {down_for}: {consequence}."),
+                 doc=Doc(what=what, threshold="up == 0", window=f"for {down_for}", why=why))
+
+
 def _targets_missing(p: Profile, name: str, role: str, service: str, what: str,
                      none_severity: Severity) -> list[Alert]:
     """``up == 0`` covers only targets still listed: these cover the ones service discovery dropped.
@@ -81,24 +93,12 @@ def groups(p: Profile) -> list[Group]:
     nvml_init = (f'{{{{ with printf "{init_errors}" $labels.job $labels.instance | query }}}}'
                  f'{{{{ . | first | value | humanize }}}}{{{{ else }}}}0{{{{ end }}}}')
     alerts = [
-        Alert(name="GPUServerDown", expr=f"{names.SERVER_UP} == 0", for_s=w.scrape_down_for,
-              severity="critical", service=srv, dashboard=uids.FLEET,
-              summary="Inference server {{ $labels.instance }} is down",
-              description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
-                           f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
-                           f"the server is down or unreachable."),
-              doc=Doc(what="Server not scraped", threshold="up == 0",
-                      window=f"for {duration(w.scrape_down_for)}",
-                      why="Without the server's metrics no other server alert can fire.")),
-        Alert(name="GPUExporterDown", expr=f"{names.GPU_EXPORTER_UP} == 0", for_s=w.scrape_down_for,
-              severity="warning", service=exp, dashboard=uids.FLEET,
-              summary="GPU exporter {{ $labels.instance }} is down",
-              description=(f"Prometheus could not scrape {{{{ $labels.instance }}}} "
-                           f"(job {{{{ $labels.job }}}}) for {duration(w.scrape_down_for)}: "
-                           f"GPU health on that host is unknown."),
-              doc=Doc(what="Exporter not scraped", threshold="up == 0",
-                      window=f"for {duration(w.scrape_down_for)}",
-                      why="The GPUs keep serving; only their visibility is lost, so a warning.")),
+        _scrape_down(p, "GPUServerDown", names.SERVER_UP, "critical", srv, "Inference server",
+                     "the server is down or unreachable", "Server not scraped",
+                     "Without the server's metrics no other server alert can fire."),
+        _scrape_down(p, "GPUExporterDown", names.GPU_EXPORTER_UP, "warning", exp, "GPU exporter",
+                     "GPU health on that host is unknown", "Exporter not scraped",
+                     "The GPUs keep serving; only their visibility is lost, so a warning."),
         *_targets_missing(p, "GPUServerTargetMissing", "server", srv, "inference server", "critical"),
         *_targets_missing(p, "GPUExporterTargetMissing", "gpu", exp, "GPU exporter", "warning"),
         Alert(name="GPUExporterGPUsMissing",

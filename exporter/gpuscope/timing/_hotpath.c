@@ -289,27 +289,28 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* The object fields, listed once for the garbage collector's traverse and clear. */
-#define HOTPATH_OBJECTS(X) X(core) X(pools) X(ring) X(ring_append) X(dropped) X(record) \
-    X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type)
+/* The object fields of each type, listed once: GC_FUNCTIONS writes the garbage collector's traverse
+ * and clear, and the dealloc, from the list. */
 #define VISIT_FIELD(field) Py_VISIT(self->field);
 #define CLEAR_FIELD(field) Py_CLEAR(self->field);
+#define GC_FUNCTIONS(Type, OBJECTS)                                                              \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                         \
+        OBJECTS(VISIT_FIELD)                                                                     \
+        return 0;                                                                                \
+    }                                                                                            \
+    static int Type##_clear(Type *self) {                                                        \
+        OBJECTS(CLEAR_FIELD)                                                                     \
+        return 0;                                                                                \
+    }                                                                                            \
+    static void Type##_dealloc(Type *self) {                                                     \
+        PyObject_GC_UnTrack(self);                                                               \
+        Type##_clear(self);                                                                      \
+        Py_TYPE(self)->tp_free((PyObject *)self);                                                \
+    }
 
-static int HotPath_traverse(HotPath *self, visitproc visit, void *arg) {
-    HOTPATH_OBJECTS(VISIT_FIELD)
-    return 0;
-}
-
-static int HotPath_clear(HotPath *self) {
-    HOTPATH_OBJECTS(CLEAR_FIELD)
-    return 0;
-}
-
-static void HotPath_dealloc(HotPath *h) {
-    PyObject_GC_UnTrack(h);
-    HotPath_clear(h);
-    Py_TYPE(h)->tp_free((PyObject *)h);
-}
+#define HOTPATH_OBJECTS(X) X(core) X(pools) X(ring) X(ring_append) X(dropped) X(record) \
+    X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type)
+GC_FUNCTIONS(HotPath, HOTPATH_OBJECTS)
 
 static PyMethodDef HotPath_methods[] = {
     {"record_start", (PyCFunction)HotPath_record_start, METH_NOARGS,
@@ -476,22 +477,7 @@ done:
 }
 
 #define SEQUENCE_OBJECTS(X) X(core) X(hot) X(pass_) X(op) X(event) X(device) X(stream) X(recorder)
-
-static int Sequence_traverse(SequenceBase *self, visitproc visit, void *arg) {
-    SEQUENCE_OBJECTS(VISIT_FIELD)
-    return 0;
-}
-
-static int Sequence_clear(SequenceBase *self) {
-    SEQUENCE_OBJECTS(CLEAR_FIELD)
-    return 0;
-}
-
-static void Sequence_dealloc(SequenceBase *s) {
-    PyObject_GC_UnTrack(s);
-    Sequence_clear(s);
-    Py_TYPE(s)->tp_free((PyObject *)s);
-}
+GC_FUNCTIONS(SequenceBase, SEQUENCE_OBJECTS)
 
 static PyMethodDef Sequence_methods[] = {
     {"split", (PyCFunction)Sequence_split, METH_O,
@@ -520,9 +506,9 @@ static PyTypeObject SequenceBaseType = {
     .tp_basicsize = sizeof(SequenceBase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
-    .tp_traverse = (traverseproc)Sequence_traverse,
-    .tp_clear = (inquiry)Sequence_clear,
-    .tp_dealloc = (destructor)Sequence_dealloc,
+    .tp_traverse = (traverseproc)SequenceBase_traverse,
+    .tp_clear = (inquiry)SequenceBase_clear,
+    .tp_dealloc = (destructor)SequenceBase_dealloc,
     .tp_methods = Sequence_methods,
     .tp_members = Sequence_members,
 };

@@ -147,11 +147,6 @@ class TimerCore:
         self.end: Callable[[OpState, Any, Callable[[float], None] | None], None] = self.hot.end
 
     @property
-    def sampled(self) -> int:
-        """Pairs ended through ``end()`` (paces the in-context cost measurement)."""
-        return self.hot.sampled
-
-    @property
     def hot_path_s(self) -> float:
         """CPU seconds of one sampled region, measured in context every few pairs."""
         return self.hot.hot_path_s
