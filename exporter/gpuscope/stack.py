@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,7 +192,7 @@ def stop_processes(processes: dict[str, Process], timeout: float, log: Callable[
 _P = TypeVar("_P", bound="Parts")
 
 
-class Parts:
+class Parts(ABC):
     """What a Stack and a Fleet share: named parts that a ``with`` block starts and stops, and that a
     failed start stops too, so nothing is left running whichever part failed."""
 
@@ -216,11 +217,13 @@ class Parts:
         """Parts that have exited since they came up."""
         return [name for name, p in self.processes.items() if p.poll() is not None]
 
+    @abstractmethod
     def _start(self) -> None:
-        raise NotImplementedError
+        """Start the parts in order and wait until they are healthy."""
 
+    @abstractmethod
     def stop(self, timeout: float = 15.0) -> None:
-        raise NotImplementedError
+        """Stop whatever runs (also after a failed start); idempotent."""
 
 
 @dataclass
