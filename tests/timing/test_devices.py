@@ -15,7 +15,9 @@ class MultiDeviceRoute(ScriptedRoute):
     - A failed call leaves its error in the calling thread's last-error slot until
       ``clear_error`` (``cudaGetLastError``) takes it: torch raises whatever is left there after
       its next kernel launch.
-    - Devices get a context when they are first made current (``contexts``).
+    - Devices get a context when they are first made current (``contexts``), and so does a thread's
+      current device when the thread first makes a runtime call that needs one: measured on two
+      H200s, ``cudaThreadExchangeStreamCaptureMode`` on a fresh thread opened a context on GPU 0.
     """
 
     on_host = False  # label samples by device number
@@ -49,6 +51,9 @@ class MultiDeviceRoute(ScriptedRoute):
 
     def clear_error(self) -> None:
         self.last_error.pop(threading.current_thread().name, None)
+
+    def relax_capture_mode(self) -> None:
+        self.contexts.add(self.current_device())
 
     def create(self):
         self.contexts.add(self.current_device())

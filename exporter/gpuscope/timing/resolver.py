@@ -53,6 +53,7 @@ class Resolver:
         self._active_wakes = 0
         self._next_calibration = 0.0
         self._warned: set[str] = set()
+        self._capture_mode_relaxed = False
         core.on_new_device = self.add_device
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -94,10 +95,6 @@ class Resolver:
                 "wakes": self._wakes, "active_wakes": self._active_wakes}
 
     def _run(self) -> None:
-        try:
-            self.core.route.relax_capture_mode()
-        except Exception as exc:
-            self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
         budget = self.budget
         budget.start_window(time.monotonic(), self.counters())
         self._next_calibration = time.monotonic() + self.calibrate_every
@@ -152,6 +149,7 @@ class Resolver:
                 last_of_stream[(item.device, item.stream)] = item.end
         current = snapshot[0].device
         restore = use_device(current)
+        self._relax_capture_mode()
         try:
             stream_done = {}
             for (device, stream), end in last_of_stream.items():
@@ -234,6 +232,23 @@ class Resolver:
 
     # --- baseline -------------------------------------------------------------------------------
 
+    def _relax_capture_mode(self) -> None:
+        """Exempt the resolver thread from "global" capture mode, once, with a device of the timer current.
+
+        An inference thread may capture a CUDA graph in global mode, which forbids event queries from
+        *any* thread and would invalidate the capture; relaxed mode exempts this thread (what
+        PyTorch's NCCL watchdog does). Not done when the thread starts: the call initialises the
+        runtime on the thread's current device, and a new thread's is device 0, which opened a
+        context (hundreds of MiB) on a GPU that a program running on cuda:1 never used.
+        """
+        if self._capture_mode_relaxed or threading.current_thread() is not self._thread:
+            return
+        self._capture_mode_relaxed = True
+        try:
+            self.core.route.relax_capture_mode()
+        except Exception as exc:
+            self._warn_once("capture-mode", f"gpuscope: could not relax CUDA capture mode: {exc}")
+
     def _calibrate(self, device: int) -> None:
         """Median elapsed time of an empty pair recorded behind queued work (a busy stream).
 
@@ -245,6 +260,7 @@ class Resolver:
         core, route = self.core, self.core.route
         try:
             with on_device(route, device):
+                self._relax_capture_mode()
                 start, end = route.create(), route.create()
                 try:
                     stream, queue_work = self._calibration_stream(device)
