@@ -10,9 +10,13 @@ thread's ``thread_time``) and every block's wall time are kept. Reported per con
 
 - CPU µs added per forward and per region: median forward CPU time minus the untimed median;
 - the in-context ratio: that CPU added over raw_records' (the floor: two ctypes records a region);
-- throughput loss: 1 - (untimed wall / configuration wall), summed over the paired blocks.
+- throughput loss: 1 - (untimed wall / configuration wall), summed over the paired blocks;
+- the resolver's CPU per sample (its loop holds the GIL except, in C, around the CUDA calls).
 
-Configurations come from timing_bench.py (24 regions a forward: attention and MLP of 12 blocks).
+Configurations come from timing_bench.py (24 regions a forward: attention and MLP of 12 blocks):
+two raw records a region (the floor of exact regions) and one (``raw_shared``, the floor of shared
+boundaries); gpuscope's default budget, every region exact, every region with shared boundaries
+(``partition``), the same with the resolver's Python loop (``_pyresolve``), and the Python hot path.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from timing_bench import Block, Config, progress
 
 from gpuscope.timing import hot
 
-CONFIGS = ["raw_records", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
-           "gpuscope_full_python", "gpuscope_full_partition_python"]
+CONFIGS = ["raw_records", "raw_shared", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
+           "gpuscope_full_partition_pyresolve", "gpuscope_full_python", "gpuscope_full_partition_python"]
 
 
 def run_blocks(model, x, cfg: Config | None, block: int, cpu: list[float]) -> float:
@@ -89,6 +93,8 @@ def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
             timer.flush(10)
             out[name]["dropped"] = dict(timer.dropped)
             out[name]["sampling_ratio_final"] = 1 / timer.sampling_period()
+            counters = timer.resolver.counters()
+            out[name]["resolver_cpu_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
     floor = max(1e-9, out["raw_records"]["cpu_us_added_per_forward"])
     for name in CONFIGS:
         out[name]["in_context_ratio_to_raw_records"] = out[name]["cpu_us_added_per_forward"] / floor

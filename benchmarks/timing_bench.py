@@ -140,7 +140,9 @@ class Config:
             self.timer = Timer(None, native=native)
         elif name.startswith("gpuscope_full"):
             self.timer = Timer(None, sample_rate=1.0, native=native)
-        if name == "raw_records" and cuda:
+        if name.endswith("_pyresolve"):  # the C hot path with the resolver's loop in Python
+            self.timer.resolver.fast = None
+        if name in ("raw_records", "raw_shared") and cuda:
             self.route = CudartCtypesRoute()
             self.raw = {path: (self.route.create(), self.route.create()) for path, _ in mods}
 
@@ -158,6 +160,9 @@ class Config:
             for path, module in self.mods:
                 module.forward = self._raw_forward(module.forward, *self.raw[path]) if self.cuda else \
                     self._host_forward(module.forward)
+        elif name == "raw_shared" and self.cuda:  # the floor of shared boundaries: one record a region
+            for path, module in self.mods:
+                module.forward = self._raw_start_forward(module.forward, self.raw[path][0])
         elif name == "naive_torch":
             for _, module in self.mods:
                 self.hooks += [module.register_forward_pre_hook(self._pre),
@@ -197,6 +202,15 @@ class Config:
                 return original(*args, **kwargs)
             finally:
                 record(e1, stream_of(0))
+
+        return forward
+
+    def _raw_start_forward(self, original, event):
+        record, stream_of = self.route.record, torch._C._cuda_getCurrentRawStream
+
+        def forward(*args, **kwargs):
+            record(event, stream_of(0))
+            return original(*args, **kwargs)
 
         return forward
 

@@ -136,3 +136,40 @@ def test_instrumenting_twice_is_refused(make_timer):
         timer.instrument(m)
     inst.remove()
     timer.instrument(m).remove()
+
+
+class Inner(torch.nn.Module):
+    """A module whose forward takes positional and keyword arguments, and can fail."""
+
+    def forward(self, x, bias, *, scale=1.0, fail=False):
+        if fail:
+            raise ValueError("bad input in the module")
+        return x * scale + bias
+
+
+@pytest.mark.parametrize("mode", ["exact", "partition"])
+def test_module_forwards_pass_arguments_through_and_end_regions_on_errors(make_timer, registry, mode):
+    """What instrument() puts in place of a module's forward (in C on the C hot path) hands the
+    module every positional and keyword argument, returns its result, and lets its exception
+    through with the region ended: the next pass times normally."""
+    timer = make_timer(sample_rate=1.0)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Inner()
+
+        def forward(self, x, fail=False):
+            return self.attn(x, 1.0, scale=2.0, fail=fail)
+
+    model = Model()
+    inst = timer.instrument(model, include=("attn",), mode=mode)
+    x = torch.ones(3)
+    assert torch.equal(model(x), torch.full((3,), 3.0))
+    with pytest.raises(ValueError, match="bad input in the module"):
+        model(x, fail=True)
+    assert torch.equal(model(x), torch.full((3,), 3.0))
+    assert timer.flush(5)
+    assert counts(registry, ["attn"]) == {"attn": 3}
+    assert timer.dropped["error"] == 0
+    inst.remove()

@@ -8,7 +8,9 @@
  * a failed record) calls back into the Python methods that handle it there.
  *
  * Every function here runs with the GIL held, as the Python version does; the hot path takes no
- * lock and does no I/O.
+ * lock and does no I/O. The one exception is Resolve.run, the resolver's inner loop (resolver.py),
+ * which releases the GIL while it asks CUDA whether pairs finished and how long they took, so the
+ * inference thread does not wait for those calls.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,9 +18,15 @@
 #include <time.h>
 
 typedef int (*record_fn_t)(void *event, void *stream);
+typedef int (*query_fn_t)(void *event);
+typedef int (*elapsed_fn_t)(float *ms, void *start, void *end);
+typedef int (*last_error_fn_t)(void);
+
+#define CUDA_ERROR_NOT_READY 600
 
 static PyObject *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
-    *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one;
+    *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one, *s_error, *s_hists,
+    *s_histogram, *s_bounds, *s_counts, *s_sum, *s_count, *s_exemplars, *s_seq, *s_split;
 
 /* ------------------------------------------------------------------------------------------------ */
 /* HotPath: record_start() and end(op, token, callback) of one TimerCore                            */
@@ -514,6 +522,351 @@ static PyTypeObject SequenceBaseType = {
 };
 
 /* ------------------------------------------------------------------------------------------------ */
+/* ExactForward and SplitForward: the per-module forwards instrument() puts in place on a sampled   */
+/* pass (instrument.py's _exact_forward and _split_forward), passing the module's arguments through */
+/* to its own forward without packing them                                                          */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *hot;      /* the core's C HotPath */
+    PyObject *op;       /* the module's OpState */
+    PyObject *original; /* the module's own forward */
+} ExactForward;
+
+static int count_entered(PyObject *op) {
+    PyObject *entered = PyObject_GetAttr(op, s_entered);
+    if (entered == NULL) return -1;
+    Py_SETREF(entered, PyNumber_Add(entered, one));
+    int rc = entered == NULL ? -1 : PyObject_SetAttr(op, s_entered, entered);
+    Py_XDECREF(entered);
+    return rc;
+}
+
+static PyObject *ExactForward_vectorcall(ExactForward *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (count_entered(f->op) < 0) return NULL;
+    HotPath *h = (HotPath *)f->hot;
+    PyObject *token = HotPath_record_start(h, NULL);
+    if (token == NULL) return NULL;
+    if (token == Py_None) {
+        Py_DECREF(token);
+        return PyObject_Vectorcall(f->original, args, nargsf, kwnames);
+    }
+    PyObject *result = PyObject_Vectorcall(f->original, args, nargsf, kwnames);
+    PyObject *type, *value, *traceback;  /* try/finally: the region ends, then any error goes on */
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *end_args[3] = {f->op, token, Py_None};
+    PyObject *ended = HotPath_end(h, end_args, 3);
+    Py_DECREF(token);
+    if (ended == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        Py_XDECREF(result);
+        return NULL;
+    }
+    Py_DECREF(ended);
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
+static int ExactForward_init(ExactForward *f, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"hot", "op", "original", NULL};
+    PyObject *hot_path, *op, *original;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO", kwlist, &HotPathType, &hot_path, &op, &original))
+        return -1;
+    Py_XSETREF(f->hot, Py_NewRef(hot_path));
+    Py_XSETREF(f->op, Py_NewRef(op));
+    Py_XSETREF(f->original, Py_NewRef(original));
+    f->vectorcall = (vectorcallfunc)ExactForward_vectorcall;
+    return 0;
+}
+
+#define EXACT_FORWARD_OBJECTS(X) X(hot) X(op) X(original)
+GC_FUNCTIONS(ExactForward, EXACT_FORWARD_OBJECTS)
+
+static PyTypeObject ExactForwardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.ExactForward",
+    .tp_doc = "ExactForward(hot, op, original): original(...) timed as one region of op.",
+    .tp_basicsize = sizeof(ExactForward),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(ExactForward, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ExactForward_init,
+    .tp_traverse = (traverseproc)ExactForward_traverse,
+    .tp_clear = (inquiry)ExactForward_clear,
+    .tp_dealloc = (destructor)ExactForward_dealloc,
+};
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *local;    /* the instrumentation's threading.local: .seq is this thread's sequence */
+    PyObject *get_seq;  /* makes this thread's sequence */
+    PyObject *op;
+    PyObject *original;
+} SplitForward;
+
+static PyObject *SplitForward_vectorcall(SplitForward *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *seq = PyObject_GetAttr(f->local, s_seq);
+    if (seq == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+        if ((seq = PyObject_CallNoArgs(f->get_seq)) == NULL) return NULL;
+    }
+    PyObject *split = PyObject_TypeCheck(seq, &SequenceBaseType) ? Sequence_split((SequenceBase *)seq, f->op)
+                                                                   : PyObject_CallMethodOneArg(seq, s_split, f->op);
+    Py_DECREF(seq);
+    if (split == NULL) return NULL;
+    Py_DECREF(split);
+    return PyObject_Vectorcall(f->original, args, nargsf, kwnames);
+}
+
+static int SplitForward_init(SplitForward *f, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"local", "get_seq", "op", "original", NULL};
+    PyObject *local, *get_seq, *op, *original;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO", kwlist, &local, &get_seq, &op, &original)) return -1;
+    Py_XSETREF(f->local, Py_NewRef(local));
+    Py_XSETREF(f->get_seq, Py_NewRef(get_seq));
+    Py_XSETREF(f->op, Py_NewRef(op));
+    Py_XSETREF(f->original, Py_NewRef(original));
+    f->vectorcall = (vectorcallfunc)SplitForward_vectorcall;
+    return 0;
+}
+
+#define SPLIT_FORWARD_OBJECTS(X) X(local) X(get_seq) X(op) X(original)
+GC_FUNCTIONS(SplitForward, SPLIT_FORWARD_OBJECTS)
+
+static PyTypeObject SplitForwardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.SplitForward",
+    .tp_doc = "SplitForward(local, get_seq, op, original): split this thread's sequence to op, then original(...).",
+    .tp_basicsize = sizeof(SplitForward),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(SplitForward, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)SplitForward_init,
+    .tp_traverse = (traverseproc)SplitForward_traverse,
+    .tp_clear = (inquiry)SplitForward_clear,
+    .tp_dealloc = (destructor)SplitForward_dealloc,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Resolve: the resolver's inner loop for plain pairs (resolver.py's _resolve does the rest)        */
+
+typedef struct {
+    PyObject_HEAD
+    query_fn_t query_fn;
+    elapsed_fn_t elapsed_fn;
+    last_error_fn_t clear_error_fn;
+    PyObject *dropped;          /* dict: reason -> count */
+    PyTypeObject *pending_type; /* core.Pending */
+    PyTypeObject *op_type;      /* core.OpState: a pair of any other op (a graph replay) is Python's */
+} Resolve;
+
+/* One sample into a timing.histogram.BucketHistogram, as its observe() does. */
+static int observe(PyObject *hist, double value, PyObject *trace) {
+    int rc = -1;
+    PyObject *bounds = PyObject_GetAttr(hist, s_bounds), *counts = NULL, *sum = NULL, *count = NULL;
+    if (bounds == NULL || (counts = PyObject_GetAttr(hist, s_counts)) == NULL) goto out;
+    if (!PyTuple_Check(bounds) || !PyList_Check(counts) || PyList_GET_SIZE(counts) != PyTuple_GET_SIZE(bounds) + 1) {
+        PyErr_SetString(PyExc_TypeError, "observe(): not a BucketHistogram");
+        goto out;
+    }
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(bounds);  /* bisect_left: first bound >= value */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        double bound = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, mid));
+        if (bound == -1.0 && PyErr_Occurred()) goto out;
+        if (bound < value) lo = mid + 1; else hi = mid;
+    }
+    PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(counts, lo), one);
+    if (bumped == NULL) goto out;
+    PyList_SetItem(counts, lo, bumped);  /* steals bumped */
+    if ((sum = PyObject_GetAttr(hist, s_sum)) == NULL) goto out;
+    double total = PyFloat_AsDouble(sum) + value;
+    if (PyErr_Occurred()) goto out;
+    Py_SETREF(sum, PyFloat_FromDouble(total));
+    if (sum == NULL || PyObject_SetAttr(hist, s_sum, sum) < 0) goto out;
+    if ((count = PyObject_GetAttr(hist, s_count)) == NULL) goto out;
+    Py_SETREF(count, PyNumber_Add(count, one));
+    if (count == NULL || PyObject_SetAttr(hist, s_count, count) < 0) goto out;
+    if (!is_none(trace)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        PyObject *exemplars = PyObject_GetAttr(hist, s_exemplars);
+        if (exemplars == NULL) goto out;
+        PyObject *exemplar = Py_BuildValue("(Odd)", trace, value, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
+        int set = exemplar == NULL ? -1 : PyList_SetItem(exemplars, lo, exemplar);
+        Py_DECREF(exemplars);
+        if (set < 0) goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(count);
+    Py_XDECREF(sum);
+    Py_XDECREF(counts);
+    Py_XDECREF(bounds);
+    return rc;
+}
+
+/* op.hists[device], or op.histogram(device) to make it (new reference). */
+static PyObject *histogram_of(PyObject *op, PyObject *device) {
+    PyObject *hists = PyObject_GetAttr(op, s_hists);
+    if (hists == NULL) return NULL;
+    PyObject *hist = PyDict_Check(hists) ? PyDict_GetItemWithError(hists, device) : NULL;
+    Py_DECREF(hists);
+    if (hist != NULL) return Py_NewRef(hist);
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_CallMethodOneArg(op, s_histogram, device);
+}
+
+#define RESOLVE_CHUNK 256
+
+/* run(snapshot, index, device, baseline_s, pool) -> (index, resolved, blocked)
+ *
+ * Resolves snapshot[index:] while its items are plain pairs of ``device`` (an op, no callback, not a
+ * graph replay) or dropped pairs of ``device``: releases their events to ``pool``, observes each
+ * finished pair's elapsed time minus ``baseline_s`` into its op's histogram. Stops at the first item
+ * it leaves to Python (returned index points at it) or at the first pair not finished yet (blocked
+ * true): events of one stream finish in order, and the ring releases events in record order. */
+static PyObject *Resolve_run(Resolve *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "run(snapshot: list, index, device, baseline_s, pool)");
+        return NULL;
+    }
+    PyObject *snapshot = args[0], *device = args[2], *pool = args[4];
+    Py_ssize_t index = PyLong_AsSsize_t(args[1]);
+    double baseline = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyList_Check(pool)) {
+        PyErr_SetString(PyExc_TypeError, "run(): pool must be the device's free list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(snapshot), resolved = 0;
+    int blocked = 0;
+    void *starts[RESOLVE_CHUNK], *ends[RESOLVE_CHUNK], *streams[RESOLVE_CHUNK];
+    float ms[RESOLVE_CHUNK];
+    int errors[RESOLVE_CHUNK];
+    while (index < n && !blocked) {
+        /* 1. (GIL) the run of plain pairs ahead, and dropped pairs released on the way */
+        Py_ssize_t first = index, k = 0;
+        for (; index < n && k < RESOLVE_CHUNK; index++) {
+            PyObject *item = PyList_GET_ITEM(snapshot, index);
+            if (Py_TYPE(item) != r->pending_type) break;
+            PyObject *op = PyTuple_GET_ITEM(item, 0), *start = PyTuple_GET_ITEM(item, 3),
+                     *end = PyTuple_GET_ITEM(item, 4), *callback = PyTuple_GET_ITEM(item, 6);
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(item, 1), device, Py_EQ);
+            if (same < 0) return NULL;
+            if (!same) break;
+            if (op == Py_None) {
+                if (k > 0) break;  /* released in order: only ahead of every pair of this chunk */
+                if (PyList_Append(pool, start) < 0) return NULL;
+                if (end != Py_None && !PyObject_IsTrue(PyTuple_GET_ITEM(item, 7)) && PyList_Append(pool, end) < 0)
+                    return NULL;
+                first = index + 1;
+                continue;
+            }
+            if (Py_TYPE(op) != r->op_type || callback != Py_None || !PyLong_Check(start) || !PyLong_Check(end))
+                break;
+            starts[k] = PyLong_AsVoidPtr(start);
+            ends[k] = PyLong_AsVoidPtr(end);
+            streams[k] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(item, 2));
+            if (PyErr_Occurred()) return NULL;
+            k++;
+        }
+        if (k == 0) break;
+        /* 2. (no GIL) which pairs finished, and their elapsed times. Events of one stream finish in
+         * order: when the chunk's last pair has finished, so has every pair of its stream before it. */
+        Py_ssize_t done = 0;
+        Py_BEGIN_ALLOW_THREADS
+        int err = r->query_fn(ends[k - 1]);
+        if (err != 0 && err != CUDA_ERROR_NOT_READY) r->clear_error_fn();
+        void *finished_stream = err == 0 ? streams[k - 1] : NULL;
+        for (; done < k; done++) {
+            if (err != 0 || streams[done] != finished_stream) {
+                int queried = r->query_fn(ends[done]);
+                if (queried != 0) {
+                    if (queried != CUDA_ERROR_NOT_READY) r->clear_error_fn();
+                    break;
+                }
+            }
+            errors[done] = r->elapsed_fn(&ms[done], starts[done], ends[done]);
+            if (errors[done] != 0) r->clear_error_fn();
+        }
+        Py_END_ALLOW_THREADS
+        blocked = done < k;
+        /* 3. (GIL) release the finished pairs' events and observe them */
+        for (Py_ssize_t j = 0; j < done; j++) {
+            PyObject *item = PyList_GET_ITEM(snapshot, first + j);
+            PyObject *op = PyTuple_GET_ITEM(item, 0);
+            if (PyList_Append(pool, PyTuple_GET_ITEM(item, 3)) < 0) return NULL;
+            if (!PyObject_IsTrue(PyTuple_GET_ITEM(item, 7)) && PyList_Append(pool, PyTuple_GET_ITEM(item, 4)) < 0)
+                return NULL;
+            if (errors[j] != 0) {  /* e.g. an event recorded under graph capture */
+                if (bump(r->dropped, s_error) < 0) return NULL;
+                continue;
+            }
+            double seconds = 1e-3 * (double)ms[j] - baseline;
+            PyObject *hist = histogram_of(op, device);
+            if (hist == NULL) return NULL;
+            int rc = observe(hist, seconds < 0.0 ? 0.0 : seconds, PyTuple_GET_ITEM(item, 5));
+            Py_DECREF(hist);
+            if (rc < 0) return NULL;
+            resolved++;
+        }
+        index = first + done;
+    }
+    return Py_BuildValue("(nnO)", index, resolved, blocked ? Py_True : Py_False);
+}
+
+static int Resolve_init(Resolve *r, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"query_address", "elapsed_address", "clear_error_address", "dropped",
+                             "pending_type", "op_type", NULL};
+    Py_ssize_t query, elapsed, clear;
+    PyObject *dropped, *pend, *op_type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$nnnO!O!O!", kwlist, &query, &elapsed, &clear, &PyDict_Type,
+                                     &dropped, &PyType_Type, &pend, &PyType_Type, &op_type))
+        return -1;
+    if (!query || !elapsed || !clear || !PyType_IsSubtype((PyTypeObject *)pend, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_ValueError, "Resolve: needs the three function addresses and a tuple subclass");
+        return -1;
+    }
+    r->query_fn = (query_fn_t)query;
+    r->elapsed_fn = (elapsed_fn_t)elapsed;
+    r->clear_error_fn = (last_error_fn_t)clear;
+    Py_XSETREF(r->dropped, Py_NewRef(dropped));
+    Py_XSETREF(r->pending_type, (PyTypeObject *)Py_NewRef(pend));
+    Py_XSETREF(r->op_type, (PyTypeObject *)Py_NewRef(op_type));
+    return 0;
+}
+
+#define RESOLVE_OBJECTS(X) X(dropped) X(pending_type) X(op_type)
+GC_FUNCTIONS(Resolve, RESOLVE_OBJECTS)
+
+static PyMethodDef Resolve_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Resolve_run, METH_FASTCALL,
+     "run(snapshot, index, device, baseline_s, pool) -> (index, resolved, blocked)"},
+    {NULL}};
+
+static PyTypeObject ResolveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.Resolve",
+    .tp_doc = "The resolver's inner loop for plain pairs, through CUDA's own functions.",
+    .tp_basicsize = sizeof(Resolve),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Resolve_init,
+    .tp_traverse = (traverseproc)Resolve_traverse,
+    .tp_clear = (inquiry)Resolve_clear,
+    .tp_dealloc = (destructor)Resolve_dealloc,
+    .tp_methods = Resolve_methods,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
 
 static struct PyModuleDef hotpath_module = {
     PyModuleDef_HEAD_INIT, "_hotpath",
@@ -532,12 +885,27 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(s_pool_empty, "pool_empty");
     INTERN(s_ring_full, "ring_full");
     INTERN(s_append, "append");
+    INTERN(s_error, "error");
+    INTERN(s_hists, "hists");
+    INTERN(s_histogram, "histogram");
+    INTERN(s_bounds, "bounds");
+    INTERN(s_counts, "counts");
+    INTERN(s_sum, "sum");
+    INTERN(s_count, "count");
+    INTERN(s_exemplars, "exemplars");
+    INTERN(s_seq, "seq");
+    INTERN(s_split, "split");
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&HotPathType) < 0 || PyType_Ready(&SequenceBaseType) < 0) return NULL;
+    if (PyType_Ready(&HotPathType) < 0 || PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 ||
+        PyType_Ready(&ExactForwardType) < 0 || PyType_Ready(&SplitForwardType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL) return NULL;
     if (PyModule_AddObject(m, "HotPath", Py_NewRef(&HotPathType)) < 0 ||
-        PyModule_AddObject(m, "SequenceBase", Py_NewRef(&SequenceBaseType)) < 0) {
+        PyModule_AddObject(m, "SequenceBase", Py_NewRef(&SequenceBaseType)) < 0 ||
+        PyModule_AddObject(m, "Resolve", Py_NewRef(&ResolveType)) < 0 ||
+        PyModule_AddObject(m, "ExactForward", Py_NewRef(&ExactForwardType)) < 0 ||
+        PyModule_AddObject(m, "SplitForward", Py_NewRef(&SplitForwardType)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,8 +10,10 @@ Two implementations of the same steps, chosen per timer (``use_native``):
 - ``PyHotPath`` and ``PySequenceBase`` below: the fallback when the extension is not built (or
   ``GPUSCOPE_TIMING_NATIVE=0``), and the readable statement of what the C code does.
 
-Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore`` and the
-state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``. Everything rare (a new
+Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore``, the
+state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, and the per-module
+forwards ``instrument()`` installs. The C side also has the resolver's loop for plain pairs
+(``resolve_loop``), which asks CUDA with the GIL released. Everything rare (a new
 device's pool, a region inside a graph capture, a failed record) is handled by the core's and the
 sequence's Python methods, which both implementations call.
 """
@@ -168,6 +170,31 @@ class PySequenceBase:
             op = None
         ring.append(pending(op, self._device, self._stream, start, end, hot.trace_id(), None, not last))
         return not last
+
+
+def resolve_loop(route: Any, *, dropped: dict, pending_type: type, op_type: type) -> Any:
+    """The resolver's C loop for plain pairs (``_hotpath.Resolve``), or None: without the extension,
+    or for a route that cannot give CUDA's query, elapsed-time and last-error functions' addresses
+    (the resolver then does every pair in Python)."""
+    addresses = [getattr(route, name, 0) or 0 for name in ("query_address", "elapsed_address",
+                                                             "clear_error_address")]
+    if _hotpath is None or not all(addresses):
+        return None
+    query, elapsed, clear = addresses
+    return _hotpath.Resolve(query_address=query, elapsed_address=elapsed, clear_error_address=clear,
+                            dropped=dropped, pending_type=pending_type, op_type=op_type)
+
+
+def exact_forward(core: Any, op: Any, original: Any) -> Any:
+    """instrument()'s per-module forward for an exact region in C, or None on the Python hot path
+    (instrument.py's ``_exact_forward`` is the Python version)."""
+    return _hotpath.ExactForward(core.hot, op, original) if core.native else None
+
+
+def split_forward(core: Any, local: Any, get_seq: Any, op: Any, original: Any) -> Any:
+    """instrument()'s per-module forward for a shared boundary in C, or None on the Python hot path
+    (instrument.py's ``_split_forward`` is the Python version)."""
+    return _hotpath.SplitForward(local, get_seq, op, original) if core.native else None
 
 
 def hot_path_class(native: bool) -> type:

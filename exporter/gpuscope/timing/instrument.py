@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gpuscope.timing import hot
 from gpuscope.timing.core import OpState, TimerCore
 from gpuscope.timing.sequence import Sequence as RegionSequence
 from gpuscope.timing.sequence import new_sequence
@@ -152,6 +153,9 @@ class Instrumentation:
 
 
 def _exact_forward(core: TimerCore, original: Callable, op: OpState) -> Callable:
+    native = hot.exact_forward(core, op, original)  # the same steps in C, arguments passed through
+    if native is not None:
+        return native
     record_start, end = core.record_start, core.end
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -169,6 +173,9 @@ def _exact_forward(core: TimerCore, original: Callable, op: OpState) -> Callable
 
 def _split_forward(inst: Instrumentation, original: Callable, op: OpState) -> Callable:
     local, get_seq = inst._local, inst.sequence
+    native = hot.split_forward(inst.core, local, get_seq, op, original)  # the same steps in C
+    if native is not None:
+        return native
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:

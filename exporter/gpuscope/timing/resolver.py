@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any
 
+from gpuscope.timing import hot
 from gpuscope.timing.budget import BudgetController
-from gpuscope.timing.core import TimerCore
+from gpuscope.timing.core import OpState, Pending, TimerCore
 from gpuscope.timing.graphs import GraphReplay
 from gpuscope.timing.routes import on_device
 
@@ -54,6 +55,9 @@ class Resolver:
         self._next_calibration = 0.0
         self._warned: set[str] = set()
         self._capture_mode_relaxed = False
+        #: the C loop for plain pairs (hot.resolve_loop) where the core runs the C hot path
+        self.fast = hot.resolve_loop(core.route, dropped=core.dropped, pending_type=Pending,
+                                     op_type=OpState) if core.native else None
         core.on_new_device = self.add_device
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -151,8 +155,9 @@ class Resolver:
         restore = use_device(current)
         self._relax_capture_mode()
         try:
-            stream_done = {}
-            for (device, stream), end in last_of_stream.items():
+            stream_done: dict[tuple[int, int], bool] = {}
+            for (device, stream), end in last_of_stream.items() if self.fast is None else ():
+                # (the C loop asks CUDA about each pair itself, without the GIL)
                 if device != current:
                     current = device
                     use_device(device)
@@ -172,10 +177,23 @@ class Resolver:
         core = self.core
         route, free, baseline = core.route, core.pools, self.baseline_s
         query, elapsed, use_device = route.query, route.elapsed_s, route.use_device
+        fast = self.fast
         taken = 0
-        for item in snapshot:
-            op, device, stream, start, end, trace_id, callback, keep_end = item
+        while taken < len(snapshot):
+            op, device, stream, start, end, trace_id, callback, keep_end = snapshot[taken]
             pool = free.get(device)
+            if fast is not None and pool is not None and (op is None or op.__class__ is OpState):
+                if device != current:
+                    current = device
+                    use_device(device)
+                index, resolved, blocked = fast.run(snapshot, taken, device, baseline.get(device, 0.0), pool)
+                self._resolved += resolved
+                if blocked:
+                    return index
+                if index > taken:
+                    taken = index
+                    continue
+            # Python: graph replays, pairs with a callback, and every pair without the C loop
             if op is None:  # dropped pair kept only to release its events in order
                 if pool is not None:
                     pool.append(start)
@@ -186,7 +204,7 @@ class Resolver:
             if device != current:
                 current = device
                 use_device(device)
-            if not stream_done[(device, stream)] and not query(end):
+            if not stream_done.get((device, stream)) and not query(end):
                 break
             if op.__class__ is GraphReplay:  # a timed graph replay: ``end`` is the fence after it
                 self._resolved += op.read(elapsed, baseline.get(device, 0.0), trace_id)

@@ -220,6 +220,10 @@ class CudartCtypesRoute(_TorchCurrent):
         self._set_device = keep_gil.cudaSetDevice
         self._set_device.argtypes = [ctypes.c_int]
         self.clear_error = keep_gil.cudaGetLastError
+        #: where the resolver's C loop (Resolve in _hotpath.c) asks CUDA, with the GIL released
+        self.query_address = ctypes.cast(self._query, ctypes.c_void_p).value
+        self.elapsed_address = ctypes.cast(self._elapsed, ctypes.c_void_p).value
+        self.clear_error_address = ctypes.cast(self.clear_error, ctypes.c_void_p).value
 
     def _check(self, err: int, call: str) -> None:
         if err != CUDA_SUCCESS:

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The launch-bound workload only, many rounds: shared boundaries against their floor, and the
+resolver's loop and wake-up interval varied.
+
+    python benchmarks/resolve_interval_probe.py --out benchmarks/results/resolve-interval.json  # ~2 min
+
+Configurations from timing_bench.py (``_pyresolve``: the resolver's Python loop), plus
+``_ri<ms>``: gpuscope's C path with the resolver waking every that many ms (default 50). Same method
+as hot_path_bench.py; the resolver's CPU per sample is reported with each timer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
+
+import torch
+from hot_path_bench import run_blocks
+from timing_bench import Block, Config
+
+from gpuscope.timing import Timer
+
+CONFIGS = ["raw_records", "raw_shared", "gpuscope_full", "gpuscope_full_partition",
+           "gpuscope_full_partition_pyresolve", "gpuscope_full_partition_ri10", "gpuscope_full_partition_ri5"]
+
+
+def config(name: str, mods: list, model: torch.nn.Module) -> Config:
+    base, _, interval_ms = name.partition("_ri")
+    cfg = Config(base, mods, model, True)
+    if interval_ms:
+        cfg.timer.close()
+        cfg.timer = Timer(None, sample_rate=1.0, resolve_interval=int(interval_ms) / 1000)
+    return cfg
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="resolve-interval.json")
+    parser.add_argument("--blocks", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block(1024, 16) for _ in range(12)]).to("cuda", torch.bfloat16).eval()
+    x = torch.randn(1, 64, 1024, device="cuda", dtype=torch.bfloat16)
+    mods = [(f"{i}.{n}", getattr(b, n)) for i, b in enumerate(model) for n in ("attn", "mlp")]
+    cfgs = {name: config(name, mods, model) for name in CONFIGS}
+    base_cpu = {n: [] for n in CONFIGS}
+    cpu = {n: [] for n in CONFIGS}
+    base_wall, wall = dict.fromkeys(CONFIGS, 0.0), dict.fromkeys(CONFIGS, 0.0)
+    with torch.no_grad():
+        for name in CONFIGS:
+            run_blocks(model, x, cfgs[name], 30, [])
+        for i in range(args.blocks):
+            order = list(CONFIGS)
+            random.Random(i).shuffle(order)
+            for name in order:
+                base_wall[name] += run_blocks(model, x, None, 10, base_cpu[name])
+                wall[name] += run_blocks(model, x, cfgs[name], 10, cpu[name])
+    out = {}
+    for name in CONFIGS:
+        added = statistics.median(cpu[name]) - statistics.median(base_cpu[name])
+        row = out[name] = {"cpu_us_region": added / len(mods),
+                           "loss_pct": 100 * (1 - base_wall[name] / wall[name])}
+        timer = cfgs[name].timer
+        if timer is not None:
+            timer.flush(10)
+            counters = timer.resolver.counters()
+            row["resolver_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
+            row["dropped"] = sum(timer.dropped.values())
+        print(f"{name:36s} loss {row['loss_pct']:6.2f}%  resolver µs/sample "
+              f"{row.get('resolver_us_per_sample', 0):5.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
