@@ -7,6 +7,7 @@ objects with cupti-python's attribute names (checked against the installed packa
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from gpuscope.timing import busy as busy_module
 from gpuscope.timing.busy import kernel_ns_by_external_id
 from gpuscope.timing.routes import HostRoute
+from tests.conftest import wait_for
 from tests.timing.conftest import prepared
 
 KERNEL, CORRELATION = 10, 39  # CUPTI's ActivityKind values for CONCURRENT_KERNEL, EXTERNAL_CORRELATION
@@ -73,6 +75,7 @@ class FakeTrace:
         self.busy_ns = busy_ns
         self.fail_start = fail_start
         self.calls: list[tuple] = []
+        self.stopped_on: list[str] = []  # the thread of each stop()
 
     def start(self) -> None:
         self.calls.append(("start",))
@@ -90,6 +93,7 @@ class FakeTrace:
 
     def stop(self) -> dict[int, int]:
         self.calls.append(("stop",))
+        self.stopped_on.append(threading.current_thread().name)
         return dict(self.busy_ns)
 
 
@@ -160,9 +164,11 @@ def test_a_window_whose_regions_never_complete_is_given_up_and_counted(make_time
     model(torch.zeros(2))
     assert not busy.due()  # the window is still open
     clock.t += busy_module.WINDOW_TIMEOUT_S + 1
-    assert not busy.due()  # gives the window up...
+    assert not busy.due()  # the inference thread never gives it up: stopping CUPTI flushes buffers
+    wait_for(lambda: busy.windows["timeout"] == 1, timeout=10, what="the resolver to give the window up")
     assert busy.windows == {"ok": 0, "timeout": 1, "failed": 0}
     assert trace.calls[-1] == ("stop",), "...and stops tracing"
+    assert trace.stopped_on[-1] == "gpuscope-timing-resolver"
     route.ready = True
     assert timer.flush(5)  # the late regions find no window: nothing breaks
     clock.t += 1000.0

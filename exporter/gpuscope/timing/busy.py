@@ -201,11 +201,15 @@ class KernelBusy:
 
     def due(self) -> bool:
         """Whether the next sampled pass should be traced (cheap: called once per sampled pass)."""
-        if self._window is not None:
-            if self.clock() - self._window.opened > WINDOW_TIMEOUT_S:
-                self._give_up("timeout")
-            return False
-        return self.clock() >= self._next_at
+        return self._window is None and self.clock() >= self._next_at
+
+    def expire(self) -> None:
+        """Give up a window whose regions have not all completed within ``WINDOW_TIMEOUT_S`` (counted
+        as ``timeout``). The resolver thread calls this on each wake-up, so stopping the trace (a
+        flush of CUPTI's buffers) never runs on the inference thread."""
+        window = self._window
+        if window is not None and self.clock() - window.opened > WINDOW_TIMEOUT_S:
+            self._give_up("timeout")
 
     # --- the traced pass (inference thread) ---------------------------------------------------
 

@@ -106,6 +106,9 @@ class Resolver:
         while not self._stop.wait(self.resolve_interval):
             try:
                 self.drain()
+                busy = self.core.busy
+                if busy is not None:  # the kernel busy window's timeout is checked here, off the hot path
+                    busy.expire()
                 now = time.monotonic()
                 # The budget is a share of the time the program is busy in timed code: a server idle
                 # half the time must not spend its whole budget in the busy half.
