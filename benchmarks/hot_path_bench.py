@@ -22,6 +22,7 @@ boundaries); gpuscope's default budget, every region exact, every region with sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -59,35 +60,63 @@ def run_blocks(model, x, cfg: Config | None, block: int, cpu: list[float]) -> fl
             cfg.uninstall()
 
 
-def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
-    dev = torch.device("cuda")
+def transformer(bs: int, seq: int) -> tuple[torch.nn.Module, torch.Tensor, list[tuple[str, torch.nn.Module]]]:
+    """timing_bench's 12-block transformer, its input, and its 24 timed modules (attention, MLP)."""
     torch.manual_seed(0)
     d, layers, heads = 1024, 12, 16
-    model = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)]).to(dev, torch.bfloat16).eval()
-    x = torch.randn(bs, seq, d, device=dev, dtype=torch.bfloat16)
+    model = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)]).to("cuda", torch.bfloat16).eval()
+    x = torch.randn(bs, seq, d, device="cuda", dtype=torch.bfloat16)
     mods = [(f"{i}.{n}", getattr(b, n)) for i, b in enumerate(model) for n in ("attn", "mlp")]
-    cfgs = {name: Config(name, mods, model, True) for name in CONFIGS}
-    base_cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    base_wall: dict[str, float] = dict.fromkeys(CONFIGS, 0.0)
-    wall: dict[str, float] = dict.fromkeys(CONFIGS, 0.0)
+    return model, x, mods
+
+
+@dataclasses.dataclass
+class Rounds:
+    """Per configuration: each forward's CPU µs, untimed (``base_cpu``) and timed, and block walls."""
+
+    base_cpu: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    base_wall: dict[str, float]
+    wall: dict[str, float]
+
+    def cpu_added_us(self, name: str) -> float:
+        return statistics.median(self.cpu[name]) - statistics.median(self.base_cpu[name])
+
+    def loss_pct(self, name: str) -> float:
+        return 100 * (1 - self.base_wall[name] / self.wall[name])
+
+
+def paired_rounds(model: torch.nn.Module, x: torch.Tensor, cfgs: dict, blocks: int, block: int,
+                  label: str, warm_up: int = 50) -> Rounds:
+    """Each configuration (``install()``/``uninstall()``) alternating with the untimed model, ``blocks``
+    rounds in shuffled order."""
+    names = list(cfgs)
+    rounds = Rounds({n: [] for n in names}, {n: [] for n in names}, dict.fromkeys(names, 0.0),
+                    dict.fromkeys(names, 0.0))
     with torch.no_grad():
-        for name in CONFIGS:  # warm-up; lets the default timer's budget controller settle
-            run_blocks(model, x, cfgs[name], 50, [])
+        for name in names:  # warm-up; lets the default timer's budget controller settle
+            run_blocks(model, x, cfgs[name], warm_up, [])
         for i in range(blocks):
-            order = list(CONFIGS)
+            order = list(names)
             random.Random(i).shuffle(order)
             for name in order:
-                base_wall[name] += run_blocks(model, x, None, block, base_cpu[name])
-                wall[name] += run_blocks(model, x, cfgs[name], block, cpu[name])
+                rounds.base_wall[name] += run_blocks(model, x, None, block, rounds.base_cpu[name])
+                rounds.wall[name] += run_blocks(model, x, cfgs[name], block, rounds.cpu[name])
             if (i + 1) % 10 == 0:
-                progress(f"bs {bs} seq {seq}: {i + 1}/{blocks} block rounds")
+                progress(f"{label}: {i + 1}/{blocks} block rounds")
+    return rounds
+
+
+def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
+    model, x, mods = transformer(bs, seq)
+    cfgs = {name: Config(name, mods, model, True) for name in CONFIGS}
+    rounds = paired_rounds(model, x, cfgs, blocks, block, f"bs {bs} seq {seq}")
+    cpu = rounds.cpu
     out = {}
     for name in CONFIGS:
-        added = statistics.median(cpu[name]) - statistics.median(base_cpu[name])
+        added = rounds.cpu_added_us(name)
         out[name] = {"cpu_us_added_per_forward": added, "cpu_us_added_per_region": added / len(mods),
-                     "loss_pct": 100 * (1 - base_wall[name] / wall[name]),
-                     "forwards": len(cpu[name])}
+                     "loss_pct": rounds.loss_pct(name), "forwards": len(cpu[name])}
         timer = cfgs[name].timer
         if timer is not None:
             timer.flush(10)

@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
 
 import torch
-from hot_path_bench import run_blocks
-from timing_bench import Block, Config
+from hot_path_bench import paired_rounds, transformer
+from timing_bench import Config
 
 from gpuscope.timing import Timer
 
@@ -47,28 +45,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(1024, 16) for _ in range(12)]).to("cuda", torch.bfloat16).eval()
-    x = torch.randn(1, 64, 1024, device="cuda", dtype=torch.bfloat16)
-    mods = [(f"{i}.{n}", getattr(b, n)) for i, b in enumerate(model) for n in ("attn", "mlp")]
+    model, x, mods = transformer(1, 64)
     cfgs = {name: config(name, mods, model) for name in CONFIGS}
-    base_cpu = {n: [] for n in CONFIGS}
-    cpu = {n: [] for n in CONFIGS}
-    base_wall, wall = dict.fromkeys(CONFIGS, 0.0), dict.fromkeys(CONFIGS, 0.0)
-    with torch.no_grad():
-        for name in CONFIGS:
-            run_blocks(model, x, cfgs[name], 30, [])
-        for i in range(args.blocks):
-            order = list(CONFIGS)
-            random.Random(i).shuffle(order)
-            for name in order:
-                base_wall[name] += run_blocks(model, x, None, 10, base_cpu[name])
-                wall[name] += run_blocks(model, x, cfgs[name], 10, cpu[name])
+    rounds = paired_rounds(model, x, cfgs, args.blocks, 10, "resolve interval", warm_up=30)
     out = {}
     for name in CONFIGS:
-        added = statistics.median(cpu[name]) - statistics.median(base_cpu[name])
-        row = out[name] = {"cpu_us_region": added / len(mods),
-                           "loss_pct": 100 * (1 - base_wall[name] / wall[name])}
+        row = out[name] = {"cpu_us_region": rounds.cpu_added_us(name) / len(mods),
+                           "loss_pct": rounds.loss_pct(name)}
         timer = cfgs[name].timer
         if timer is not None:
             timer.flush(10)
