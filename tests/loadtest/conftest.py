@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,11 +196,24 @@ class LocustProcess:
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
-    def stop(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        """Ctrl-C: Locust stops its users, writes its reports and exits; its exit code and output."""
+    def stop(self, timeout: float = 120, again_after: float = 15) -> subprocess.CompletedProcess[str]:
+        """Ctrl-C: Locust stops its users, writes its reports and exits; its exit code and output.
+
+        Ctrl-C again, as a person at a terminal would, when Locust has not begun shutting down
+        (no "Shutting down" in its log) ``again_after`` seconds later: on a loaded machine one
+        Ctrl-C was seen to go unnoticed with every user held mid-stream, and Locust ran on."""
         self.running()
+        deadline = time.monotonic() + timeout
         self.process.send_signal(signal.SIGINT)
-        self.process.wait(timeout)
+        again_at = time.monotonic() + again_after
+        while self.process.poll() is None:
+            now = time.monotonic()
+            if now > deadline:
+                raise subprocess.TimeoutExpired(self.process.args, timeout, self.stderr())
+            if now > again_at and "Shutting down" not in self.stderr():
+                self.process.send_signal(signal.SIGINT)
+                again_at = now + again_after
+            time.sleep(0.1)
         return subprocess.CompletedProcess(self.process.args, self.process.returncode,
                                            self.stdout_path.read_text(errors="replace"), self.stderr())
 
