@@ -18,15 +18,18 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
 
     def send_body(self, status: int, body: bytes, content_type: str,
                   headers: dict[str, str] | None = None) -> None:
-        """The whole answer; HEAD gets the headers only."""
+        """The whole answer in one write (two would cost a second system call, and a second segment
+        the client waits for); HEAD gets the headers only."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
-        self.end_headers()
+        # What end_headers() does, with the body joined to the buffered headers before the flush.
+        self._headers_buffer.append(b"\r\n")
         if self.command != "HEAD":
-            self.wfile.write(body)
+            self._headers_buffer.append(body)
+        self.flush_headers()
 
     def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
         self.send_body(status, json.dumps(obj).encode() + b"\n", "application/json", headers)

@@ -100,3 +100,52 @@ def test_openmetrics_body_has_one_eof_at_its_end_and_parses(start_exporter) -> N
     assert text.endswith("# EOF\n") and text.count("# EOF") == 1
     families = {f.name for f in parse_openmetrics(text)}  # strict: fails on a misplaced EOF or duplicate
     assert {cat.EXPORTER_STALENESS.name, "process_cpu_seconds", cat.GPU_TEMPERATURE.name} <= families
+
+
+def families(values: dict[str, float], help_text: str = "Age of the cached values served.") -> list:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    gauge = GaugeMetricFamily("gpuscope_test_age_seconds", help_text, labels=["collector"])
+    for name, value in values.items():
+        gauge.add_metric([name], value)
+    counter = CounterMetricFamily("gpuscope_test_closed", 'Closed "connections".', labels=["reason"])
+    counter.add_metric(["timeout"], 3.0, created=1700000000.25)
+    return [gauge, counter]
+
+
+def test_the_live_template_writes_what_each_encoder_writes() -> None:
+    """Filled-in values give the encoder's own bytes, in both formats, for values of every kind,
+    and for a new set of series (a collector appearing) too."""
+    from prometheus_client.exposition import choose_encoder
+
+    from gpuscope.nvml.rendered import LiveTemplate
+
+    template = LiveTemplate()
+    cases = [{"device": 0.25, "energy": 4.709017038345337}, {"device": 1e-7, "energy": float("inf")},
+             {"device": 12345678.0, "energy": 0.0}, {"device": 2.5, "energy": 3.0, "xid": 0.1}]
+    for accept in (TEXT, OPENMETRICS):
+        encoder, content_type = choose_encoder(accept)
+        for values in cases:
+
+            class Collected:
+                def collect(self, values=values):
+                    return families(values)
+
+            assert template.render(families(values), content_type, encoder) == encoder(Collected())
+
+
+def test_the_live_template_falls_back_to_the_encoder_for_what_it_cannot_template() -> None:
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.exposition import choose_encoder
+
+    from gpuscope.nvml.rendered import LiveTemplate
+
+    gauge = GaugeMetricFamily("gpuscope_test_age_seconds", "Age.", labels=["collector"])
+    gauge.add_metric(["device"], 0.5, timestamp=1700000000.0)  # timestamps are not templated
+    encoder, content_type = choose_encoder(TEXT)
+
+    class Collected:
+        def collect(self):
+            return [gauge]
+
+    assert LiveTemplate().render([gauge], content_type, encoder) == encoder(Collected())
