@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuscope import procs
 from gpuscope.stack import Stack, StackOptions
-from tests.conftest import wait_for
 from tests.test_loki import Receiver, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,31 +109,20 @@ def assert_completion(status: int, body: str, curl_line: str) -> None:
     assert 1 <= answer["usage"]["completion_tokens"] <= max_tokens
 
 
-def _ready(url: str, proc: subprocess.Popen) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        assert proc.poll() is None, f"the server exited with status {proc.returncode}"
-        return False
-
-
 def test_readme_request_works_against_the_compose_server(tmp_path):
     curl_line = readme_first_request()
     receiver = Receiver().start()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(compose_server_argv(f"127.0.0.1:{port}", receiver.url), stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = procs.Child(compose_server_argv(f"127.0.0.1:{port}", receiver.url), name="compose's server",
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, log_path=tmp_path / "serve.log",
+                         ready=url + "/readyz", grace_s=30)
     try:
-        wait_for(lambda: _ready(url, proc), timeout=120, interval=0.2, what="compose's server ready")
-        status, body = send_readme_request(curl_line, url)
-        assert_completion(status, body, curl_line)
+        with server:
+            server.wait_ready(120)
+            status, body = send_readme_request(curl_line, url)
+            assert_completion(status, body, curl_line)
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
         receiver.stop()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 import requests
 
 from gpuscope import catalogue as cat
+from gpuscope import procs
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.http import ExporterServer
 from gpuscope.ports import free_port
@@ -91,22 +91,14 @@ def test_the_command_serves_without_nvml_and_stops_on_sigterm() -> None:
     """The real entry point on this machine (no libnvidia-ml): zero GPUs, health served, clean exit."""
     port = free_port()
     env = {**os.environ, "GPUSCOPE_WEB_LISTEN_ADDRESS": f"127.0.0.1:{port}"}
-    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "exporter"], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        def scrape() -> str | None:
-            try:
-                return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
-            except requests.ConnectionError:
-                return None
-        body = wait_for(scrape, timeout=30, what="exporter to listen")
+    url = f"http://127.0.0.1:{port}/metrics"
+    with procs.Child([sys.executable, "-m", "gpuscope", "exporter"], env=env, ready=url) as exporter:
+        exporter.wait_ready(30)
+        body = requests.get(url, timeout=30).text
         assert f"{cat.EXPORTER_GPUS.name} " in body
         promtool_check_metrics(body)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=10)
-    assert proc.returncode == 0, err
-    assert sum("NVML unavailable" in line for line in err.splitlines()) <= 1
+        assert exporter.stop() == 0, exporter.tail()
+    assert sum("NVML unavailable" in line for line in exporter.output().splitlines()) <= 1
 
 
 def test_busy_port_is_one_line_and_exit_1() -> None:
@@ -286,28 +278,17 @@ def test_openmetrics_answer_passes_a_strict_openmetrics_parser(served) -> None:
         assert families[metric.base_name].type == metric.type, metric.name
 
 
-def _run_exporter(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def _run_exporter(*args: str, env: dict[str, str] | None = None) -> tuple[procs.Child, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "exporter",
-                             f"--web.listen-address=127.0.0.1:{port}", *args],
-                            env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def scrape() -> str | None:
-        try:
-            return requests.get(url + "/metrics", timeout=5).text
-        except requests.ConnectionError:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            return None
-
-    wait_for(scrape, timeout=30, what="exporter to listen")
-    return proc, url
+    argv = [sys.executable, "-m", "gpuscope", "exporter", f"--web.listen-address=127.0.0.1:{port}", *args]
+    exporter = procs.Child(argv, env={**os.environ, **(env or {})}, ready=url + "/metrics").start()
+    exporter.wait_ready(30)
+    return exporter, url
 
 
-def _sigterm(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=10)
-    assert proc.returncode == 0, err
+def _sigterm(exporter: procs.Child) -> None:
+    assert exporter.stop() == 0, exporter.tail()
 
 
 def test_the_command_takes_its_read_timeout_from_the_flag() -> None:

@@ -12,10 +12,8 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import uuid
 import weakref
@@ -25,6 +23,7 @@ import pytest
 import requests
 
 from gpuscope import catalogue as cat
+from gpuscope import procs
 from tests.conftest import wait_for
 from tests.test_loki import free_port
 
@@ -40,22 +39,13 @@ class ServeProcess:
     def __init__(self, log_path: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuscope", "serve", *SMALL, "--web.listen-address",
-             f"127.0.0.1:{self.port}", *args], stdout=self._log, stderr=subprocess.STDOUT, env=ENV)
-        wait_for(self._ready, timeout=120, interval=0.2, what="gpuscope serve ready")
-
-    def _ready(self) -> bool:
-        try:
-            return requests.get(self.url + "/readyz", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            assert self.proc.poll() is None, self.log()
-            return False
+        self.child = procs.Child([sys.executable, "-m", "gpuscope", "serve", *SMALL, "--web.listen-address",
+                                  f"127.0.0.1:{self.port}", *args], env=ENV, log_path=log_path,
+                                 ready=self.url + "/readyz", grace_s=60).start()
+        self.child.wait_ready(120)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.child.output()
 
     def synced_log(self) -> str:
         """The log once everything before this call has been written: a request whose line we wait for."""
@@ -77,11 +67,8 @@ class ServeProcess:
                     return sample.value
         return None
 
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(60)
-        self._log.close()
-        return code
+    def stop(self) -> int | None:
+        return self.child.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import select
 import subprocess
 import sys
 import threading
@@ -12,8 +13,8 @@ import pytest
 import requests
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue, receiver
-from tests.conftest import promtool_check_metrics, wait_for
+from gpuscope import catalogue, procs, receiver
+from tests.conftest import promtool_check_metrics
 
 COUNTER = catalogue.RECEIVER_NOTIFICATIONS.name
 
@@ -120,23 +121,14 @@ def test_bad_flags_exit_with_one_line():
 
 
 def test_command_serves_and_stops_on_sigterm(free_port):
-    proc = subprocess.Popen([sys.executable, "-m", "gpuscope", "receiver",
-                             "--web.listen-address", f"127.0.0.1:{free_port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def healthy() -> bool:
-            try:
-                return requests.get(f"http://127.0.0.1:{free_port}/healthz", timeout=5).ok
-            except requests.RequestException:  # not listening yet, or too busy starting to answer
-                return False
-        wait_for(healthy, timeout=60, what="receiver /healthz")
-        url = f"http://127.0.0.1:{free_port}/alerts"
-        requests.post(url, json=notification(), timeout=30).raise_for_status()
-        proc.terminate()
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0
-        assert json.loads(out.splitlines()[0])["notification"]["status"] == "firing"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    base = f"http://127.0.0.1:{free_port}"
+    argv = [sys.executable, "-m", "gpuscope", "receiver", "--web.listen-address", f"127.0.0.1:{free_port}"]
+    with procs.Child(argv, ready=base + "/healthz", stdout=subprocess.PIPE) as receiver:
+        receiver.wait_ready(60)
+        requests.post(base + "/alerts", json=notification(), timeout=30).raise_for_status()
+        # One JSON line per notification on stdout, read as it comes (the pipe is ours to drain).
+        readable, _, _ = select.select([receiver.popen.stdout], [], [], 60)
+        assert readable, "no notification line on the receiver's stdout within 60 s"
+        line = receiver.popen.stdout.readline()
+        assert json.loads(line)["notification"]["status"] == "firing"
+        assert receiver.stop() == 0, receiver.tail()
