@@ -121,6 +121,38 @@ def test_a_child_that_ignores_its_signal_is_killed_after_the_grace_period(tmp_pa
     assert killed == [child]
 
 
+#: Acts only on its second SIGTERM, like a program that missed the first one.
+SECOND_SIGNAL = """
+seen = []
+def on_term(signum, frame):
+    seen.append(signum)
+    if len(seen) == 2:
+        raise SystemExit(0)
+signal.signal(signal.SIGTERM, on_term)
+"""
+
+
+@pytest.mark.parametrize("again", [True, False], ids=["not-acted-on", "acting-on-it"])
+def test_a_stop_signal_not_acted_on_is_sent_again_when_asked(tmp_path, monkeypatch, again):
+    monkeypatch.setattr(procs, "SIGNAL_AGAIN_AFTER_S", 0.2)
+    asked = []
+
+    def signal_again(child: procs.Child) -> bool:
+        asked.append(child)
+        return again
+
+    child = waiter(tmp_path, SECOND_SIGNAL, grace_s=3.0, signal_again=signal_again)
+    killed = []
+    with child:
+        child.wait_ready(DEADLINE_S)
+        status = child.stop(on_kill=killed.append)
+    assert asked and asked[0] is child
+    if again:  # the second signal ended it well before the grace period
+        assert (status, killed) == (0, [])
+    else:  # a child that says it is stopping is left to it, then killed at the end of the grace
+        assert (status, killed) == (-signal.SIGKILL, [child])
+
+
 def test_stop_is_idempotent(tmp_path):
     never_started = procs.Child(python("pass"))
     assert never_started.stop() is None

@@ -36,6 +36,8 @@ from typing import IO, Any
 
 #: How long a stopped child may take to exit on its first signal before it is killed.
 DEFAULT_GRACE_S = 15.0
+#: With ``signal_again``: how long after a stop signal it is sent again to a child not acting on it.
+SIGNAL_AGAIN_AFTER_S = 10.0
 #: Readiness poll interval: short against start-up times of seconds, long enough not to busy a CPU.
 POLL_INTERVAL_S = 0.2
 #: How much of the end of a child's output :meth:`Child.tail` reads at most.
@@ -90,7 +92,10 @@ class Child:
     how :meth:`stop` ends it. ``new_session`` puts the child in its own session, so a Ctrl-C at the
     terminal reaches only the parent, which then stops its children in its own order;
     ``die_with_parent`` asks Linux to SIGTERM the child if the parent dies first (it fires when the
-    starting *thread* exits: only for children started from a long-lived thread).
+    starting *thread* exits: only for children started from a long-lived thread). ``signal_again``,
+    asked every ``SIGNAL_AGAIN_AFTER_S`` of the grace period, says whether the child still has not
+    acted on its stop signal, which is then sent again, as a person presses Ctrl-C twice (Locust was
+    seen to run on after one SIGINT with all its users blocked).
     """
 
     def __init__(self, argv: Sequence[str], *, name: str | None = None, env: Mapping[str, str] | None = None,
@@ -98,7 +103,7 @@ class Child:
                  stdin: int | None = subprocess.DEVNULL, stdout: int | None = None,
                  ready: str | Check | None = None, stop_signal: int = signal.SIGTERM,
                  grace_s: float = DEFAULT_GRACE_S, new_session: bool = False,
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, signal_again: Callable[[Child], bool] | None = None) -> None:
         self.argv = [str(arg) for arg in argv]
         self.name = name or Path(self.argv[0]).name
         self.env = dict(env) if env is not None else None
@@ -107,6 +112,7 @@ class Child:
         self.ready = ready
         self.stop_signal = stop_signal
         self.grace_s = grace_s
+        self.signal_again = signal_again
         self.popen: subprocess.Popen[str] | None = None
         self._stdin, self._stdout = stdin, stdout
         self._new_session, self._die_with_parent = new_session, die_with_parent
@@ -311,6 +317,19 @@ def wait_all(children: Mapping[str, Child], timeout_s: float, *, interval_s: flo
     return results
 
 
+def _signal_again_until(child: Child, stop_signal: int, signalled_at: float, deadline: float) -> None:
+    """Wait for ``child`` to exit until ``deadline``, resending ``stop_signal`` every
+    ``SIGNAL_AGAIN_AFTER_S`` while its ``signal_again`` says it has not acted on it."""
+    again_at = signalled_at + SIGNAL_AGAIN_AFTER_S
+    while child.running and (now := time.monotonic()) < deadline:
+        if now >= again_at:
+            again_at = now + SIGNAL_AGAIN_AFTER_S
+            if child.signal_again(child):  # type: ignore[misc]
+                with contextlib.suppress(ProcessLookupError):
+                    child.popen.send_signal(stop_signal)  # type: ignore[union-attr]
+        child.wait(max(0.01, min(again_at, deadline) - time.monotonic()))
+
+
 def stop_all(children: Iterable[Child], stop_signal: int | None = None, grace_s: float | None = None,
              on_kill: Callable[[Child], None] | None = None) -> None:
     """Stop children together: each one's signal to all first, then one shared grace period, then
@@ -326,6 +345,8 @@ def stop_all(children: Iterable[Child], stop_signal: int | None = None, grace_s:
     signalled_at = time.monotonic()
     for child in signalled:
         deadline = signalled_at + (child.grace_s if grace_s is None else grace_s)
+        if child.signal_again is not None:
+            _signal_again_until(child, stop_signal or child.stop_signal, signalled_at, deadline)
         if child.wait(max(0.1, deadline - time.monotonic())) is None:
             if on_kill is not None:
                 on_kill(child)

@@ -49,6 +49,8 @@ def test_stream_timings_entries_and_tenant_weights(paced_server, tmp_path):
         _until_every_user_is_held(paced_server, locust, 8, finished, prefix)
         result = locust.stop()
     assert result.returncode == 0, result.stderr[-2000:]
+    # What the drill and compare look for before a second Ctrl-C (runtools.locust_ignored_ctrl_c).
+    assert "Shutting down" in result.stderr
     everything = load_samples(samples)["requests"]
     requests = [r for r in everything if not r["cut"]]
     ok = [r for r in requests if r["ok"]]

@@ -49,6 +49,7 @@ from gpuscope.loadtest.runtools import (
     describe_machine,
     duration_arg,
     locust_available,
+    locust_ignored_ctrl_c,
     locust_prefix,
 )
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess
@@ -297,7 +298,7 @@ def _run_locust(settings: Settings, config: Config, rep: int, host: str, model: 
     env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
     locust = procs.Child(locust_command(settings, host, run_dir, model, rep), name="Locust", env=env,
                          log_path=run_dir / "locust.log", stop_signal=signal.SIGINT, grace_s=30.0,
-                         new_session=True, die_with_parent=True)
+                         new_session=True, die_with_parent=True, signal_again=locust_ignored_ctrl_c)
     with locust:
         _wait_with_countdown(locust, settings.warmup_s + settings.duration_s, progress)
     return locust

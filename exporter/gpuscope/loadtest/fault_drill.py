@@ -53,6 +53,7 @@ from gpuscope.loadtest.runtools import (
     describe_machine,
     duration_arg,
     locust_available,
+    locust_ignored_ctrl_c,
     locust_prefix,
 )
 
@@ -334,7 +335,7 @@ def _start_locust(server: str, users: int, budget_s: float, run_dir: Path,
     env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": tenants, "PYTHONUNBUFFERED": "1"}
     return procs.Child(command, name="locust", env=env, log_path=run_dir / "locust.log",
                        stop_signal=signal.SIGINT, grace_s=LOCUST_GRACE_S, new_session=True,
-                       die_with_parent=True).start()
+                       die_with_parent=True, signal_again=locust_ignored_ctrl_c).start()
 
 
 def _countdown(seconds: float, out: TextIO) -> None:

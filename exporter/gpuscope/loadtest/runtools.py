@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpuscope.flags import checked, parse_duration
 
@@ -31,6 +32,12 @@ def locust_available() -> bool:
 def locust_prefix() -> list[str]:
     """How to run Locust: with this Python, so no script directory has to be on PATH."""
     return [sys.executable, "-m", "locust"]
+
+
+def locust_ignored_ctrl_c(child: Any) -> bool:
+    """For ``procs.Child(signal_again=...)``: Locust logs "Shutting down" once it acts on a Ctrl-C
+    (after writing its HTML report); without that line a second Ctrl-C is due."""
+    return "Shutting down" not in child.tail(200)
 
 
 def describe_machine(label: str = "") -> str:
