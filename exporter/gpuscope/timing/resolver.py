@@ -6,7 +6,9 @@ inference thread up to 18% through the GIL on the H200, one waking every 50 ms a
 (docs/design.md). It never blocks on the GPU: completion is tested with non-blocking queries,
 one per stream per wake-up, since events on one stream complete in order. Every CUDA call it
 makes runs with the events' device current (``routes.on_device``): the resolver thread starts
-on device 0 and serves all devices.
+on device 0 and serves all devices. Where the C extension is built, plain pairs go through its loop
+(``hot.resolve_loop``), which asks CUDA with the GIL released; graph replays and pairs with a
+callback always take the Python loop below.
 """
 
 from __future__ import annotations
