@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Two probes of what every region timed with shared boundaries costs on the launch-bound workload
+(hot_path_bench.py's bs 1 × 64, 24 regions a forward), by hot_path_bench.py's method: blocks of 10
+forwards alternating with the untimed model, shuffled order, loss from summed block walls.
+
+``--probe rotation``: does a record cost more when it cycles through many events than when it
+re-records one? One record at each region's start (the floor of shared boundaries) with one fixed
+event per module, a cycle of 48 and a cycle of 4096; then gpuscope with shared boundaries, with its
+resolver, with the resolver held off (drained between blocks, outside the measurement), and with a
+512-event pool.
+
+``--probe interval``: shared boundaries against their floor with the resolver's loop and wake-up
+interval varied: configurations from timing_bench.py (``_pyresolve``: the resolver's Python loop),
+plus ``_ri<ms>``: the resolver waking every that many ms (default 50). Reports the resolver's CPU per
+sample.
+
+    python benchmarks/hot_path_probes.py --probe rotation --out benchmarks/results/event-rotation.json
+    python benchmarks/hot_path_probes.py --probe interval --out benchmarks/results/resolve-interval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
+
+import torch
+from hot_path_bench import paired_rounds, transformer
+from timing_bench import Config
+
+from gpuscope.timing import Timer
+from gpuscope.timing.routes import CudartCtypesRoute
+
+PROBES = {
+    "rotation": ["raw_fixed", "raw_rot48", "raw_rot4096", "gpuscope_part", "gpuscope_part_noresolve",
+                 "gpuscope_part_pool512_noresolve"],
+    "interval": ["raw_records", "raw_shared", "gpuscope_full", "gpuscope_full_partition",
+                 "gpuscope_full_partition_pyresolve", "gpuscope_full_partition_ri10",
+                 "gpuscope_full_partition_ri5"],
+}
+
+
+class RotationProbe:
+    """One way of putting a record at each module's start (install/uninstall around a block)."""
+
+    def __init__(self, name: str, mods: list, model: torch.nn.Module, route: CudartCtypesRoute) -> None:
+        self.name, self.mods, self.model, self.route = name, mods, model, route
+        self.timer: Timer | None = None
+        self.inst = None
+        if name == "raw_fixed":
+            self.events = [itertools.repeat(route.create()) for _ in mods]
+        elif name.startswith("raw_rot"):
+            cycle = itertools.cycle([route.create() for _ in range(int(name.removeprefix("raw_rot")))])
+            self.events = [cycle] * len(mods)
+        else:
+            interval = 3600.0 if "noresolve" in name else 0.05
+            self.timer = Timer(None, sample_rate=1.0, resolve_interval=interval,
+                               pool_size=512 if "pool512" in name else 4096)
+
+    def install(self) -> None:
+        if self.timer is not None:
+            if self.inst is None:
+                self.inst = self.timer.instrument(self.model, include=("attn", "mlp"), mode="partition")
+            else:
+                self.inst.attach()
+            return
+        record, stream_of = self.route.record, torch._C._cuda_getCurrentRawStream
+        for (_, module), events in zip(self.mods, self.events, strict=True):
+            def forward(*args, _original=module.forward, _next=events.__next__, **kwargs):
+                record(_next(), stream_of(0))
+                return _original(*args, **kwargs)
+            module.forward = forward
+
+    def uninstall(self) -> None:
+        if self.inst is not None:
+            self.inst.detach()
+            if "noresolve" in self.name:
+                self.timer.flush(30)
+        for _, module in self.mods:
+            module.__dict__.pop("forward", None)
+
+
+def interval_config(name: str, mods: list, model: torch.nn.Module) -> Config:
+    base, _, interval_ms = name.partition("_ri")
+    cfg = Config(base, mods, model, True)
+    if interval_ms:
+        cfg.timer.close()
+        cfg.timer = Timer(None, sample_rate=1.0, resolve_interval=int(interval_ms) / 1000)
+    return cfg
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--probe", choices=sorted(PROBES), required=True)
+    parser.add_argument("--out", default="hot-path-probe.json")
+    parser.add_argument("--blocks", type=int, default=150)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    model, x, mods = transformer(1, 64)
+    names = PROBES[args.probe]
+    if args.probe == "rotation":
+        route = CudartCtypesRoute()
+        cfgs = {name: RotationProbe(name, mods, model, route) for name in names}
+    else:
+        cfgs = {name: interval_config(name, mods, model) for name in names}
+    rounds = paired_rounds(model, x, cfgs, args.blocks, 10, args.probe, warm_up=30)
+    out = {"gpu": torch.cuda.get_device_name(0), "probe": args.probe, "configs": {}}
+    for name in names:
+        row = out["configs"][name] = {"cpu_us_region": rounds.cpu_added_us(name) / len(mods),
+                                      "loss_pct": rounds.loss_pct(name)}
+        timer = cfgs[name].timer
+        if timer is not None:
+            timer.flush(10)
+            counters = timer.resolver.counters()
+            row["resolver_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
+            row["dropped"] = dict(timer.dropped)
+        print(f"{name:36s} cpu/region {row['cpu_us_region']:6.2f} µs  loss {row['loss_pct']:6.2f}%  "
+              f"resolver µs/sample {row.get('resolver_us_per_sample', 0):5.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
