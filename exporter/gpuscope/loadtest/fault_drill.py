@@ -47,15 +47,9 @@ from gpuscope import procs
 from gpuscope.alerting.config import TEST
 from gpuscope.alerting.generate import all_alerts
 from gpuscope.flags import FlagParser
+from gpuscope.loadtest import runtools
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
-from gpuscope.loadtest.runtools import (
-    LOCUSTFILE,
-    describe_machine,
-    duration_arg,
-    locust_available,
-    locust_ignored_ctrl_c,
-    locust_prefix,
-)
+from gpuscope.loadtest.runtools import duration_arg
 
 PROG = "python -m gpuscope.loadtest.fault_drill"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
@@ -242,7 +236,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
                      f"(one of: {', '.join(known)})")
     if ns["users"] < 2:
         parser.error("--users must be at least 2 (one per tenant)")
-    if not locust_available():
+    if not runtools.locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
     try:
         from gpuscope.stack import Stack, StackOptions
@@ -299,7 +293,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         "group_wait_s": group_wait,
         "profile": "test",
         "source": ns["source"],
-        "machine": describe_machine(),
+        "machine": runtools.describe_machine(),
         "load": {"users": ns["users"], "tenants": load_tenants, "server_args": " ".join(server_args),
                  "warmup_s": ns["warmup"]},
         "command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]),
@@ -328,14 +322,14 @@ def _start_locust(server: str, users: int, budget_s: float, run_dir: Path,
     Locust handles SIGTERM only after the shape has ended, so SIGTERM would kill it before it writes
     ``locust.html`` and the samples. In its own session, so a Ctrl-C at the terminal reaches the
     runner only, which then stops Locust once, through here."""
-    command = [*locust_prefix(), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+    command = [*runtools.locust_prefix(), "-f", str(runtools.LOCUSTFILE), "--headless", "--only-summary",
                "--host", server, "-u", str(users), "-r", str(users), "-t", f"{budget_s:.0f}s",
                "--output-tokens", "uniform:min=8,max=32", "--html", str(run_dir / "locust.html"),
                "--samples-file", str(run_dir / "samples.json")]
     env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": tenants, "PYTHONUNBUFFERED": "1"}
     return procs.Child(command, name="locust", env=env, log_path=run_dir / "locust.log",
                        stop_signal=signal.SIGINT, grace_s=LOCUST_GRACE_S, new_session=True,
-                       die_with_parent=True, signal_again=locust_ignored_ctrl_c).start()
+                       die_with_parent=True, signal_again=runtools.locust_ignored_ctrl_c).start()
 
 
 def _countdown(seconds: float, out: TextIO) -> None:
