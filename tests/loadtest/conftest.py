@@ -31,13 +31,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+
+from gpuscope import procs
+from gpuscope.loadtest.runtools import locust_ignored_ctrl_c
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE_DIR = REPO / "loadtest"
@@ -168,62 +170,41 @@ def run_locust(args: list[str], env: dict[str, str] | None = None, timeout: floa
                           text=True, timeout=timeout)
 
 
-def _default_sigint() -> None:
-    # A shell runs background jobs with SIGINT ignored, and Python then never turns it into
-    # KeyboardInterrupt: give Locust the Ctrl-C a terminal would, whoever started the tests.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class LocustProcess:
-    """``locust -f loadtest/ ARGS`` running until :meth:`stop`; output goes to files in ``log_dir``.
+    """``locust -f loadtest/ ARGS`` running until :meth:`stop`; its output goes to ``log_dir/locust.log``.
 
     ``with LocustProcess(args, tmp_path) as locust: ...; result = locust.stop()``; leaving the
-    block kills a Locust that is still running (a failed test).
+    block kills a Locust that is still running (a failed test). Stopped as the drill stops it: Ctrl-C,
+    again if Locust has not acted on it (``runtools.locust_ignored_ctrl_c``), SIGKILL after 120 s.
     """
 
     def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.stdout_path, self.stderr_path = log_dir / "locust.out", log_dir / "locust.err"
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.process = subprocess.Popen(_locust_command(args), cwd=REPO, env=_locust_env(env),
-                                            stdout=out, stderr=err, preexec_fn=_default_sigint)
+        self.child = procs.Child(_locust_command(args), name="locust", cwd=REPO, env=_locust_env(env),
+                                 log_path=log_dir / "locust.log", stop_signal=signal.SIGINT, grace_s=120.0,
+                                 signal_again=locust_ignored_ctrl_c).start()
 
     def running(self) -> bool:
         """True while Locust runs; fails the test (with its output) if it exited on its own."""
-        if self.process.poll() is not None:
-            pytest.fail(f"locust exited with {self.process.returncode}:\n{self.stderr()[-3000:]}")
+        if not self.child.running:
+            pytest.fail(f"locust exited with {self.child.poll()}:\n{self.stderr()[-3000:]}")
         return True
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
+        """Everything Locust wrote (its log lines go to stderr, its summary to stdout)."""
+        return self.child.output()
 
-    def stop(self, timeout: float = 120, again_after: float = 15) -> subprocess.CompletedProcess[str]:
-        """Ctrl-C: Locust stops its users, writes its reports and exits; its exit code and output.
-
-        Ctrl-C again, as a person at a terminal would, when Locust has not begun shutting down
-        (no "Shutting down" in its log) ``again_after`` seconds later: on a loaded machine one
-        Ctrl-C was seen to go unnoticed with every user held mid-stream, and Locust ran on."""
+    def stop(self) -> subprocess.CompletedProcess[str]:
+        """Ctrl-C: Locust stops its users, writes its reports and exits; its exit code and output."""
         self.running()
-        deadline = time.monotonic() + timeout
-        self.process.send_signal(signal.SIGINT)
-        again_at = time.monotonic() + again_after
-        while self.process.poll() is None:
-            now = time.monotonic()
-            if now > deadline:
-                raise subprocess.TimeoutExpired(self.process.args, timeout, self.stderr())
-            if now > again_at and "Shutting down" not in self.stderr():
-                self.process.send_signal(signal.SIGINT)
-                again_at = now + again_after
-            time.sleep(0.1)
-        return subprocess.CompletedProcess(self.process.args, self.process.returncode,
-                                           self.stdout_path.read_text(errors="replace"), self.stderr())
+        code = self.child.stop()
+        return subprocess.CompletedProcess(self.child.argv, code, self.stderr(), self.stderr())
 
     def __enter__(self) -> LocustProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        self.child.kill()
+        self.child.stop()
 
 
 def csv_request_count(prefix: Path, name: str) -> int | None:
