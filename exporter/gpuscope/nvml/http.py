@@ -86,6 +86,7 @@ class ExporterServer(ThreadingHTTPServer):
         # Rendered once per content type and kept until a count changes (rendering even these three
         # series costs a third of a cached scrape).
         self._closed_version = 0
+        self._count_lock = threading.Lock()  # a count and its version change together
         self._own_bodies: dict[str, tuple[int, bytes]] = {}
         super().__init__(address, _Handler)
 
@@ -190,8 +191,9 @@ class ExporterServer(ThreadingHTTPServer):
             self.shutdown_request(request)
 
     def count_closed(self, reason: str) -> None:
-        self.connections_closed.labels(reason).inc()
-        self._closed_version += 1
+        with self._count_lock:  # from the accept loop and connection threads at once
+            self.connections_closed.labels(reason).inc()
+            self._closed_version += 1
 
     def connection_waiting(self, sock: socket.socket) -> None:
         with self._cond:

@@ -148,25 +148,15 @@ class Resolver:
             self.lag_s = 0.0
             return 0
         snapshot = list(ring)  # one C-level copy: atomic under the GIL, appends go to the right
-        query, use_device = core.route.query, core.route.use_device
+        use_device = core.route.use_device
         t0 = time.thread_time_ns()  # CPU, not wall: waits for the GIL are not resolution cost
-        # Streams are per device, so a stream handle (0 is every device's default stream) names
-        # its queue only together with its device.
-        last_of_stream: dict[tuple[int, int], Any] = {}
-        for item in snapshot:
-            if item.op is not None:
-                last_of_stream[(item.device, item.stream)] = item.end
         current = snapshot[0].device
         restore = use_device(current)
         self._relax_capture_mode()
         try:
             stream_done: dict[tuple[int, int], bool] = {}
-            for (device, stream), end in last_of_stream.items() if self.fast is None else ():
-                # (the C loop asks CUDA about each pair itself, without the GIL)
-                if device != current:
-                    current = device
-                    use_device(device)
-                stream_done[(device, stream)] = query(end)
+            if self.fast is None:  # the C loop asks CUDA about each stream itself, without the GIL
+                stream_done, current = self._streams_done(snapshot, current)
             taken = self._resolve(snapshot, stream_done, current)
         finally:
             if core.route.has_context(restore):  # never open a context on a device nobody uses
@@ -176,6 +166,24 @@ class Resolver:
         self._busy_s += (time.thread_time_ns() - t0) * 1e-9
         self._update_lag(ring)
         return taken
+
+    def _streams_done(self, snapshot: list, current: int) -> tuple[dict[tuple[int, int], bool], int]:
+        """Whether each stream's last pair in ``snapshot`` has finished (events of one stream finish in
+        order, so it answers for the pairs before it), and the device current after asking."""
+        # Streams are per device, so a stream handle (0 is every device's default stream) names
+        # its queue only together with its device.
+        last_of_stream: dict[tuple[int, int], Any] = {}
+        for item in snapshot:
+            if item.op is not None:
+                last_of_stream[(item.device, item.stream)] = item.end
+        query, use_device = self.core.route.query, self.core.route.use_device
+        done = {}
+        for (device, stream), end in last_of_stream.items():
+            if device != current:
+                current = device
+                use_device(device)
+            done[(device, stream)] = query(end)
+        return done, current
 
     def _resolve(self, snapshot: list, stream_done: dict, current: int) -> int:
         """Observe the finished pairs at the head of ``snapshot``; return how many were taken."""
