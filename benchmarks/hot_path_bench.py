@@ -11,12 +11,15 @@ thread's ``thread_time``) and every block's wall time are kept. Reported per con
 - CPU µs added per forward and per region: median forward CPU time minus the untimed median;
 - the in-context ratio: that CPU added over raw_records' (the floor: two ctypes records a region);
 - throughput loss: 1 - (untimed wall / configuration wall), summed over the paired blocks;
-- the resolver's CPU per sample (its loop holds the GIL except, in C, around the CUDA calls).
+- the resolver's CPU per sample (its loop holds the GIL except, in C, around the CUDA calls), and
+  the recycler thread's (which never holds it).
 
 Configurations come from timing_bench.py (24 regions a forward: attention and MLP of 12 blocks):
 two raw records a region (the floor of exact regions) and one (``raw_shared``, the floor of shared
 boundaries); gpuscope's default budget, every region exact, every region with shared boundaries
-(``partition``), the same with the resolver's Python loop (``_pyresolve``), and the Python hot path.
+(``partition``), both with the resolver's C loop instead of the recycler thread (``_cresolve``),
+shared boundaries with the resolver's Python loop (``_pyresolve``), and the Python hot path.
+``--configs`` picks a subset (the two raw floors are always run).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from timing_bench import Block, Config, progress
 from gpuscope.timing import hot
 
 CONFIGS = ["raw_records", "raw_shared", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
-           "gpuscope_full_partition_pyresolve", "gpuscope_full_python", "gpuscope_full_partition_python"]
+           "gpuscope_full_cresolve", "gpuscope_full_partition_cresolve", "gpuscope_full_partition_pyresolve",
+           "gpuscope_full_python", "gpuscope_full_partition_python"]
 
 
 def run_blocks(model, x, cfg: Config | None, block: int, cpu: list[float]) -> float:
@@ -107,13 +111,13 @@ def paired_rounds(model: torch.nn.Module, x: torch.Tensor, cfgs: dict, blocks: i
     return rounds
 
 
-def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
+def workload(bs: int, seq: int, blocks: int, block: int, names: list[str]) -> dict:
     model, x, mods = transformer(bs, seq)
-    cfgs = {name: Config(name, mods, model, True) for name in CONFIGS}
+    cfgs = {name: Config(name, mods, model, True) for name in names}
     rounds = paired_rounds(model, x, cfgs, blocks, block, f"bs {bs} seq {seq}")
     cpu = rounds.cpu
     out = {}
-    for name in CONFIGS:
+    for name in names:
         added = rounds.cpu_added_us(name)
         out[name] = {"cpu_us_added_per_forward": added, "cpu_us_added_per_region": added / len(mods),
                      "loss_pct": rounds.loss_pct(name), "forwards": len(cpu[name])}
@@ -124,8 +128,12 @@ def workload(bs: int, seq: int, blocks: int, block: int) -> dict:
             out[name]["sampling_ratio_final"] = 1 / timer.sampling_period()
             counters = timer.resolver.counters()
             out[name]["resolver_cpu_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
+            out[name]["recycler"] = timer.core.recycling
+            if timer.core.recycling:
+                out[name]["recycler_cpu_us_per_sample"] = (1e6 * timer.core.hot.recycler_cpu_s
+                                                           / max(1, counters["resolved"]))
     floor = max(1e-9, out["raw_records"]["cpu_us_added_per_forward"])
-    for name in CONFIGS:
+    for name in names:
         out[name]["in_context_ratio_to_raw_records"] = out[name]["cpu_us_added_per_forward"] / floor
     for cfg in cfgs.values():
         cfg.close()
@@ -137,7 +145,13 @@ def main() -> int:
     parser.add_argument("--out", default="hot-path.json")
     parser.add_argument("--blocks", type=int, default=100, help="paired block rounds per workload")
     parser.add_argument("--block", type=int, default=10, help="forwards per block")
+    parser.add_argument("--configs", default=",".join(CONFIGS[2:]),
+                        help="comma-separated configurations besides the two raw floors")
     args = parser.parse_args()
+    names = CONFIGS[:2] + [name for name in args.configs.split(",") if name]
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations: {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -147,7 +161,7 @@ def main() -> int:
                      "shuffled config order; CPU = median per-forward thread_time difference",
            "workloads": {}}
     for label, (bs, seq) in {"large": (8, 512), "small": (1, 64)}.items():
-        out["workloads"][label] = workload(bs, seq, args.blocks, args.block)
+        out["workloads"][label] = workload(bs, seq, args.blocks, args.block, names)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
@@ -155,7 +169,7 @@ def main() -> int:
     print(f"{'config':32s} {'loss% L':>8s} {'loss% S':>8s} {'ratio L':>8s} {'ratio S':>8s} {'µs/reg L':>9s} "
           f"{'µs/reg S':>9s}")
     large, small = out["workloads"]["large"], out["workloads"]["small"]
-    for name in CONFIGS:
+    for name in names:
         a, b = large[name], small[name]
         ratio = "in_context_ratio_to_raw_records"
         print(f"{name:32s} {a['loss_pct']:8.2f} {b['loss_pct']:8.2f} {a[ratio]:8.2f} {b[ratio]:8.2f} "

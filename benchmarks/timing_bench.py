@@ -136,11 +136,14 @@ class Config:
         self.poller: threading.Thread | None = None
         self.pending: collections.deque = collections.deque()
         native = False if name.endswith("_python") else None  # C where it is built
+        # The C hot path hands plain pairs to its recycler thread unless the name asks for the
+        # resolver's loops: in C (``_cresolve``) or in Python (``_pyresolve``).
+        recycler = False if name.endswith(("_cresolve", "_pyresolve")) else None
         if name == "gpuscope_default":
-            self.timer = Timer(None, native=native)
+            self.timer = Timer(None, native=native, recycler=recycler)
         elif name.startswith("gpuscope_full"):
-            self.timer = Timer(None, sample_rate=1.0, native=native)
-        if name.endswith("_pyresolve"):  # the C hot path with the resolver's loop in Python
+            self.timer = Timer(None, sample_rate=1.0, native=native, recycler=recycler)
+        if name.endswith("_pyresolve"):
             self.timer.resolver.fast = None
         if name in ("raw_records", "raw_shared") and cuda:
             self.route = CudartCtypesRoute()

@@ -222,15 +222,18 @@ def test_regions_inside_a_cuda_graph_are_timed_on_sampled_replays(registry):
         graph.close()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-hot-path", "python-hot-path"])
-def test_both_hot_paths_time_exact_and_shared_regions_alike(registry, native):
-    """The C hot path records through cudaEventRecord's address; the Python one through ctypes.
-    Both time the same matmul regions to within 5% of each other's mean."""
+@pytest.mark.parametrize(("native", "recycler"), [(True, True), (True, False), (False, False)],
+                         ids=["c-hot-path-recycler", "c-hot-path-resolver-loop", "python-hot-path"])
+def test_both_hot_paths_time_exact_and_shared_regions_alike(registry, native, recycler):
+    """The C hot path records through cudaEventRecord's address, its pairs read by the recycler
+    thread or the resolver's C loop; the Python one through ctypes. All time the same matmul regions
+    to within 5% of each other's mean."""
     from gpuscope.timing import hot
 
     if native and not hot.native_available():
         pytest.fail("the C hot path is not built on this GPU host (pip install -e . needs a C compiler)")
-    with Timer(registry, sample_rate=1.0, native=native) as timer:
+    with Timer(registry, sample_rate=1.0, native=native, recycler=recycler) as timer:
+        assert timer.core.recycling is recycler
         matmul_times(timer, n=2)
         exact = matmul_times(timer, n=20)
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)

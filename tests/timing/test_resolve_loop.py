@@ -1,87 +1,21 @@
-"""The resolver's C loop (``_hotpath.Resolve``): the same observations as the Python loop, through
-CUDA-shaped C functions (here ctypes callbacks standing in for cudaEventQuery,
-cudaEventElapsedTime and cudaGetLastError), with unfinished pairs left in order and failures counted."""
-
-import ctypes
+"""The resolver's C loop (``_hotpath.Resolve``, the path of plain pairs where no recycler runs): the
+same observations as the Python loop, through CUDA-shaped C functions (``cuda_shaped.py``), with
+unfinished pairs left in order and failures counted."""
 
 import pytest
 
 from gpuscope.timing import Timer, hot, trace
 from gpuscope.timing.routes import HostRoute
 from tests.timing.conftest import prepared
-
-RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-QUERY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-ELAPSED_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)
-LAST_ERROR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
-CUDA_ERROR_NOT_READY = 600
-CUDA_ERROR_INVALID_RESOURCE_HANDLE = 400
-STEP_MS = 0.25  # every record advances the scripted GPU clock by 250 µs
-
-pytestmark = pytest.mark.skipif(not hot.native_available(), reason="the C extension is not built")
-
-
-class CudaShapedRoute(HostRoute):
-    """Integer events and the four CUDA functions the C code calls by address. The clock advances
-    ``STEP_MS`` per record, so every region of back-to-back records lasts exactly that long;
-    events in ``not_ready`` are not finished yet."""
-
-    def __init__(self) -> None:
-        self.stamps: dict[int, float] = {}
-        self.clock_ms = 0.0
-        self.not_ready: set[int] = set()
-        self.elapsed_fails = False
-        self.queries = self.elapsed_calls = self.cleared = 0
-        self._next = 1000
-
-        def record(event, stream):
-            self.clock_ms += STEP_MS
-            self.stamps[event] = self.clock_ms
-            return 0
-
-        def query(event):
-            self.queries += 1
-            return CUDA_ERROR_NOT_READY if event in self.not_ready else 0
-
-        def elapsed(ms, start, end):
-            self.elapsed_calls += 1
-            if self.elapsed_fails:
-                return CUDA_ERROR_INVALID_RESOURCE_HANDLE
-            ms[0] = self.stamps[end] - self.stamps[start]
-            return 0
-
-        def clear():
-            self.cleared += 1
-            return 0
-
-        # Kept alive as long as the route; the C code calls them without the GIL, as it calls CUDA.
-        self._fns = (RECORD_FN(record), QUERY_FN(query), ELAPSED_FN(elapsed), LAST_ERROR_FN(clear))
-        self.record_address, self.query_address, self.elapsed_address, self.clear_error_address = (
-            ctypes.cast(fn, ctypes.c_void_p).value for fn in self._fns)
-
-    def create(self) -> int:
-        self._next += 1
-        return self._next
-
-    def record(self, event: int, stream: int) -> int:
-        return self._fns[0](event, stream)
-
-    def query(self, event: int) -> bool:
-        return self._fns[1](event) == 0
-
-    def elapsed_s(self, start: int, end: int) -> float:
-        ms = ctypes.c_float()
-        if self._fns[2](ctypes.byref(ms), start, end):
-            raise RuntimeError("cudaEventElapsedTime failed")
-        return ms.value * 1e-3
+from tests.timing.cuda_shaped import STEP_MS, CudaShapedRoute
 
 
 @pytest.fixture
 def timer(registry):
     route = CudaShapedRoute()
     # A resolver that never wakes by itself: each test drains when it chooses.
-    made = prepared(Timer(registry, route=route, sample_rate=1.0, native=True, resolve_interval=3600,
-                          pool_size=64))
+    made = prepared(Timer(registry, route=route, sample_rate=1.0, native=True, recycler=False,
+                          resolve_interval=3600, pool_size=64))
     made.resolver.baseline_s[0] = 0.0
     assert made.resolver.fast is not None
     yield made
@@ -110,8 +44,8 @@ def test_the_c_loop_observes_what_the_python_loop_does(registry):
     observed = {}
     for loop in ("c", "python"):
         route = CudaShapedRoute()
-        timer = prepared(Timer(None, route=route, sample_rate=1.0, native=True, resolve_interval=3600,
-                               pool_size=64))
+        timer = prepared(Timer(None, route=route, sample_rate=1.0, native=True, recycler=False,
+                               resolve_interval=3600, pool_size=64))
         assert timer.resolver.fast is not None
         if loop == "python":
             timer.resolver.fast = None

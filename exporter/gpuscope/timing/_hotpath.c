@@ -8,13 +8,15 @@
  * a failed record) calls back into the Python methods that handle it there.
  *
  * Every function here runs with the GIL held, as the Python version does; the hot path takes no
- * lock and does no I/O. The one exception is Resolve.run, the resolver's inner loop (resolver.py),
- * which releases the GIL while it asks CUDA whether pairs finished and how long they took, so the
- * inference thread does not wait for those calls.
+ * lock and does no I/O. The exceptions: the recycler's thread (below), which never holds the GIL,
+ * and Resolve.run, the resolver's inner loop where no recycler runs (resolver.py), which releases
+ * the GIL while it asks CUDA whether pairs finished and how long they took.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <time.h>
 
 typedef int (*record_fn_t)(void *event, void *stream);
@@ -27,6 +29,332 @@ typedef int (*last_error_fn_t)(void);
 static PyObject *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
     *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one, *s_error, *s_hists,
     *s_histogram, *s_bounds, *s_counts, *s_sum, *s_count, *s_exemplars, *s_seq, *s_split;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Histograms: what the resolver's loops do with a finished pair                                   */
+
+static int is_none(PyObject *o) { return o == NULL || o == Py_None; }
+
+/* One sample into a timing.histogram.BucketHistogram, as its observe() does. */
+static int observe(PyObject *hist, double value, PyObject *trace) {
+    int rc = -1;
+    PyObject *bounds = PyObject_GetAttr(hist, s_bounds), *counts = NULL, *sum = NULL, *count = NULL;
+    if (bounds == NULL || (counts = PyObject_GetAttr(hist, s_counts)) == NULL) goto out;
+    if (!PyTuple_Check(bounds) || !PyList_Check(counts) || PyList_GET_SIZE(counts) != PyTuple_GET_SIZE(bounds) + 1) {
+        PyErr_SetString(PyExc_TypeError, "observe(): not a BucketHistogram");
+        goto out;
+    }
+    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(bounds);  /* bisect_left: first bound >= value */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        double bound = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, mid));
+        if (bound == -1.0 && PyErr_Occurred()) goto out;
+        if (bound < value) lo = mid + 1; else hi = mid;
+    }
+    PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(counts, lo), one);
+    if (bumped == NULL) goto out;
+    PyList_SetItem(counts, lo, bumped);  /* steals bumped */
+    if ((sum = PyObject_GetAttr(hist, s_sum)) == NULL) goto out;
+    double total = PyFloat_AsDouble(sum) + value;
+    if (PyErr_Occurred()) goto out;
+    Py_SETREF(sum, PyFloat_FromDouble(total));
+    if (sum == NULL || PyObject_SetAttr(hist, s_sum, sum) < 0) goto out;
+    if ((count = PyObject_GetAttr(hist, s_count)) == NULL) goto out;
+    Py_SETREF(count, PyNumber_Add(count, one));
+    if (count == NULL || PyObject_SetAttr(hist, s_count, count) < 0) goto out;
+    if (!is_none(trace)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        PyObject *exemplars = PyObject_GetAttr(hist, s_exemplars);
+        if (exemplars == NULL) goto out;
+        PyObject *exemplar = Py_BuildValue("(Odd)", trace, value, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
+        int set = exemplar == NULL ? -1 : PyList_SetItem(exemplars, lo, exemplar);
+        Py_DECREF(exemplars);
+        if (set < 0) goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(count);
+    Py_XDECREF(sum);
+    Py_XDECREF(counts);
+    Py_XDECREF(bounds);
+    return rc;
+}
+
+/* op.hists[device], or op.histogram(device) to make it (new reference). */
+static PyObject *histogram_of(PyObject *op, PyObject *device) {
+    PyObject *hists = PyObject_GetAttr(op, s_hists);
+    if (hists == NULL) return NULL;
+    PyObject *hist = PyDict_Check(hists) ? PyDict_GetItemWithError(hists, device) : NULL;
+    Py_DECREF(hists);
+    if (hist != NULL) return Py_NewRef(hist);
+    if (PyErr_Occurred()) return NULL;
+    return PyObject_CallMethodOneArg(op, s_histogram, device);
+}
+
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Recycler: a thread of its own, never holding the GIL, that reads finished pairs and gives their   */
+/* events back within about a millisecond                                                            */
+/*
+ * Why a thread outside Python: a record on an event recorded a moment ago costs the inference thread
+ * less than one on an event last used tens of milliseconds ago (the driver's event state is still in
+ * cache), and the resolver, waking every 50 ms, kept hundreds of events in flight; waking it more
+ * often cost more GIL than it saved (benchmarks/NOTES.md). This thread polls about every millisecond
+ * without the GIL, so only the events of the last millisecond or so are in flight, and the inference
+ * thread's free list hands back the ones it recorded last.
+ *
+ * Three stages, each index written by one side only:
+ *   tail  the hot path (GIL) wrote pairs[.. tail)
+ *   read  the thread read pairs[.. read): elapsed time or error stored, events on the return queue
+ *   head  the resolver (GIL, collect()) observed pairs[.. head) into histograms; slots are reused
+ * The thread touches no Python object: it moves the pairs' event objects (and the references the
+ * pairs held) onto the return queue, and the GIL side appends them to their free lists, which the
+ * hot path keeps alive as long as itself (``lists``).
+ *
+ * A sequence's boundary is the end of one pair and the start of the next, so the thread keeps such
+ * an end (END_KEEP -> END_KEPT). If the sequence's next region is lost (its boundary could not be
+ * recorded, or the ring was full), the event must still come back after its pair is read: the GIL
+ * side flips END_KEEP to END_GIVE, or, when the thread has read the pair already, gives it back
+ * itself (release_shared). So only pairs with an op are ever queued here. */
+
+typedef int (*set_device_fn_t)(int device);
+typedef int (*capture_mode_fn_t)(int *mode);
+#define CUDA_STREAM_CAPTURE_MODE_RELAXED 2
+/* What becomes of a pair's end event when the thread reads the pair. */
+enum { END_GIVE, END_KEEP, END_KEPT, END_NONE };
+/* An idle thread (nothing queued) backs off to this many intervals between polls. */
+#define IDLE_BACKOFF 16
+
+typedef struct {
+    PyObject *op, *device;
+    PyObject *trace;          /* NULL when no trace was active */
+    PyObject *start, *end;    /* moved to the return queue when given back */
+    PyObject *free;           /* the device's free list (borrowed: the hot path keeps it alive) */
+    void *start_event, *end_event, *stream;
+    int device_index;
+    atomic_int end_state;     /* END_GIVE or END_KEEP when queued; the thread turns KEEP into KEPT */
+    int status;               /* written by the thread: 0, or the CUDA error that lost the pair */
+    float ms;
+} Pair;
+
+typedef struct {
+    PyObject *event, *free;   /* an event (the reference is the queue's) for this free list (borrowed) */
+} Returned;
+
+typedef struct {
+    Pair *pairs;
+    size_t size;                       /* ring_size */
+    atomic_size_t tail, read;
+    size_t head;
+    Returned *back;
+    size_t back_size;
+    atomic_size_t back_tail;           /* written by the thread */
+    atomic_size_t back_head;           /* written by the GIL side */
+    query_fn_t query;
+    elapsed_fn_t elapsed;
+    last_error_fn_t clear_error;
+    set_device_fn_t set_device;
+    capture_mode_fn_t capture_mode;
+    long long interval_ns;
+    pthread_t thread;
+    pthread_mutex_t lock;              /* guards the fields below (never held during CUDA calls) */
+    pthread_cond_t wake, done;
+    int started;                       /* 0 not yet, 1 running, 2 stopped, -1 could not start */
+    int stop, kicked, in_pass;
+    long long passes;
+    /* the thread's own */
+    int current_device, relaxed;
+    atomic_llong cpu_ns, reads;
+} Recycler;
+
+static long long thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Make ``device`` current on the thread. The first time, also exempt the thread from "global" graph
+ * capture mode, which forbids event queries from any thread while an inference thread captures
+ * (PyTorch's NCCL watchdog does the same); done after choosing the device, because the call opens a
+ * context on the thread's current device, and a new thread's is device 0. */
+static int use_device(Recycler *r, int device) {
+    if (device == r->current_device) return 0;
+    int err = r->set_device(device);
+    if (err != 0) {
+        r->clear_error();
+        return err;
+    }
+    r->current_device = device;
+    if (!r->relaxed && r->capture_mode != NULL) {
+        int mode = CUDA_STREAM_CAPTURE_MODE_RELAXED;
+        if (r->capture_mode(&mode) != 0) r->clear_error();
+        r->relaxed = 1;
+    }
+    return 0;
+}
+
+/* Read what finished of pairs[read, tail): store each pair's elapsed time (or error), give its
+ * events back. Stops at the first pair not finished: events are given back in record order. Returns
+ * the number of pairs read; *idle is set when nothing was queued. */
+static size_t advance(Recycler *r, int *idle) {
+    size_t read = atomic_load_explicit(&r->read, memory_order_relaxed);
+    size_t tail = atomic_load_explicit(&r->tail, memory_order_acquire);
+    *idle = read == tail;
+    if (read == tail) return 0;
+    /* Events of one stream finish in order: when the newest pair has finished, so has every earlier
+     * pair of its stream, and one query answers for them all. */
+    size_t vouched = read;
+    int voucher_device = -1;
+    void *voucher_stream = NULL;
+    Pair *newest = &r->pairs[(tail - 1) % r->size];
+    if (use_device(r, newest->device_index) == 0) {
+        int err = r->query(newest->end_event);
+        if (err == 0) {
+            vouched = tail;
+            voucher_device = newest->device_index;
+            voucher_stream = newest->stream;
+        } else if (err != CUDA_ERROR_NOT_READY) {
+            r->clear_error();
+        }
+    }
+    size_t back_tail = atomic_load_explicit(&r->back_tail, memory_order_relaxed), start = read;
+    for (; read < tail; read++) {
+        Pair *p = &r->pairs[read % r->size];
+        size_t back_head = atomic_load_explicit(&r->back_head, memory_order_acquire);
+        if (back_tail + 2 - back_head > r->back_size) break;  /* the GIL side has not taken them back yet */
+        int err = use_device(r, p->device_index);
+        if (err == 0 && !(read < vouched && p->device_index == voucher_device && p->stream == voucher_stream)) {
+            err = r->query(p->end_event);
+            if (err == CUDA_ERROR_NOT_READY) break;
+            if (err != 0) r->clear_error();
+        }
+        if (err == 0) {
+            err = r->elapsed(&p->ms, p->start_event, p->end_event);
+            if (err != 0) r->clear_error();  /* e.g. an event recorded under graph capture */
+        }
+        p->status = err;
+        r->back[back_tail++ % r->back_size] = (Returned){p->start, p->free};
+        p->start = NULL;
+        int keep = END_KEEP;
+        if (!atomic_compare_exchange_strong(&p->end_state, &keep, END_KEPT)) {  /* END_GIVE */
+            r->back[back_tail++ % r->back_size] = (Returned){p->end, p->free};
+            p->end = NULL;
+        }
+    }
+    atomic_store_explicit(&r->back_tail, back_tail, memory_order_release);
+    atomic_store_explicit(&r->read, read, memory_order_release);
+    return read - start;
+}
+
+static void *recycler_main(void *arg) {
+    Recycler *r = (Recycler *)arg;
+    long long sleep_ns = r->interval_ns;
+    pthread_mutex_lock(&r->lock);
+    while (!r->stop) {
+        r->in_pass = 1;
+        pthread_mutex_unlock(&r->lock);
+        long long c0 = thread_cpu_ns();
+        int idle;
+        size_t n = advance(r, &idle);
+        atomic_fetch_add(&r->cpu_ns, thread_cpu_ns() - c0);
+        atomic_fetch_add(&r->reads, (long long)n);
+        /* Idle: back off, so a program that times nothing pays a few dozen wake-ups a second. */
+        sleep_ns = idle ? (sleep_ns * 2 < r->interval_ns * IDLE_BACKOFF ? sleep_ns * 2 : r->interval_ns * IDLE_BACKOFF)
+                        : r->interval_ns;
+        pthread_mutex_lock(&r->lock);
+        r->in_pass = 0;
+        r->passes++;
+        pthread_cond_broadcast(&r->done);
+        if (r->stop) break;
+        if (!r->kicked) {
+            struct timespec until;
+            clock_gettime(CLOCK_MONOTONIC, &until);
+            long long ns = until.tv_nsec + sleep_ns;
+            until.tv_sec += ns / 1000000000LL;
+            until.tv_nsec = ns % 1000000000LL;
+            pthread_cond_timedwait(&r->wake, &r->lock, &until);
+        }
+        r->kicked = 0;
+    }
+    pthread_mutex_unlock(&r->lock);
+    return NULL;
+}
+
+static Recycler *recycler_new(Py_ssize_t ring_size, Py_ssize_t query, Py_ssize_t elapsed, Py_ssize_t clear,
+                              Py_ssize_t set_device, Py_ssize_t capture_mode, double interval_s) {
+    Recycler *r = PyMem_RawCalloc(1, sizeof(Recycler));
+    if (r == NULL) return NULL;
+    r->size = (size_t)ring_size;
+    r->back_size = 2 * r->size + 2;
+    r->pairs = PyMem_RawCalloc(r->size, sizeof(Pair));
+    r->back = PyMem_RawCalloc(r->back_size, sizeof(Returned));
+    pthread_condattr_t attr;
+    if (r->pairs == NULL || r->back == NULL || pthread_condattr_init(&attr) != 0) goto fail;
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    int ok = pthread_mutex_init(&r->lock, NULL) == 0 && pthread_cond_init(&r->wake, &attr) == 0 &&
+             pthread_cond_init(&r->done, &attr) == 0;
+    pthread_condattr_destroy(&attr);
+    if (!ok) goto fail;
+    r->query = (query_fn_t)query;
+    r->elapsed = (elapsed_fn_t)elapsed;
+    r->clear_error = (last_error_fn_t)clear;
+    r->set_device = (set_device_fn_t)set_device;
+    r->capture_mode = (capture_mode_fn_t)capture_mode;
+    r->interval_ns = (long long)(interval_s * 1e9);
+    if (r->interval_ns < 10000) r->interval_ns = 10000;
+    r->current_device = -1;
+    return r;
+fail:
+    PyMem_RawFree(r->pairs);
+    PyMem_RawFree(r->back);
+    PyMem_RawFree(r);
+    return NULL;
+}
+
+/* Start the thread (on the first pair, so a timer that times nothing runs none): 0, or -1. */
+static int recycler_start(Recycler *r) {
+    if (r->started != 0) return r->started == 1 ? 0 : -1;
+    r->started = pthread_create(&r->thread, NULL, recycler_main, r) == 0 ? 1 : -1;
+    return r->started == 1 ? 0 : -1;
+}
+
+/* Stop the thread and wait for it, the GIL released (in tests its CUDA calls are Python callbacks). */
+static void recycler_stop(Recycler *r) {
+    if (r->started != 1) return;
+    pthread_mutex_lock(&r->lock);
+    r->stop = 1;
+    pthread_cond_signal(&r->wake);
+    pthread_mutex_unlock(&r->lock);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(r->thread, NULL);
+    Py_END_ALLOW_THREADS
+    r->started = 2;
+}
+
+/* Wake the thread and wait (GIL released, at most timeout_s) until it has made a whole pass begun
+ * after this call: 1 if it did, 0 if not (or no thread runs). */
+static int recycler_pass(Recycler *r, double timeout_s) {
+    if (r->started != 1) return 0;
+    int passed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    long long ns = until.tv_nsec + (long long)(timeout_s * 1e9);
+    until.tv_sec += ns / 1000000000LL;
+    until.tv_nsec = ns % 1000000000LL;
+    pthread_mutex_lock(&r->lock);
+    long long target = r->passes + (r->in_pass ? 2 : 1);
+    r->kicked = 1;
+    pthread_cond_signal(&r->wake);
+    while (r->passes < target && !r->stop) {
+        if (pthread_cond_timedwait(&r->done, &r->lock, &until) != 0) break;
+    }
+    passed = r->passes >= target;
+    pthread_mutex_unlock(&r->lock);
+    Py_END_ALLOW_THREADS
+    return passed;
+}
 
 /* ------------------------------------------------------------------------------------------------ */
 /* HotPath: record_start() and end(op, token, callback) of one TimerCore                            */
@@ -51,6 +379,8 @@ typedef struct {
     long long sampled;
     double hot_path_s;
     int measure_every;
+    Recycler *recycler;         /* NULL: pairs go to ``ring`` for the resolver's loops */
+    PyObject *lists;            /* every free list a pair in the recycler pointed to (kept alive) */
 } HotPath;
 
 static int bump(PyObject *dropped, PyObject *reason) {
@@ -64,8 +394,31 @@ static int bump(PyObject *dropped, PyObject *reason) {
     return rc;
 }
 
+/* Append the events the recycler gave back to their free lists: the last ones recorded end up
+ * last, so they are the next ones popped. A failed append loses the event from circulation (it is
+ * still destroyed with the pool). */
+static void take_back(HotPath *h) {
+    Recycler *r = h->recycler;
+    if (r == NULL) return;
+    size_t head = atomic_load_explicit(&r->back_head, memory_order_relaxed);
+    size_t tail = atomic_load_explicit(&r->back_tail, memory_order_acquire);
+    if (head == tail) return;
+    for (; head < tail; head++) {
+        Returned *b = &r->back[head % r->back_size];
+        if (PyList_Append(b->free, b->event) < 0) PyErr_Clear();
+        Py_DECREF(b->event);
+    }
+    atomic_store_explicit(&r->back_head, head, memory_order_release);
+}
+
+/* Whether plain pairs go to the recycler (it is configured and its thread has not failed or stopped). */
+static int recycling(HotPath *h) {
+    return h->recycler != NULL && (h->recycler->started == 0 || h->recycler->started == 1);
+}
+
 /* The free list of ``device``, made by core.add_device on first use (new reference). */
 static PyObject *free_list(HotPath *h, PyObject *device) {
+    take_back(h);
     PyObject *free = PyDict_GetItemWithError(h->pools, device);
     if (free != NULL) {
         Py_INCREF(free);
@@ -164,6 +517,81 @@ static int ring_push(HotPath *h, PyObject *item) {
     return 0;
 }
 
+/* Pairs waiting in the ring a pair with (``python``) or without a callback goes to; -1 on error. */
+static Py_ssize_t queued(HotPath *h, int python) {
+    if (!python && recycling(h)) {
+        Recycler *r = h->recycler;
+        return (Py_ssize_t)(atomic_load_explicit(&r->tail, memory_order_relaxed) - r->head);
+    }
+    return PyObject_Size(h->ring);
+}
+
+/* Into the recycler's ring (the caller made sure it has room): the pair's position, or -1 with a
+ * Python error. ``end`` is kept when it starts the sequence's next region. */
+static Py_ssize_t recycler_push(HotPath *h, PyObject *op, PyObject *device, PyObject *stream, PyObject *start,
+                                PyObject *end, PyObject *trace, int keep_end) {
+    Recycler *r = h->recycler;
+    size_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
+    int device_index = PyLong_AsLong(device);
+    void *stream_ptr = PyLong_AsVoidPtr(stream), *start_event = PyLong_AsVoidPtr(start);
+    void *end_event = PyLong_AsVoidPtr(end);
+    if (PyErr_Occurred()) return -1;
+    PyObject *free = PyDict_GetItemWithError(h->pools, device);
+    if (free == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, device);
+        return -1;
+    }
+    /* The return queue borrows free lists: keep each one alive (close_pools replaces them). */
+    int kept = PySequence_Contains(h->lists, free);
+    if (kept < 0 || (!kept && PyList_Append(h->lists, free) < 0)) return -1;
+    Pair *p = &r->pairs[tail % r->size];
+    p->op = Py_NewRef(op);
+    p->device = Py_NewRef(device);
+    p->trace = is_none(trace) ? NULL : Py_NewRef(trace);
+    p->start = Py_NewRef(start);
+    p->end = Py_NewRef(end);
+    p->free = free;
+    p->start_event = start_event;
+    p->end_event = end_event;
+    p->stream = stream_ptr;
+    p->device_index = device_index;
+    atomic_store_explicit(&p->end_state, keep_end ? END_KEEP : END_GIVE, memory_order_relaxed);
+    p->status = 0;
+    p->ms = 0.0f;
+    atomic_store_explicit(&r->tail, tail + 1, memory_order_release);
+    return (Py_ssize_t)tail;
+}
+
+/* Give back a sequence's open event, the end of the pair at ``position`` of the recycler's ring,
+ * whose next region was lost: the thread gives it back as it reads the pair or, when it has read
+ * it already, we do. 0, or -1 with a Python error. */
+static int release_shared(HotPath *h, PyObject *event, PyObject *device, size_t position) {
+    Recycler *r = h->recycler;
+    if (r->head <= position) {  /* the pair is still in its slot */
+        int keep = END_KEEP;
+        if (atomic_compare_exchange_strong(&r->pairs[position % r->size].end_state, &keep, END_GIVE)) return 0;
+    }
+    PyObject *free = free_list(h, device);
+    if (free == NULL) return -1;
+    int rc = PyList_Append(free, event);
+    Py_DECREF(free);
+    return rc;
+}
+
+/* Queue a recorded pair with an op: to the recycler when it runs and the pair needs no Python (no
+ * callback), else as a Pending on the ring the resolver's loops read. NULL arguments are None;
+ * steals nothing. The pair's position in the recycler's ring, -2 on the Python ring, or -1 with a
+ * Python error. */
+static Py_ssize_t queue_pair(HotPath *h, PyObject *op, PyObject *device, PyObject *stream, PyObject *start,
+                             PyObject *end, PyObject *trace, PyObject *callback, int keep_end) {
+    if (callback == NULL && recycling(h)) {
+        if (recycler_start(h->recycler) == 0) return recycler_push(h, op, device, stream, start, end, trace, keep_end);
+        if (bump(h->dropped, s_error) < 0) return -1;  /* no thread: the resolver's loops take over */
+    }
+    PyObject *item = pending(h, op, device, stream, start, end, trace, callback, keep_end);
+    return item == NULL || ring_push(h, item) < 0 ? -1 : -2;
+}
+
 static long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -218,6 +646,7 @@ static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *start = PyTuple_GET_ITEM(token, 0), *device = PyTuple_GET_ITEM(token, 1),
              *stream = PyTuple_GET_ITEM(token, 2);
+    take_back(h);
     PyObject *free = PyDict_GetItemWithError(h->pools, device);
     if (free == NULL) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, device);
@@ -228,7 +657,9 @@ static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs
     h->sampled += 1;
     int measure = h->measure_every > 0 && h->sampled % h->measure_every == 0;
     long long t0 = measure ? now_ns() : 0;
-    if (PyList_GET_SIZE(free) == 0 || PyObject_Size(h->ring) >= h->ring_size) {
+    Py_ssize_t waiting = queued(h, callback != Py_None);
+    if (waiting < 0) goto done;
+    if (PyList_GET_SIZE(free) == 0 || waiting >= h->ring_size) {
         PyObject *reason = PyList_GET_SIZE(free) == 0 ? s_pool_empty : s_ring_full;
         if (PyList_Append(free, start) == 0 && bump(h->dropped, reason) == 0) result = Py_NewRef(Py_None);
         goto done;
@@ -242,10 +673,9 @@ static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *trace = trace_id(h);
     if (trace == NULL) goto done;
-    PyObject *item = pending(h, op, device, stream, start, end, trace,
-                             callback == Py_None ? NULL : callback, 0);
+    Py_ssize_t position = queue_pair(h, op, device, stream, start, end, trace, callback == Py_None ? NULL : callback, 0);
     Py_DECREF(trace);
-    if (item == NULL || ring_push(h, item) < 0) goto done;
+    if (position == -1) goto done;
     if (measure) {
         /* One end costs about what one start costs (a record and a container op each). */
         double cost = 2e-9 * (double)(now_ns() - t0);
@@ -261,15 +691,31 @@ done:
 static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"core", "pools", "ring", "ring_size", "dropped", "record", "record_address",
                              "current_device", "current_stream", "trace_var", "captures", "capturing",
-                             "pending_type", "graph_token_type", "measure_every", NULL};
+                             "pending_type", "graph_token_type", "measure_every", "recycler_addresses",
+                             "recycle_interval_s", NULL};
     PyObject *core, *pools, *ring, *dropped, *rec, *dev, *stream, *trace, *captures, *cap, *pend, *graph;
-    Py_ssize_t ring_size, address;
+    Py_ssize_t ring_size, address, query = 0, elapsed = 0, clear = 0, set_device = 0, capture_mode = 0;
     int measure_every;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!OnO!OnOOOO!OO!Oi", kwlist, &core, &PyDict_Type, &pools,
-                                     &ring, &ring_size, &PyDict_Type, &dropped, &rec, &address, &dev,
+    double interval_s;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OO!OnO!OnOOOO!OO!Oi(nnnnn)d", kwlist, &core, &PyDict_Type,
+                                     &pools, &ring, &ring_size, &PyDict_Type, &dropped, &rec, &address, &dev,
                                      &stream, &trace, &PyList_Type, &captures, &cap, &PyType_Type, &pend,
-                                     &graph, &measure_every))
+                                     &graph, &measure_every, &query, &elapsed, &clear, &set_device,
+                                     &capture_mode, &interval_s))
         return -1;
+    if (h->recycler != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "HotPath: already initialised");
+        return -1;
+    }
+    /* All four CUDA functions and a positive interval, or no recycler (the capture-mode call is optional). */
+    if (query && elapsed && clear && set_device && interval_s > 0.0 && ring_size > 0) {
+        if ((h->lists = PyList_New(0)) == NULL) return -1;
+        h->recycler = recycler_new(ring_size, query, elapsed, clear, set_device, capture_mode, interval_s);
+        if (h->recycler == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
     if (PyList_GET_SIZE(captures) < 1 || !PyType_IsSubtype((PyTypeObject *)pend, &PyTuple_Type) ||
         !PyContextVar_CheckExact(trace)) {
         PyErr_SetString(PyExc_TypeError, "HotPath: captures must be [count], pending_type a tuple "
@@ -301,7 +747,7 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
  * and clear, and the dealloc, from the list. */
 #define VISIT_FIELD(field) Py_VISIT(self->field);
 #define CLEAR_FIELD(field) Py_CLEAR(self->field);
-#define GC_FUNCTIONS(Type, OBJECTS)                                                              \
+#define GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                         \
     static int Type##_traverse(Type *self, visitproc visit, void *arg) {                         \
         OBJECTS(VISIT_FIELD)                                                                     \
         return 0;                                                                                \
@@ -309,7 +755,9 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     static int Type##_clear(Type *self) {                                                        \
         OBJECTS(CLEAR_FIELD)                                                                     \
         return 0;                                                                                \
-    }                                                                                            \
+    }
+#define GC_FUNCTIONS(Type, OBJECTS)                                                              \
+    GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                             \
     static void Type##_dealloc(Type *self) {                                                     \
         PyObject_GC_UnTrack(self);                                                               \
         Type##_clear(self);                                                                      \
@@ -317,14 +765,123 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     }
 
 #define HOTPATH_OBJECTS(X) X(core) X(pools) X(ring) X(ring_append) X(dropped) X(record) \
-    X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type)
-GC_FUNCTIONS(HotPath, HOTPATH_OBJECTS)
+    X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type) \
+    X(lists)
+GC_TRAVERSE_CLEAR(HotPath, HOTPATH_OBJECTS)
+
+/* Stop the thread, then release every reference the recycler's pairs and return queue still hold. */
+static void recycler_free(HotPath *h) {
+    Recycler *r = h->recycler;
+    if (r == NULL) return;
+    recycler_stop(r);
+    take_back(h);
+    size_t tail = atomic_load(&r->tail);
+    for (size_t i = r->head; i < tail; i++) {
+        Pair *p = &r->pairs[i % r->size];
+        Py_CLEAR(p->op);
+        Py_CLEAR(p->device);
+        Py_CLEAR(p->trace);
+        Py_CLEAR(p->start);
+        Py_CLEAR(p->end);
+    }
+    pthread_mutex_destroy(&r->lock);
+    pthread_cond_destroy(&r->wake);
+    pthread_cond_destroy(&r->done);
+    PyMem_RawFree(r->pairs);
+    PyMem_RawFree(r->back);
+    PyMem_RawFree(r);
+    h->recycler = NULL;
+}
+
+static void HotPath_dealloc(HotPath *self) {
+    PyObject_GC_UnTrack(self);
+    recycler_free(self);
+    HotPath_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* collect(baselines) -> observed: the recycler's read pairs into their ops' histograms (elapsed time
+ * minus baselines[device]), failed ones counted as errors; their slots are free again. */
+static PyObject *HotPath_collect(HotPath *h, PyObject *baselines) {
+    Recycler *r = h->recycler;
+    if (!PyDict_Check(baselines)) {
+        PyErr_SetString(PyExc_TypeError, "collect(baselines: dict)");
+        return NULL;
+    }
+    Py_ssize_t observed = 0;
+    if (r == NULL) return PyLong_FromSsize_t(0);
+    take_back(h);
+    size_t read = atomic_load_explicit(&r->read, memory_order_acquire);
+    while (r->head < read) {
+        Pair *p = &r->pairs[r->head % r->size];
+        int rc = 0;
+        if (p->status != 0) {
+            rc = bump(h->dropped, s_error);
+        } else {
+            PyObject *b = PyDict_GetItemWithError(baselines, p->device);
+            double seconds = 1e-3 * (double)p->ms - (b != NULL ? PyFloat_AsDouble(b) : 0.0);
+            PyObject *hist = PyErr_Occurred() ? NULL : histogram_of(p->op, p->device);
+            rc = hist == NULL ? -1 : observe(hist, seconds < 0.0 ? 0.0 : seconds, p->trace);
+            Py_XDECREF(hist);
+            observed += rc == 0;
+        }
+        Py_CLEAR(p->op);
+        Py_CLEAR(p->device);
+        Py_CLEAR(p->trace);
+        Py_CLEAR(p->end);  /* still here only when kept as the next region's start */
+        r->head++;
+        if (rc < 0) return NULL;  /* after moving on: a pair is never observed twice */
+    }
+    return PyLong_FromSsize_t(observed);
+}
+
+static PyObject *HotPath_recycle_pass(HotPath *h, PyObject *timeout) {
+    double seconds = PyFloat_AsDouble(timeout);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(h->recycler != NULL && recycler_pass(h->recycler, seconds));
+}
+
+static PyObject *HotPath_stop_recycler(HotPath *h, PyObject *Py_UNUSED(ignored)) {
+    if (h->recycler != NULL) recycler_stop(h->recycler);
+    Py_RETURN_NONE;
+}
+
+static PyObject *HotPath_get_queued(HotPath *h, void *Py_UNUSED(closure)) {
+    Recycler *r = h->recycler;
+    return PyLong_FromSize_t(r == NULL ? 0 : atomic_load(&r->tail) - r->head);
+}
+
+static PyObject *HotPath_get_recycling(HotPath *h, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(recycling(h));
+}
+
+static PyObject *HotPath_get_recycler_cpu_s(HotPath *h, void *Py_UNUSED(closure)) {
+    return PyFloat_FromDouble(h->recycler == NULL ? 0.0 : 1e-9 * (double)atomic_load(&h->recycler->cpu_ns));
+}
+
+static PyObject *HotPath_get_collected(HotPath *h, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(h->recycler == NULL ? 0 : h->recycler->head);
+}
+
+static PyGetSetDef HotPath_getset[] = {
+    {"recycling", (getter)HotPath_get_recycling, NULL,
+     "whether plain pairs go to the recycler thread (configured, and not failed to start or stopped)", NULL},
+    {"queued", (getter)HotPath_get_queued, NULL, "pairs in the recycler's ring not yet collected", NULL},
+    {"collected", (getter)HotPath_get_collected, NULL, "pairs collected from the recycler so far", NULL},
+    {"recycler_cpu_s", (getter)HotPath_get_recycler_cpu_s, NULL, "CPU seconds the recycler thread used", NULL},
+    {NULL}};
 
 static PyMethodDef HotPath_methods[] = {
     {"record_start", (PyCFunction)HotPath_record_start, METH_NOARGS,
      "Record a region's start on the current device's stream; the token for end(), or None if dropped."},
     {"end", (PyCFunction)(void (*)(void))HotPath_end, METH_FASTCALL,
      "end(op, token, callback): record the region's end and queue the pair for the resolver."},
+    {"collect", (PyCFunction)HotPath_collect, METH_O,
+     "collect(baselines) -> observed: the recycler's read pairs into histograms."},
+    {"recycle_pass", (PyCFunction)HotPath_recycle_pass, METH_O,
+     "recycle_pass(timeout_s) -> bool: wake the recycler and wait for one whole pass."},
+    {"stop_recycler", (PyCFunction)HotPath_stop_recycler, METH_NOARGS,
+     "Stop the recycler thread (later pairs go to the ring)."},
     {NULL}};
 
 static PyMemberDef HotPath_members[] = {
@@ -347,6 +904,7 @@ static PyTypeObject HotPathType = {
     .tp_dealloc = (destructor)HotPath_dealloc,
     .tp_methods = HotPath_methods,
     .tp_members = HotPath_members,
+    .tp_getset = HotPath_getset,
 };
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -356,6 +914,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *core, *hot, *pass_, *op, *event, *device, *stream, *recorder;
     char shared, active;
+    Py_ssize_t shared_at;  /* when shared: the position in the recycler's ring of the pair whose end is ``event`` */
 } SequenceBase;
 
 static HotPath *seq_hot(SequenceBase *s) {
@@ -366,41 +925,53 @@ static HotPath *seq_hot(SequenceBase *s) {
     return (HotPath *)s->hot;
 }
 
-static int is_none(PyObject *o) { return o == NULL || o == Py_None; }
+/* Append ``event`` to the free list of ``device``: 0, or -1 with a Python error. */
+static int give_back(HotPath *h, PyObject *device, PyObject *event) {
+    PyObject *free = free_list(h, device);
+    if (free == NULL) return -1;
+    int rc = PyList_Append(free, event);
+    Py_DECREF(free);
+    return rc;
+}
+
+/* The open region is lost: give its start back, at once or, when it is the end of a queued pair,
+ * once that pair is read (on the Python ring, a pair without an op releases it in order). */
+static int release_open(SequenceBase *s, HotPath *h) {
+    if (!s->shared) return give_back(h, s->device, s->event);
+    if (s->shared_at >= 0 && h->recycler != NULL) return release_shared(h, s->event, s->device, (size_t)s->shared_at);
+    PyObject *item = pending(h, NULL, s->device, s->stream, s->event, NULL, NULL, NULL, 0);
+    return item == NULL ? -1 : ring_push(h, item);
+}
 
 /* Queue (open start -> end): 1 when ``end`` is now shared with a queued pair, 0 if not, -1 on error.
  * A start that is the end of an earlier queued pair may be re-recorded only after that pair is
- * resolved, so even dropped pairs go through the ring (with no op) to release in order. */
+ * resolved (release_open). */
 static int close_open(SequenceBase *s, HotPath *h, PyObject *end, int last) {
     if (is_none(s->op)) return 0;
     PyObject *op = s->op;  /* our reference now */
     s->op = Py_NewRef(Py_None);
     int rc = -1;
     if (is_none(end)) {
-        if (s->shared) {
-            PyObject *item = pending(h, NULL, s->device, s->stream, s->event, NULL, NULL, NULL, 0);
-            if (item != NULL && ring_push(h, item) == 0) rc = 0;
-        } else {
-            PyObject *free = free_list(h, s->device);
-            if (free != NULL) {
-                if (PyList_Append(free, s->event) == 0) rc = 0;
-                Py_DECREF(free);
-            }
-        }
-        Py_DECREF(op);
-        return rc;
+        rc = release_open(s, h);
+        goto out;
     }
-    Py_ssize_t queued = PyObject_Size(h->ring);
-    if (queued < 0) goto out;
-    if (queued >= h->ring_size) {
+    Py_ssize_t waiting = queued(h, 0);
+    if (waiting < 0) goto out;
+    if (waiting >= h->ring_size) {
         if (bump(h->dropped, s_ring_full) < 0) goto out;
-        Py_SETREF(op, Py_NewRef(Py_None));
+        if (recycling(h)) {  /* nothing is queued; ``end`` starts the next region unshared */
+            if (release_open(s, h) < 0 || (last && give_back(h, s->device, end) < 0)) goto out;
+            rc = 0;
+            goto out;
+        }
+        Py_SETREF(op, Py_NewRef(Py_None));  /* on the Python ring, dropped pairs still release in order */
     }
     PyObject *trace = trace_id(h);
     if (trace == NULL) goto out;
-    PyObject *item = pending(h, op, s->device, s->stream, s->event, end, trace, NULL, !last);
+    Py_ssize_t position = queue_pair(h, op, s->device, s->stream, s->event, end, trace, NULL, !last);
     Py_DECREF(trace);
-    if (item == NULL || ring_push(h, item) < 0) goto out;
+    if (position == -1) goto out;
+    s->shared_at = position;  /* -2: on the Python ring */
     rc = !last;
 out:
     Py_DECREF(op);
@@ -666,63 +1237,6 @@ typedef struct {
     PyTypeObject *pending_type; /* core.Pending */
     PyTypeObject *op_type;      /* core.OpState: a pair of any other op (a graph replay) is Python's */
 } Resolve;
-
-/* One sample into a timing.histogram.BucketHistogram, as its observe() does. */
-static int observe(PyObject *hist, double value, PyObject *trace) {
-    int rc = -1;
-    PyObject *bounds = PyObject_GetAttr(hist, s_bounds), *counts = NULL, *sum = NULL, *count = NULL;
-    if (bounds == NULL || (counts = PyObject_GetAttr(hist, s_counts)) == NULL) goto out;
-    if (!PyTuple_Check(bounds) || !PyList_Check(counts) || PyList_GET_SIZE(counts) != PyTuple_GET_SIZE(bounds) + 1) {
-        PyErr_SetString(PyExc_TypeError, "observe(): not a BucketHistogram");
-        goto out;
-    }
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(bounds);  /* bisect_left: first bound >= value */
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        double bound = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, mid));
-        if (bound == -1.0 && PyErr_Occurred()) goto out;
-        if (bound < value) lo = mid + 1; else hi = mid;
-    }
-    PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(counts, lo), one);
-    if (bumped == NULL) goto out;
-    PyList_SetItem(counts, lo, bumped);  /* steals bumped */
-    if ((sum = PyObject_GetAttr(hist, s_sum)) == NULL) goto out;
-    double total = PyFloat_AsDouble(sum) + value;
-    if (PyErr_Occurred()) goto out;
-    Py_SETREF(sum, PyFloat_FromDouble(total));
-    if (sum == NULL || PyObject_SetAttr(hist, s_sum, sum) < 0) goto out;
-    if ((count = PyObject_GetAttr(hist, s_count)) == NULL) goto out;
-    Py_SETREF(count, PyNumber_Add(count, one));
-    if (count == NULL || PyObject_SetAttr(hist, s_count, count) < 0) goto out;
-    if (!is_none(trace)) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        PyObject *exemplars = PyObject_GetAttr(hist, s_exemplars);
-        if (exemplars == NULL) goto out;
-        PyObject *exemplar = Py_BuildValue("(Odd)", trace, value, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
-        int set = exemplar == NULL ? -1 : PyList_SetItem(exemplars, lo, exemplar);
-        Py_DECREF(exemplars);
-        if (set < 0) goto out;
-    }
-    rc = 0;
-out:
-    Py_XDECREF(count);
-    Py_XDECREF(sum);
-    Py_XDECREF(counts);
-    Py_XDECREF(bounds);
-    return rc;
-}
-
-/* op.hists[device], or op.histogram(device) to make it (new reference). */
-static PyObject *histogram_of(PyObject *op, PyObject *device) {
-    PyObject *hists = PyObject_GetAttr(op, s_hists);
-    if (hists == NULL) return NULL;
-    PyObject *hist = PyDict_Check(hists) ? PyDict_GetItemWithError(hists, device) : NULL;
-    Py_DECREF(hists);
-    if (hist != NULL) return Py_NewRef(hist);
-    if (PyErr_Occurred()) return NULL;
-    return PyObject_CallMethodOneArg(op, s_histogram, device);
-}
 
 #define RESOLVE_CHUNK 256
 

@@ -76,7 +76,7 @@ class TimerCollector(Collector):
             (c.TIMER_OVERHEAD_RATIO, self.budget.overhead_ratio),
             (c.TIMER_OVERHEAD_BUDGET_RATIO, core.budget),
             (c.TIMER_RESOLVER_LAG_SECONDS, resolver.lag_s),
-            (c.TIMER_PENDING, len(core.ring)),
+            (c.TIMER_PENDING, core.pending()),
         ):
             family = metric.family()
             family.add_metric([], value)

@@ -3,7 +3,9 @@
 ``TimerCore`` holds what the timing modules share, under public names:
 
 - ``pools``: per-device free lists of preallocated events (``add_device`` fills one);
-- ``ring``: sampled pairs waiting for the GPU, as ``Pending`` tuples, in record order;
+- ``ring``: sampled pairs waiting for the GPU, as ``Pending`` tuples, in record order (with the C
+  hot path's recycler, only pairs that need Python: callbacks and graph replays; ``pending()``
+  counts both rings);
 - ``dropped``: samples lost, by reason (``DROP_REASONS``);
 - ``period``: the sampling period the budget controller sets (1 = every region);
 - the op states (``op_state``, ``ops``) and the per-pass samplers (``samplers``).
@@ -105,7 +107,7 @@ class TimerCore:
     """Shared state and hot path of one timer (module docstring)."""
 
     def __init__(self, route: Route, *, pool_size: int, ring_size: int, period: int, fixed_rate: bool,
-                 budget: float, native: bool | None = None) -> None:
+                 budget: float, native: bool | None = None, recycler: bool | None = None) -> None:
         self.route = route
         self.is_host = bool(getattr(route, "on_host", False))
         self.pool_size = pool_size
@@ -142,9 +144,20 @@ class TimerCore:
             record=route.record, record_address=getattr(route, "record_address", 0) or 0,
             current_device=route.current_device, current_stream=route.current_stream, trace_var=_trace_id,
             captures=capture.in_progress, capturing=route.is_capturing, pending_type=Pending,
-            graph_token_type=GraphToken, measure_every=hot.MEASURE_EVERY)
+            graph_token_type=GraphToken, measure_every=hot.MEASURE_EVERY,
+            recycler_addresses=hot.recycler_addresses(route, recycler) if self.native else (0, 0, 0, 0, 0),
+            recycle_interval_s=hot.RECYCLE_INTERVAL_S)
         self.record_start: Callable[[], Any] = self.hot.record_start
         self.end: Callable[[OpState, Any, Callable[[float], None] | None], None] = self.hot.end
+
+    @property
+    def recycling(self) -> bool:
+        """Whether plain pairs go to the C hot path's recycler thread (``hot.py``) instead of ``ring``."""
+        return self.hot.recycling
+
+    def pending(self) -> int:
+        """Sampled pairs not yet observed: on ``ring`` and, with a recycler, in its own ring."""
+        return len(self.ring) + self.hot.queued
 
     @property
     def hot_path_s(self) -> float:

@@ -12,10 +12,17 @@ Two implementations of the same steps, chosen per timer (``use_native``):
 
 Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore``, the
 state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, and the per-module
-forwards ``instrument()`` installs. The C side also has the resolver's loop for plain pairs
-(``resolve_loop``), which asks CUDA with the GIL released. Everything rare (a new
+forwards ``instrument()`` installs. Everything rare (a new
 device's pool, a region inside a graph capture, a failed record) is handled by the core's and the
 sequence's Python methods, which both implementations call.
+
+Where the route gives the addresses of CUDA's event functions (``recycler_addresses``), the C hot
+path hands plain pairs to a *recycler*: a thread of the extension that never takes the GIL, reads
+finished pairs about every millisecond and gives their events straight back, so the inference
+thread re-records events it used a moment ago (cheaper than ones idle for tens of ms) and the
+resolver thread only moves the elapsed times into histograms (``HotPath.collect``). Without a
+recycler (``GPUSCOPE_TIMING_RECYCLER=0``), plain pairs go to the resolver's C loop
+(``resolve_loop``), which asks CUDA with the GIL released.
 """
 
 from __future__ import annotations
@@ -31,8 +38,14 @@ except ImportError:  # no compiler where gpuscope was installed: the Python vers
 
 #: Set to 0 to use the Python hot path even where the C one is built.
 NATIVE_ENV = "GPUSCOPE_TIMING_NATIVE"
+#: Set to 0 to leave plain pairs to the resolver's loop even where the recycler could run.
+RECYCLER_ENV = "GPUSCOPE_TIMING_RECYCLER"
+#: How often the recycler thread looks for finished pairs while any are queued (it backs off when
+#: idle). About a forward's worth of a small model: events in flight stay in the tens.
+RECYCLE_INTERVAL_S = 0.001
 #: Measure the in-context cost of every Nth sampled pair (two clock reads each).
 MEASURE_EVERY = 16
+_RECYCLER_FUNCTIONS = ("query_address", "elapsed_address", "clear_error_address", "set_device_address")
 
 
 def native_available() -> bool:
@@ -50,13 +63,29 @@ def use_native(native: bool | None) -> bool:
     return bool(native)
 
 
+def recycler_addresses(route: Any, recycler: bool | None) -> tuple[int, int, int, int, int]:
+    """The CUDA functions a C hot path's recycler calls (query, elapsed time, last error, set device,
+    capture mode), or zeros for none: not asked for (``recycler`` False, or None and the environment
+    sets ``GPUSCOPE_TIMING_RECYCLER=0``) or a route that cannot give them (the host route, torch's)."""
+    if recycler is None:
+        recycler = os.environ.get(RECYCLER_ENV, "1") != "0"
+    addresses = [getattr(route, name, 0) or 0 for name in (*_RECYCLER_FUNCTIONS, "capture_mode_address")]
+    if not recycler or not all(addresses[:4]):
+        return (0, 0, 0, 0, 0)
+    return tuple(addresses)  # type: ignore[return-value]
+
+
 class PyHotPath:
-    """``record_start`` and ``end`` of one core, in Python (the C version does the same steps)."""
+    """``record_start`` and ``end`` of one core, in Python (the C version does the same steps, and
+    can hand pairs to a recycler thread, which this one never does)."""
+
+    recycling = False
+    queued = 0
 
     def __init__(self, *, core: Any, pools: dict, ring: Any, ring_size: int, dropped: dict, record: Any,
                  record_address: int, current_device: Any, current_stream: Any, trace_var: Any,
                  captures: list, capturing: Any, pending_type: type, graph_token_type: type,
-                 measure_every: int) -> None:
+                 measure_every: int, recycler_addresses: tuple, recycle_interval_s: float) -> None:
         self.core, self.pools, self.ring, self.ring_size, self.dropped = core, pools, ring, ring_size, dropped
         self.record, self.current_device, self.current_stream = record, current_device, current_stream
         self.trace_id = trace_var.get

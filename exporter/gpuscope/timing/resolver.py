@@ -6,9 +6,10 @@ inference thread up to 18% through the GIL on the H200, one waking every 50 ms a
 (docs/design.md). It never blocks on the GPU: completion is tested with non-blocking queries,
 one per stream per wake-up, since events on one stream complete in order. Every CUDA call it
 makes runs with the events' device current (``routes.on_device``): the resolver thread starts
-on device 0 and serves all devices. Where the C extension is built, plain pairs go through its loop
-(``hot.resolve_loop``), which asks CUDA with the GIL released; graph replays and pairs with a
-callback always take the Python loop below.
+on device 0 and serves all devices. Where the C hot path runs a recycler (``hot.py``), plain pairs
+were already read by its thread and ``drain`` only collects them into histograms; otherwise, where
+the C extension is built, they go through its loop (``hot.resolve_loop``), which asks CUDA with the
+GIL released. Graph replays and pairs with a callback always take the Python loop below.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class Resolver:
         self._next_calibration = 0.0
         self._warned: set[str] = set()
         self._capture_mode_relaxed = False
-        #: the C loop for plain pairs (hot.resolve_loop) where the core runs the C hot path
+        #: the C loop for plain pairs (hot.resolve_loop) where the core runs the C hot path without a
+        #: recycler (with one, ``ring`` holds no plain pairs)
         self.fast = hot.resolve_loop(core.route, dropped=core.dropped, pending_type=Pending,
-                                     op_type=OpState) if core.native else None
+                                     op_type=OpState) if core.native and not core.recycling else None
         core.on_new_device = self.add_device
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -78,6 +80,8 @@ class Resolver:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.flush(timeout)
+        if self.core.recycling:  # before the events are destroyed: the thread may still ask about them
+            self.core.hot.stop_recycler()
 
     def add_device(self, device: int) -> None:
         """Called under the core's lock when a device's pool is created. The device is calibrated
@@ -87,9 +91,12 @@ class Resolver:
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        core = self.core
         while True:
+            if core.recycling:  # what finished is read by the recycler's next pass
+                core.hot.recycle_pass(max(0.0, min(0.1, deadline - time.monotonic())))
             self.drain()
-            if not self.core.ring:
+            if not core.pending():
                 return True
             if time.monotonic() > deadline:
                 return False
@@ -139,13 +146,21 @@ class Resolver:
         with self._drain_lock:
             while self._pending_devices:
                 self._calibrate(self._pending_devices.pop(0))
-            return self._drain()
+            taken = self._drain()
+            if self.core.recycling:
+                t0 = time.thread_time_ns()
+                observed = self.core.hot.collect(self.baseline_s)
+                self._resolved += observed
+                self._busy_s += (time.thread_time_ns() - t0) * 1e-9
+                taken += observed
+            self._update_lag()
+            return taken
 
     def _drain(self) -> int:
+        """Resolve the finished pairs at the head of ``ring``; return how many were taken."""
         core = self.core
         ring = core.ring
         if not ring:
-            self.lag_s = 0.0
             return 0
         snapshot = list(ring)  # one C-level copy: atomic under the GIL, appends go to the right
         use_device = core.route.use_device
@@ -164,7 +179,6 @@ class Resolver:
         for _ in range(taken):
             ring.popleft()
         self._busy_s += (time.thread_time_ns() - t0) * 1e-9
-        self._update_lag(ring)
         return taken
 
     def _streams_done(self, snapshot: list, current: int) -> tuple[dict[tuple[int, int], bool], int]:
@@ -249,12 +263,17 @@ class Resolver:
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
         return taken
 
-    def _update_lag(self, ring: Any) -> None:
+    def _update_lag(self) -> None:
+        """How long the oldest unobserved pair has stayed so (0 when none waits or the head moved)."""
         now = time.monotonic()
-        head = ring[0] if ring else None
-        if head is None:
-            self.lag_s = 0.0
-        elif head is not self._head:
+        core = self.core
+        ring, queued = core.ring, core.hot.queued
+        if not ring and not queued:
+            self._head, self.lag_s = None, 0.0
+            return
+        # The heads of both rings: the Python one by identity, the recycler's by its position.
+        head = (ring[0] if ring else None, core.hot.collected if queued else -1)
+        if self._head is None or head[0] is not self._head[0] or head[1] != self._head[1]:
             self._head_since = now
             self.lag_s = 0.0
         else:

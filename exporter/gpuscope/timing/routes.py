@@ -224,6 +224,9 @@ class CudartCtypesRoute(_TorchCurrent):
         self.query_address = ctypes.cast(self._query, ctypes.c_void_p).value
         self.elapsed_address = ctypes.cast(self._elapsed, ctypes.c_void_p).value
         self.clear_error_address = ctypes.cast(self.clear_error, ctypes.c_void_p).value
+        #: what the recycler thread (_hotpath.c) calls to pick its device and relax capture mode
+        self.set_device_address = ctypes.cast(self._set_device, ctypes.c_void_p).value
+        self.capture_mode_address = ctypes.cast(self._exchange_mode, ctypes.c_void_p).value
 
     def _check(self, err: int, call: str) -> None:
         if err != CUDA_SUCCESS:

@@ -94,6 +94,9 @@ class Timer:
         calibrate_every: seconds between baseline re-calibrations (0: only when a device is new).
         native: the C hot path (True), the Python one (False), or None: C where it is built, unless
             the environment sets ``GPUSCOPE_TIMING_NATIVE=0`` (``timing/hot.py``).
+        recycler: with the C hot path on a CUDA runtime route, read finished pairs and recycle
+            their events from a thread that never takes the GIL (None: yes, unless the environment
+            sets ``GPUSCOPE_TIMING_RECYCLER=0``); False leaves them to the resolver's loop.
 
     The timer records on the current device's current stream: a thread that runs work on a GPU
     other than device 0 makes it current (``torch.cuda.set_device``), as serving engines do.
@@ -112,6 +115,7 @@ class Timer:
         calibrate_every: float = 60.0,
         route: Route | None = None,
         native: bool | None = None,
+        recycler: bool | None = None,
     ) -> None:
         if sample_rate is not None and not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
@@ -127,7 +131,8 @@ class Timer:
         # would open a CUDA context (hundreds of MiB) on a GPU the program never uses.
         self.core = TimerCore(route or pick_route(backend), pool_size=pool_size, ring_size=ring_size,
                               period=period, fixed_rate=sample_rate is not None,
-                              budget=0.0 if sample_rate is not None else budget, native=native)
+                              budget=0.0 if sample_rate is not None else budget, native=native,
+                              recycler=recycler)
         self.budget_controller = BudgetController(self.core)
         self.resolver = Resolver(self.core, self.budget_controller, resolve_interval=resolve_interval,
                                  calibrate_every=calibrate_every)
