@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -44,6 +45,8 @@ from gpuscope.timing import hot
 CONFIGS = ["raw_records", "raw_shared", "gpuscope_default", "gpuscope_full", "gpuscope_full_partition",
            "gpuscope_full_cresolve", "gpuscope_full_partition_cresolve", "gpuscope_full_partition_pyresolve",
            "gpuscope_full_python", "gpuscope_full_partition_python"]
+#: batch size and sequence length: GPU-bound and launch-bound
+WORKLOADS = {"large": (8, 512), "small": (1, 64)}
 
 
 def run_blocks(model, x, cfg: Config | None, block: int, cpu: list[float]) -> float:
@@ -146,12 +149,16 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=100, help="paired block rounds per workload")
     parser.add_argument("--block", type=int, default=10, help="forwards per block")
     parser.add_argument("--configs", default=",".join(CONFIGS[2:]),
-                        help="comma-separated configurations besides the two raw floors")
+                        help="comma-separated configurations besides the two raw floors; a recycler "
+                             "configuration may end in _recycle<N>us (its thread's poll interval)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: large, small")
     args = parser.parse_args()
     names = CONFIGS[:2] + [name for name in args.configs.split(",") if name]
-    unknown = sorted(set(names) - set(CONFIGS))
+    unknown = sorted({re.sub(r"_recycle\d+us$", "", name) for name in names} - set(CONFIGS))
+    unknown += sorted(set(args.workloads.split(",")) - set(WORKLOADS))
     if unknown:
-        parser.error(f"unknown configurations: {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
+        parser.error(f"unknown configurations or workloads: {', '.join(unknown)} "
+                     f"(known: {', '.join(CONFIGS)}; {', '.join(WORKLOADS)})")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -160,7 +167,8 @@ def main() -> int:
            "method": f"blocks of {args.block} forwards alternating untimed/config, {args.blocks} rounds, "
                      "shuffled config order; CPU = median per-forward thread_time difference",
            "workloads": {}}
-    for label, (bs, seq) in {"large": (8, 512), "small": (1, 64)}.items():
+    for label in args.workloads.split(","):
+        bs, seq = WORKLOADS[label]
         out["workloads"][label] = workload(bs, seq, args.blocks, args.block, names)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -168,7 +176,9 @@ def main() -> int:
     print(f"\nwrote {args.out}\n")
     print(f"{'config':32s} {'loss% L':>8s} {'loss% S':>8s} {'ratio L':>8s} {'ratio S':>8s} {'µs/reg L':>9s} "
           f"{'µs/reg S':>9s}")
-    large, small = out["workloads"]["large"], out["workloads"]["small"]
+    empty = dict.fromkeys(names, dict.fromkeys(("loss_pct", "in_context_ratio_to_raw_records",
+                                                 "cpu_us_added_per_region"), float("nan")))
+    large, small = out["workloads"].get("large", empty), out["workloads"].get("small", empty)
     for name in names:
         a, b = large[name], small[name]
         ratio = "in_context_ratio_to_raw_records"

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -139,10 +140,17 @@ class Config:
         # The C hot path hands plain pairs to its recycler thread unless the name asks for the
         # resolver's loops: in C (``_cresolve``) or in Python (``_pyresolve``).
         recycler = False if name.endswith(("_cresolve", "_pyresolve")) else None
-        if name == "gpuscope_default":
-            self.timer = Timer(None, native=native, recycler=recycler)
-        elif name.startswith("gpuscope_full"):
-            self.timer = Timer(None, sample_rate=1.0, native=native, recycler=recycler)
+        # ``_recycle<N>us``: the recycler thread polls every N µs instead of hot.RECYCLE_INTERVAL_S.
+        interval = re.search(r"_recycle(\d+)us$", name)
+        default_interval = hot.RECYCLE_INTERVAL_S
+        hot.RECYCLE_INTERVAL_S = int(interval.group(1)) * 1e-6 if interval else default_interval
+        try:
+            if name == "gpuscope_default":
+                self.timer = Timer(None, native=native, recycler=recycler)
+            elif name.startswith("gpuscope_full"):
+                self.timer = Timer(None, sample_rate=1.0, native=native, recycler=recycler)
+        finally:
+            hot.RECYCLE_INTERVAL_S = default_interval
         if name.endswith("_pyresolve"):
             self.timer.resolver.fast = None
         if name in ("raw_records", "raw_shared") and cuda:
