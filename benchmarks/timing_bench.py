@@ -143,7 +143,8 @@ class Config:
         # ``_recycle<N>us``: the recycler thread polls every N µs instead of hot.RECYCLE_INTERVAL_S.
         interval = re.search(r"_recycle(\d+)us$", name)
         default_interval = hot.RECYCLE_INTERVAL_S
-        hot.RECYCLE_INTERVAL_S = int(interval.group(1)) * 1e-6 if interval else default_interval
+        if interval:
+            hot.RECYCLE_INTERVAL_S = int(interval.group(1)) * 1e-6
         try:
             if name == "gpuscope_default":
                 self.timer = Timer(None, native=native, recycler=recycler)

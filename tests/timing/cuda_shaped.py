@@ -34,7 +34,6 @@ class CudaShapedRoute(HostRoute):
 
     def __init__(self) -> None:
         self.stamps: dict[int, float] = {}
-        self.recorded: list[int] = []  # every event recorded, in order
         self.event_device: dict[int, int] = {}
         self.destroyed: set[int] = set()
         self.clock_ms = 0.0
@@ -55,7 +54,6 @@ class CudaShapedRoute(HostRoute):
                 return CUDA_ERROR_INVALID_RESOURCE_HANDLE
             self.clock_ms += STEP_MS
             self.stamps[event] = self.clock_ms
-            self.recorded.append(event)
             return 0
 
         def query(event):

@@ -27,12 +27,6 @@ def timer():
     made.close(timeout=1.0)
 
 
-def free_events(timer: Timer, device: int = 0) -> list[int]:
-    """Every event of ``device`` ready to record: the pool's and those ops keep for their boundaries."""
-    core = timer.core
-    return core.pools[device] + [event for op in core.ops() for event in op.spares.get(device, [])]
-
-
 def histogram(timer: Timer, op: str, device: int = 0):
     return timer.op_state(op).hists.get(device)
 
@@ -66,7 +60,7 @@ def test_the_recycler_observes_what_the_resolvers_loops_do():
             time_regions(timer)
         assert timer.flush(5)
         observed[recycler] = resolved(timer)
-        assert timer.core.pending() == 0 and len(free_events(timer)) == POOL, "an event was not given back"
+        assert timer.core.pending() == 0 and len(timer.core.pools[0]) == POOL, "an event was not given back"
         timer.close(timeout=1.0)
     assert observed[True] == observed[False]
     count, _, total, exemplars = observed[True]["exact"]
@@ -81,10 +75,10 @@ def test_unfinished_pairs_wait_in_order_and_keep_their_events(timer):
     assert timer.core.hot.recycle_pass(5.0)
     assert timer.resolver.drain() == 2
     assert timer.core.pending() == 2 and histogram(timer, "exact").count == 2
-    assert len(free_events(timer)) == POOL - 4, "events of unfinished pairs came back"
+    assert len(timer.core.pools[0]) == POOL - 4, "events of unfinished pairs came back"
     route.gpu_ms = float("inf")
     assert timer.flush(5)
-    assert histogram(timer, "exact").count == 4 and len(free_events(timer)) == POOL
+    assert histogram(timer, "exact").count == 4 and len(timer.core.pools[0]) == POOL
 
 
 def test_events_come_back_to_be_recorded_again_next(timer):
@@ -99,27 +93,7 @@ def test_events_come_back_to_be_recorded_again_next(timer):
     assert timer.flush(5)
     assert histogram(timer, "exact").count == 20
     assert len(set(route.stamps) - before) == 2
-    assert len(free_events(timer)) == POOL
-
-
-def test_each_shared_boundary_records_the_event_it_recorded_on_the_last_pass(timer):
-    """Shared boundaries: once a pass is read, each op's boundary gets its own event back, so in the
-    steady state every boundary re-records one fixed event, as a hand-written fixed event per module
-    would (the cheapest pattern to record on the H200)."""
-    route = timer.core.route
-    seq = timer.sequence()
-    passes = []
-    for _ in range(4):
-        first = len(route.recorded)
-        with seq:
-            for op in ("a", "b", "c"):
-                seq.split(op)
-        passes.append(route.recorded[first:first + 3])  # the three boundaries (then the pass's end)
-        assert timer.core.hot.recycle_pass(5.0)
-        timer.resolver.drain()
-    assert passes[1] == passes[2] == passes[3]
-    assert len(set(passes[3])) == 3
-    assert timer.flush(5) and len(free_events(timer)) == POOL
+    assert len(timer.core.pools[0]) == POOL
 
 
 def test_failed_elapsed_reads_are_counted_and_release_their_events(timer):
@@ -131,7 +105,7 @@ def test_failed_elapsed_reads_are_counted_and_release_their_events(timer):
     assert timer.dropped["error"] - errors == 5  # three exact regions, two in the pass
     assert route.cleared >= 5  # each failure cleared from CUDA's last-error slot
     assert histogram(timer, "exact") is None or histogram(timer, "exact").count == 0
-    assert len(free_events(timer)) == POOL
+    assert len(timer.core.pools[0]) == POOL
 
 
 def test_pairs_with_a_callback_go_through_the_resolvers_ring(timer):
@@ -146,7 +120,7 @@ def test_pairs_with_a_callback_go_through_the_resolvers_ring(timer):
     assert timer.flush(5)
     assert charged == [pytest.approx(STEP_MS * 1e-3)]
     assert [histogram(timer, op).count for op in ("before", "step", "after")] == [1, 1, 1]
-    assert len(free_events(timer)) == POOL
+    assert len(timer.core.pools[0]) == POOL
 
 
 def test_a_full_ring_drops_and_counts_then_recovers(registry):
@@ -160,7 +134,7 @@ def test_a_full_ring_drops_and_counts_then_recovers(registry):
         assert timer.dropped["ring_full"] == 2 and timer.core.pending() == 4
         route.gpu_ms = float("inf")
         assert timer.flush(5)
-        assert histogram(timer, "exact").count == 4 and len(free_events(timer)) == POOL
+        assert histogram(timer, "exact").count == 4 and len(timer.core.pools[0]) == POOL
     finally:
         timer.close(timeout=1.0)
 
@@ -231,7 +205,7 @@ def test_a_lost_boundary_gives_the_shared_event_back_after_its_pair(timer, share
     route.gpu_ms = float("inf")
     assert timer.flush(5)
     assert histogram(timer, "first").count == 1 and histogram(timer, "second") is None
-    free = free_events(timer)
+    free = timer.core.pools[0]
     assert len(free) == POOL and len(set(free)) == POOL
 
 
@@ -250,7 +224,7 @@ def test_sequences_over_a_full_ring_lose_no_event(registry):
         assert timer.flush(5)
         observed = sum(h.count for op in "abc" if (h := histogram(timer, op)))
         assert observed == 4
-        free = free_events(timer)
+        free = timer.core.pools[0]
         assert len(free) == POOL and len(set(free)) == POOL
     finally:
         timer.close(timeout=1.0)

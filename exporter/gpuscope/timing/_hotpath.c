@@ -26,7 +26,7 @@ typedef int (*last_error_fn_t)(void);
 
 #define CUDA_ERROR_NOT_READY 600
 
-static PyObject *s_spares, *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
+static PyObject *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
     *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one, *s_error, *s_hists,
     *s_histogram, *s_bounds, *s_counts, *s_sum, *s_count, *s_exemplars, *s_seq, *s_split;
 
@@ -131,7 +131,6 @@ typedef struct {
     PyObject *trace;          /* NULL when no trace was active */
     PyObject *start, *end;    /* moved to the return queue when given back */
     PyObject *free;           /* the device's free list (borrowed: the hot path keeps it alive) */
-    PyObject *home;           /* where start goes back first, or NULL (borrowed: the op keeps it alive) */
     void *start_event, *end_event, *stream;
     int device_index;
     atomic_int end_state;     /* END_GIVE or END_KEEP when queued; the thread turns KEEP into KEPT */
@@ -141,11 +140,9 @@ typedef struct {
 
 typedef struct {
     PyObject *event;          /* the reference is the queue's */
-    PyObject *free, *home;    /* borrowed: the device's free list, and the op's spares (or NULL) */
+    PyObject *free;           /* the device's free list (borrowed) */
 } Returned;
 
-/* An op keeps at most this many events of its own (see home_list). */
-#define HOME_KEEP 2
 
 typedef struct {
     Pair *pairs;
@@ -239,11 +236,11 @@ static size_t advance(Recycler *r, int *idle) {
             if (err != 0) r->clear_error();  /* e.g. an event recorded under graph capture */
         }
         p->status = err;
-        r->back[back_tail++ % r->back_size] = (Returned){p->start, p->free, p->home};
+        r->back[back_tail++ % r->back_size] = (Returned){p->start, p->free};
         p->start = NULL;
         int keep = END_KEEP;
         if (!atomic_compare_exchange_strong(&p->end_state, &keep, END_KEPT)) {  /* END_GIVE */
-            r->back[back_tail++ % r->back_size] = (Returned){p->end, p->free, NULL};
+            r->back[back_tail++ % r->back_size] = (Returned){p->end, p->free};
             p->end = NULL;
         }
     }
@@ -399,9 +396,9 @@ static int bump(PyObject *dropped, PyObject *reason) {
     return rc;
 }
 
-/* Append the events the recycler gave back to their op's spares (up to HOME_KEEP) or their device's
- * free list: the last ones recorded end up last, so they are the next ones popped. A failed append
- * loses the event from circulation (it is still destroyed with the pool). */
+/* Append the events the recycler gave back to their free lists: the last ones recorded end up
+ * last, so they are the next ones popped. A failed append loses the event from circulation (it is
+ * still destroyed with the pool). */
 static void take_back(HotPath *h) {
     Recycler *r = h->recycler;
     if (r == NULL) return;
@@ -410,8 +407,7 @@ static void take_back(HotPath *h) {
     if (head == tail) return;
     for (; head < tail; head++) {
         Returned *b = &r->back[head % r->back_size];
-        PyObject *to = b->home != NULL && PyList_GET_SIZE(b->home) < HOME_KEEP ? b->home : b->free;
-        if (PyList_Append(to, b->event) < 0) PyErr_Clear();
+        if (PyList_Append(b->free, b->event) < 0) PyErr_Clear();
         Py_DECREF(b->event);
     }
     atomic_store_explicit(&r->back_head, head, memory_order_release);
@@ -535,7 +531,7 @@ static Py_ssize_t queued(HotPath *h, int python) {
 /* Into the recycler's ring (the caller made sure it has room): the pair's position, or -1 with a
  * Python error. ``end`` is kept when it starts the sequence's next region. */
 static Py_ssize_t recycler_push(HotPath *h, PyObject *op, PyObject *device, PyObject *stream, PyObject *start,
-                                PyObject *end, PyObject *trace, int keep_end, PyObject *home) {
+                                PyObject *end, PyObject *trace, int keep_end) {
     Recycler *r = h->recycler;
     size_t tail = atomic_load_explicit(&r->tail, memory_order_relaxed);
     int device_index = PyLong_AsLong(device);
@@ -559,7 +555,6 @@ static Py_ssize_t recycler_push(HotPath *h, PyObject *op, PyObject *device, PyOb
     p->start = Py_NewRef(start);
     p->end = Py_NewRef(end);
     p->free = free;
-    p->home = home;
     p->start_event = start_event;
     p->end_event = end_event;
     p->stream = stream_ptr;
@@ -592,10 +587,10 @@ static int release_shared(HotPath *h, PyObject *event, PyObject *device, size_t 
  * steals nothing. The pair's position in the recycler's ring, -2 on the Python ring, or -1 with a
  * Python error. */
 static Py_ssize_t queue_pair(HotPath *h, PyObject *op, PyObject *device, PyObject *stream, PyObject *start,
-                             PyObject *end, PyObject *trace, PyObject *callback, int keep_end, PyObject *home) {
+                             PyObject *end, PyObject *trace, PyObject *callback, int keep_end) {
     if (callback == NULL && recycling(h)) {
         if (recycler_start(h->recycler) == 0)
-            return recycler_push(h, op, device, stream, start, end, trace, keep_end, home);
+            return recycler_push(h, op, device, stream, start, end, trace, keep_end);
         if (bump(h->dropped, s_error) < 0) return -1;  /* no thread: the resolver's loops take over */
     }
     PyObject *item = pending(h, op, device, stream, start, end, trace, callback, keep_end);
@@ -683,8 +678,7 @@ static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *trace = trace_id(h);
     if (trace == NULL) goto done;
-    Py_ssize_t position = queue_pair(h, op, device, stream, start, end, trace, callback == Py_None ? NULL : callback, 0,
-                                     NULL);
+    Py_ssize_t position = queue_pair(h, op, device, stream, start, end, trace, callback == Py_None ? NULL : callback, 0);
     Py_DECREF(trace);
     if (position == -1) goto done;
     if (measure) {
@@ -821,8 +815,6 @@ static PyObject *HotPath_collect(HotPath *h, PyObject *baselines) {
     }
     Py_ssize_t observed = 0;
     if (r == NULL) return PyLong_FromSsize_t(0);
-    /* Take back what the thread returned before clearing the pairs: a returned event's home is
-     * borrowed from its op, which a pair may hold the last reference to. */
     size_t read = atomic_load_explicit(&r->read, memory_order_acquire);
     take_back(h);
     while (r->head < read) {
@@ -926,7 +918,6 @@ static PyTypeObject HotPathType = {
 typedef struct {
     PyObject_HEAD
     PyObject *core, *hot, *pass_, *op, *event, *device, *stream, *recorder;
-    PyObject *home;        /* the op's spares ``event`` came from and goes back to, or None */
     char shared, active;
     Py_ssize_t shared_at;  /* when shared: the position in the recycler's ring of the pair whose end is ``event`` */
 } SequenceBase;
@@ -982,8 +973,7 @@ static int close_open(SequenceBase *s, HotPath *h, PyObject *end, int last) {
     }
     PyObject *trace = trace_id(h);
     if (trace == NULL) goto out;
-    Py_ssize_t position = queue_pair(h, op, s->device, s->stream, s->event, end, trace, NULL, !last,
-                                     is_none(s->home) ? NULL : s->home);
+    Py_ssize_t position = queue_pair(h, op, s->device, s->stream, s->event, end, trace, NULL, !last);
     Py_DECREF(trace);
     if (position == -1) goto out;
     s->shared_at = position;  /* -2: on the Python ring */
@@ -1012,29 +1002,6 @@ static PyObject *split_lost(SequenceBase *s, HotPath *h) {
     return close_open(s, h, Py_None, 0) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-/* ``op``'s spare events on ``device`` (new reference), a list made on first use.
- *
- * Why an op keeps events of its own: with the recycler, the event a boundary records is, in the
- * steady state, the one the same boundary recorded on the previous pass, as with a fixed event per
- * module, the cheapest way to record on the H200 (benchmarks/NOTES.md). */
-static PyObject *home_list(PyObject *op, PyObject *device) {
-    PyObject *spares = PyObject_GetAttr(op, s_spares);
-    if (spares == NULL) return NULL;
-    if (!PyDict_Check(spares)) {
-        Py_DECREF(spares);
-        PyErr_SetString(PyExc_TypeError, "an op's spares must be a dict");
-        return NULL;
-    }
-    PyObject *home = PyDict_GetItemWithError(spares, device);
-    if (home != NULL) {
-        Py_INCREF(home);
-    } else if (!PyErr_Occurred() && (home = PyList_New(0)) != NULL && PyDict_SetItem(spares, device, home) < 0) {
-        Py_CLEAR(home);
-    }
-    Py_DECREF(spares);
-    return home;
-}
-
 static PyObject *Sequence_split(SequenceBase *s, PyObject *arg) {
     HotPath *h = seq_hot(s);
     if (h == NULL) return NULL;
@@ -1044,7 +1011,7 @@ static PyObject *Sequence_split(SequenceBase *s, PyObject *arg) {
     } else {
         op = Py_NewRef(arg);
     }
-    PyObject *result = NULL, *device = NULL, *free = NULL, *event = NULL, *stream = NULL, *home = NULL;
+    PyObject *result = NULL, *device = NULL, *free = NULL, *event = NULL, *stream = NULL;
     PyObject *entered = PyObject_GetAttr(op, s_entered);
     if (entered == NULL) goto done;
     PyObject *more = PyNumber_Add(entered, one);
@@ -1065,30 +1032,26 @@ static PyObject *Sequence_split(SequenceBase *s, PyObject *arg) {
         goto done;
     }
     if ((free = free_list(h, device)) == NULL) goto done;
-    if (recycling(h) && (home = home_list(op, device)) == NULL) goto done;
-    PyObject *source = home != NULL && PyList_GET_SIZE(home) > 0 ? home : free;
-    if (PyList_GET_SIZE(source) == 0) {
+    if (PyList_GET_SIZE(free) == 0) {
         if (bump(h->dropped, s_pool_empty) == 0) result = split_lost(s, h);
         goto done;
     }
-    if ((event = pop_event(source)) == NULL) goto done;
+    if ((event = pop_event(free)) == NULL) goto done;
     if ((stream = current_stream(h, device)) == NULL) goto done;
     int err = record(h, event, stream);
     if (err != 0) {
-        if (err > 0 && PyList_Append(source, event) == 0 && record_failed(h) == 0) result = split_lost(s, h);
+        if (err > 0 && PyList_Append(free, event) == 0 && record_failed(h) == 0) result = split_lost(s, h);
         goto done;
     }
     int shared = close_open(s, h, event, 0);
     if (shared < 0) goto done;
     s->shared = (char)shared;
-    Py_XSETREF(s->home, home != NULL ? Py_NewRef(home) : Py_NewRef(Py_None));
     Py_SETREF(s->op, Py_NewRef(op));
     Py_XSETREF(s->event, Py_NewRef(event));
     Py_XSETREF(s->device, Py_NewRef(device));
     Py_XSETREF(s->stream, Py_NewRef(stream));
     result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(home);
     Py_XDECREF(stream);
     Py_XDECREF(event);
     Py_XDECREF(free);
@@ -1097,7 +1060,7 @@ done:
     return result;
 }
 
-#define SEQUENCE_OBJECTS(X) X(core) X(hot) X(pass_) X(op) X(event) X(device) X(stream) X(recorder) X(home)
+#define SEQUENCE_OBJECTS(X) X(core) X(hot) X(pass_) X(op) X(event) X(device) X(stream) X(recorder)
 GC_FUNCTIONS(SequenceBase, SEQUENCE_OBJECTS)
 
 static PyMethodDef Sequence_methods[] = {
@@ -1432,7 +1395,6 @@ static struct PyModuleDef hotpath_module = {
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(s_entered, "entered");
-    INTERN(s_spares, "spares");
     INTERN(s_add_device, "add_device");
     INTERN(s_record_failed, "record_failed");
     INTERN(s_record_captured, "record_captured");

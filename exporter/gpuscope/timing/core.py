@@ -84,7 +84,7 @@ class GraphToken(NamedTuple):
 class OpState:
     """Per-op sampling state and histograms (one per device), owned by one timer."""
 
-    __slots__ = ("always", "countdown", "entered", "fixed", "hists", "name", "owner", "period", "spares")
+    __slots__ = ("always", "countdown", "entered", "fixed", "hists", "name", "owner", "period")
 
     def __init__(self, name: str, period: int, fixed: bool) -> None:
         self.name = name
@@ -95,9 +95,6 @@ class OpState:
         self.always = 0  # regions started with on_elapsed: timed every time, outside the budget's reach
         self.fixed = fixed
         self.hists: dict[int, BucketHistogram] = {}
-        #: per device, events this op's shared boundaries record first (the C hot path's recycler
-        #: gives each boundary's event back here, so a boundary re-records the same event each pass)
-        self.spares: dict[int, list[Any]] = {}
 
     def histogram(self, device: int) -> BucketHistogram:
         hist = self.hists.get(device)
@@ -243,8 +240,6 @@ class TimerCore:
     def close_pools(self) -> None:
         """Destroy every event (after the resolver has stopped); later regions find no pool."""
         self.closed = True
-        for op in self.ops():
-            op.spares.clear()
         for device, events in self._all_events.items():
             self.pools[device] = []
             self._destroy(device, events)
