@@ -14,13 +14,24 @@ interval varied: configurations from timing_bench.py (``_pyresolve``: the resolv
 plus ``_ri<ms>``: the resolver waking every that many ms (default 50). Reports the resolver's CPU per
 sample.
 
+``--probe recycler``: where shared boundaries lose what they lose beyond one raw record a region:
+the recycler thread polling every 0.2, 1 and 10 ms, the resolver's C loop instead of the recycler,
+and ``_held``: neither the recycler nor the resolver wakes during a block (both are run between
+blocks, outside the measurement), which leaves only the inference thread's own work. Beside the
+floor, one raw record a region cycling through 25 events (each module records a different event
+each pass, out of a set hardly larger than the fixed one) and through 72 (about what a 10 ms
+recycler keeps in flight): whether a record costs more for a new event or for a larger set.
+``--probe recycle-interval``: the recycler's poll interval from 1 to 50 ms against the same floor.
+
     python benchmarks/hot_path_probes.py --probe rotation --out benchmarks/results/event-rotation.json
     python benchmarks/hot_path_probes.py --probe interval --out benchmarks/results/resolve-interval.json
+    python benchmarks/hot_path_probes.py --probe recycler --out benchmarks/results/recycler-probe.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import os
@@ -32,7 +43,7 @@ import torch
 from hot_path_bench import paired_rounds, transformer
 from timing_bench import Config
 
-from gpuscope.timing import Timer
+from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import CudartCtypesRoute
 
 PROBES = {
@@ -41,7 +52,14 @@ PROBES = {
     "interval": ["raw_records", "raw_shared", "gpuscope_full", "gpuscope_full_partition",
                  "gpuscope_full_partition_pyresolve", "gpuscope_full_partition_ri10",
                  "gpuscope_full_partition_ri5"],
+    "recycler": ["raw_shared", "raw_rot25", "raw_rot72", "gpuscope_full_partition_recycle200us",
+                 "gpuscope_full_partition_recycle1000us", "gpuscope_full_partition_recycle10000us",
+                 "gpuscope_full_partition_cresolve", "gpuscope_full_partition_held"],
+    "recycle-interval": ["raw_shared", *(f"gpuscope_full_partition_recycle{us}us"
+                                         for us in (1000, 2000, 5000, 10000, 20000, 50000))],
 }
+#: Long enough that a held thread never wakes by itself during a run.
+HELD_S = 3600.0
 
 
 class RotationProbe:
@@ -93,6 +111,29 @@ def interval_config(name: str, mods: list, model: torch.nn.Module) -> Config:
     return cfg
 
 
+class HeldConfig(Config):
+    """Shared boundaries with the recycler and the resolver woken only between blocks."""
+
+    def __init__(self, mods: list, model: torch.nn.Module) -> None:
+        super().__init__("gpuscope_full_partition", mods, model, True)
+        self.timer.close()
+        default, hot.RECYCLE_INTERVAL_S = hot.RECYCLE_INTERVAL_S, HELD_S
+        try:
+            self.timer = Timer(None, sample_rate=1.0, resolve_interval=HELD_S)
+        finally:
+            hot.RECYCLE_INTERVAL_S = default
+
+    def uninstall(self) -> None:
+        super().uninstall()
+        self.timer.flush(30)
+
+
+def recycler_config(name: str, mods: list, model: torch.nn.Module) -> Config | RotationProbe:
+    if name.startswith("raw_rot"):
+        return RotationProbe(name, mods, model, CudartCtypesRoute())
+    return HeldConfig(mods, model) if name.endswith("_held") else Config(name, mods, model, True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--probe", choices=sorted(PROBES), required=True)
@@ -108,9 +149,11 @@ def main() -> int:
         route = CudartCtypesRoute()
         cfgs = {name: RotationProbe(name, mods, model, route) for name in names}
     else:
-        cfgs = {name: interval_config(name, mods, model) for name in names}
+        make = interval_config if args.probe == "interval" else recycler_config
+        cfgs = {name: make(name, mods, model) for name in names}
     rounds = paired_rounds(model, x, cfgs, args.blocks, 10, args.probe, warm_up=30)
-    out = {"gpu": torch.cuda.get_device_name(0), "probe": args.probe, "configs": {}}
+    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "probe": args.probe, "blocks": args.blocks, "configs": {}}
     for name in names:
         row = out["configs"][name] = {"cpu_us_region": rounds.cpu_added_us(name) / len(mods),
                                       "loss_pct": rounds.loss_pct(name)}
@@ -120,6 +163,9 @@ def main() -> int:
             counters = timer.resolver.counters()
             row["resolver_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
             row["dropped"] = dict(timer.dropped)
+            if timer.core.recycling:
+                row["recycler_us_per_sample"] = (1e6 * timer.core.hot.recycler_cpu_s
+                                                 / max(1, counters["resolved"]))
         print(f"{name:36s} cpu/region {row['cpu_us_region']:6.2f} µs  loss {row['loss_pct']:6.2f}%  "
               f"resolver µs/sample {row.get('resolver_us_per_sample', 0):5.2f}", flush=True)
     with open(args.out, "w") as f:

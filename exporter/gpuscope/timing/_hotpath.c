@@ -95,14 +95,15 @@ static PyObject *histogram_of(PyObject *op, PyObject *device) {
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Recycler: a thread of its own, never holding the GIL, that reads finished pairs and gives their   */
-/* events back within about a millisecond                                                            */
+/* events back every few milliseconds                                                                */
 /*
- * Why a thread outside Python: a record on an event recorded a moment ago costs the inference thread
- * less than one on an event last used tens of milliseconds ago (the driver's event state is still in
- * cache), and the resolver, waking every 50 ms, kept hundreds of events in flight; waking it more
- * often cost more GIL than it saved (benchmarks/NOTES.md). This thread polls about every millisecond
- * without the GIL, so only the events of the last millisecond or so are in flight, and the inference
- * thread's free list hands back the ones it recorded last.
+ * Why a thread outside Python: the resolver, waking every 50 ms, kept hundreds of events in flight,
+ * and waking it more often cost more GIL than it saved (benchmarks/NOTES.md). This thread polls
+ * without the GIL (every hot.RECYCLE_INTERVAL_S), so only the events of the last interval are in
+ * flight, and the inference thread's free list hands back the ones it recorded last. Polling every
+ * millisecond cost the launch-bound workload about a point of throughput more than every 10 ms did,
+ * with no GIL involved: what is left to compete with the inference thread is this thread's wake-ups
+ * and its CUDA calls on events the inference thread has just recorded.
  *
  * Three stages, each index written by one side only:
  *   tail  the hot path (GIL) wrote pairs[.. tail)

@@ -18,9 +18,9 @@ sequence's Python methods, which both implementations call.
 
 Where the route gives the addresses of CUDA's event functions (``recycler_addresses``), the C hot
 path hands plain pairs to a *recycler*: a thread of the extension that never takes the GIL, reads
-finished pairs about every millisecond and gives their events straight back, so the inference
-thread re-records events it used a moment ago (cheaper than ones idle for tens of ms) and the
-resolver thread only moves the elapsed times into histograms (``HotPath.collect``). Without a
+finished pairs every ``RECYCLE_INTERVAL_S`` and gives their events straight back, so the
+inference thread re-records events it used a few milliseconds ago and the resolver thread only
+moves the elapsed times into histograms (``HotPath.collect``). Without a
 recycler (``GPUSCOPE_TIMING_RECYCLER=0``), plain pairs go to the resolver's C loop
 (``resolve_loop``), which asks CUDA with the GIL released.
 """
@@ -41,8 +41,10 @@ NATIVE_ENV = "GPUSCOPE_TIMING_NATIVE"
 #: Set to 0 to leave plain pairs to the resolver's loop even where the recycler could run.
 RECYCLER_ENV = "GPUSCOPE_TIMING_RECYCLER"
 #: How often the recycler thread looks for finished pairs while any are queued (it backs off when
-#: idle). About a forward's worth of a small model: events in flight stay in the tens.
-RECYCLE_INTERVAL_S = 0.001
+#: idle). Polling every 1 ms cost the launch-bound workload 1.25 points of throughput more than
+#: every 10 ms on the H200, in four paired runs out of which three agreed (benchmarks/NOTES.md); at
+#: 10 ms the events in flight still stay in the tens.
+RECYCLE_INTERVAL_S = 0.01
 #: Measure the in-context cost of every Nth sampled pair (two clock reads each).
 MEASURE_EVERY = 16
 _RECYCLER_FUNCTIONS = ("query_address", "elapsed_address", "clear_error_address", "set_device_address")
