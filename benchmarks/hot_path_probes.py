@@ -22,6 +22,8 @@ floor, one raw record a region cycling through 25 events (each module records a 
 each pass, out of a set hardly larger than the fixed one) and through 72 (about what a 10 ms
 recycler keeps in flight): whether a record costs more for a new event or for a larger set.
 ``--probe recycle-interval``: the recycler's poll interval from 1 to 50 ms against the same floor.
+``--probe gap``: the default recycler, the floor and the floor cycling through 72 events alone, for
+a long run (``--blocks 400``): how much of the gap to the floor the cycling alone accounts for.
 
     python benchmarks/hot_path_probes.py --probe rotation --out benchmarks/results/event-rotation.json
     python benchmarks/hot_path_probes.py --probe interval --out benchmarks/results/resolve-interval.json
@@ -55,6 +57,7 @@ PROBES = {
     "recycler": ["raw_shared", "raw_rot25", "raw_rot72", "gpuscope_full_partition_recycle200us",
                  "gpuscope_full_partition_recycle1000us", "gpuscope_full_partition_recycle10000us",
                  "gpuscope_full_partition_cresolve", "gpuscope_full_partition_held"],
+    "gap": ["raw_shared", "raw_rot72", "gpuscope_full_partition"],
     "recycle-interval": ["raw_shared", *(f"gpuscope_full_partition_recycle{us}us"
                                          for us in (1000, 2000, 5000, 10000, 20000, 50000))],
 }
