@@ -15,12 +15,18 @@ d 1024, bf16; 2 regions per block, timed with ``instrument()``), captured with
    of the same step, in interleaved paired rounds (median of paired ratios, quartiles);
    target ≤ 1% loss;
 3. what a timed replay costs: GPU time of a timed vs an untimed replay, the period chosen from
-   it, and the graph baseline (an empty pair of event nodes).
+   it, and the graph baseline (an empty pair of event nodes);
+4. CUPTI's view of the same modules (``kernels``, through torch.profiler): one block's attention
+   and MLP run eagerly and replayed from a graph of that module alone, each behind a pre-filled
+   queue: the sum of their kernels' durations and the span from the first kernel's start to the
+   last one's end. Where graph and eager region times differ, this says whether the kernels or
+   the gaps between them did.
 
 Also checks that replay outputs equal eager outputs. Writes ``--out`` (JSON), progress on stderr,
 a table last; exit 1 (the failing part named) if a part fails.
 
     python benchmarks/graph_timing_bench.py --out benchmarks/results/graph-timing-h200.json   # ~2 min
+    python benchmarks/graph_timing_bench.py --parts accuracy,kernels --out /tmp/graph-kernels.json
 """
 
 from __future__ import annotations
@@ -207,6 +213,52 @@ def throughput(args: argparse.Namespace) -> dict:
     return result
 
 
+def kernel_spans(run, passes: int, prefill_cycles: int) -> dict:
+    """``run()`` ``passes`` times, each behind a sleep kernel, under torch.profiler (CUPTI): per pass,
+    medians of the kernels' summed durations and of their span (first start to last end), in µs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            torch.cuda._sleep(prefill_cycles)
+            run()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and "spin" not in e.name.lower())
+    per_pass, extra = divmod(len(kernels), passes)
+    if per_pass == 0 or extra:
+        raise RuntimeError(f"CUPTI reported {len(kernels)} kernels for {passes} passes")
+    passes_kernels = [kernels[i * per_pass:(i + 1) * per_pass] for i in range(passes)]
+    return {"kernels_per_pass": per_pass,
+            "kernel_sum_us": round(statistics.median(sum(end - start for start, end in k)
+                                                     for k in passes_kernels), 3),
+            "span_us": round(statistics.median(k[-1][1] - k[0][0] for k in passes_kernels), 3)}
+
+
+def kernels(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    block = Model(1, args.dim).cuda().to(torch.bfloat16).eval().blocks[0]
+    x = torch.randn(args.batch, args.dim, device="cuda", dtype=torch.bfloat16)
+    result = {}
+    with torch.no_grad():
+        for kind in ("attn", "mlp"):
+            module = getattr(block, kind)
+            for _ in range(3):
+                module(x)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                module(x)
+            graph.replay()
+            eager = kernel_spans(lambda m=module: m(x), args.eager_passes, int(args.prefill_cycles))
+            replayed = kernel_spans(graph.replay, args.eager_passes, int(args.prefill_cycles))
+            result[kind] = {"eager_prefilled": eager, "graph": replayed,
+                            "span_graph_minus_eager_us": round(replayed["span_us"] - eager["span_us"], 3),
+                            "kernel_sum_graph_minus_eager_us": round(
+                                replayed["kernel_sum_us"] - eager["kernel_sum_us"], 3)}
+    return result
+
+
+PARTS = {"accuracy": accuracy, "throughput": throughput, "kernels": kernels}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=12)
@@ -218,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-cycles", type=float, default=2e7, help="sleep kernel cycles queued ahead")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--replays-per-round", type=int, default=2000)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/graph-timing.json"))
     args = p.parse_args(argv)
+    parts = [name for name in args.parts.split(",") if name]
+    if not parts or set(parts) - set(PARTS):
+        p.error(f"--parts: choose from {', '.join(PARTS)} (got {args.parts!r})")
     if not torch.cuda.is_available():
         print("graph_timing_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -229,10 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"d {args.dim}, bf16",
               "parts": {}}
     failures = []
-    for name, part in (("accuracy", accuracy), ("throughput", throughput)):
+    for name in parts:
         log(f"part {name}")
         try:
-            report["parts"][name] = part(args)
+            report["parts"][name] = PARTS[name](args)
         except Exception as exc:
             report["parts"][name] = {"error": f"{type(exc).__name__}: {exc}",
                                      "traceback": traceback.format_exc()}
@@ -256,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("timed replay cost / period", f"{thr['timed_replay_cost_ratio']} / {thr['period']}"))
         rows.append(("replays/s on vs off (loss %)", f"{thr['replays_per_s_timing_on_median']} vs "
                      f"{thr['replays_per_s_timing_off_median']} ({thr['loss_pct']} %)"))
+    for kind, k in report["parts"].get("kernels", {}).items():
+        if isinstance(k, dict) and "graph" in k:
+            rows.append((f"{kind} CUPTI µs: kernels, span: graph | eager (queue full)",
+                         f"{k['graph']['kernel_sum_us']}, {k['graph']['span_us']} | "
+                         f"{k['eager_prefilled']['kernel_sum_us']}, {k['eager_prefilled']['span_us']}"))
     rows += [("FAILED", f) for f in failures]
     rows.append(("written", str(out)))
     width = max(len(k) for k, _ in rows)
