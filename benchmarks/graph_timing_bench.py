@@ -221,8 +221,15 @@ def kernel_spans(run, passes: int, prefill_cycles: int) -> dict:
             torch.cuda._sleep(prefill_cycles)
             run()
         torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and "spin" not in e.name.lower())
+    return pass_spans([(e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and "spin" not in e.name.lower()],
+                      passes)
+
+
+def pass_spans(kernels: list[tuple[float, float]], passes: int) -> dict:
+    """(start, end) of every kernel of ``passes`` equal passes run one after another: per pass,
+    medians of the kernels' summed durations and of their span (first start to last end)."""
+    kernels = sorted(kernels)
     per_pass, extra = divmod(len(kernels), passes)
     if per_pass == 0 or extra:
         raise RuntimeError(f"CUPTI reported {len(kernels)} kernels for {passes} passes")
