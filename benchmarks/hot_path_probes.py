@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two probes of what every region timed with shared boundaries costs on the launch-bound workload
+"""Probes of what every region timed with shared boundaries costs on the launch-bound workload
 (hot_path_bench.py's bs 1 × 64, 24 regions a forward), by hot_path_bench.py's method: blocks of 10
 forwards alternating with the untimed model, shuffled order, loss from summed block walls.
 
@@ -28,6 +28,9 @@ a long run (``--blocks 400``): how much of the gap to the floor the cycling alon
     python benchmarks/hot_path_probes.py --probe rotation --out benchmarks/results/event-rotation.json
     python benchmarks/hot_path_probes.py --probe interval --out benchmarks/results/resolve-interval.json
     python benchmarks/hot_path_probes.py --probe recycler --out benchmarks/results/recycler-probe.json
+    python benchmarks/hot_path_probes.py --probe recycle-interval --out recycle-interval.json
+    python benchmarks/hot_path_probes.py --probe gap --blocks 400 --out benchmarks/results/recycler-gap.json
+    python benchmarks/plot_probe_runs.py benchmarks/results/recycler-probe.json ... --out recycler.png
 """
 
 from __future__ import annotations
