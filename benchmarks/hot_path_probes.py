@@ -45,7 +45,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
 
 import torch
-from hot_path_bench import paired_rounds, transformer
+from hot_path_bench import paired_rounds, recycler_us_per_sample, transformer
 from timing_bench import Config
 
 from gpuscope.timing import Timer, hot
@@ -170,8 +170,7 @@ def main() -> int:
             row["resolver_us_per_sample"] = 1e6 * counters["busy"] / max(1, counters["resolved"])
             row["dropped"] = dict(timer.dropped)
             if timer.core.recycling:
-                row["recycler_us_per_sample"] = (1e6 * timer.core.hot.recycler_cpu_s
-                                                 / max(1, counters["resolved"]))
+                row["recycler_us_per_sample"] = recycler_us_per_sample(timer)
         print(f"{name:36s} cpu/region {row['cpu_us_region']:6.2f} µs  loss {row['loss_pct']:6.2f}%  "
               f"resolver µs/sample {row.get('resolver_us_per_sample', 0):5.2f}", flush=True)
     with open(args.out, "w") as f:
