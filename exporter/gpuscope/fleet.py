@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from gpuscope.dashboards import render as dashboards_render
-from gpuscope.ports import LOCAL_HOST, PORTS, free_port
+from gpuscope.ports import LOCAL_HOST, PORTS, free_ports
 from gpuscope.stack import (
     Parts,
     Process,
@@ -185,7 +185,7 @@ class Fleet(Parts):
         for i, name in enumerate(self.names):
             self.ports[f"{name}/vmagent"] = FLEET_PORTS["vmagent"] + i * HOST_PORT_STEP
         if free:
-            self.ports = {part: free_port(self.options.address) for part in self.ports}
+            self.ports = free_ports(self.ports, self.options.address)
         self._check_ports()
 
     # -- public API --

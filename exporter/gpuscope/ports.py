@@ -9,7 +9,9 @@ Prometheus, Alertmanager and Loki use inside compose.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterable
 
 PORTS: dict[str, int] = {
     "server": 8000,
@@ -34,6 +36,19 @@ def default_listen_address(service: str) -> str:
 
 def free_port(host: str = LOCAL_HOST) -> int:
     """A TCP port that was free on ``host`` a moment ago (the caller binds it right after)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(["port"], host)["port"]
+
+
+def free_ports(names: Iterable[str], host: str = LOCAL_HOST) -> dict[str, int]:
+    """A distinct TCP port per name, each free on ``host`` a moment ago.
+
+    Every socket stays bound until all ports are chosen: ports asked for one at a time, each socket
+    closed before the next bind, can come back twice (a stack once gave its receiver the port its
+    Alertmanager had just been given)."""
+    with contextlib.ExitStack() as held:
+        ports = {}
+        for name in names:
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, 0))
+            ports[name] = sock.getsockname()[1]
+        return ports

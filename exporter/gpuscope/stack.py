@@ -42,7 +42,7 @@ import yaml
 
 from gpuscope import procs
 from gpuscope.flags import FlagParser, checked, env_name
-from gpuscope.ports import LOCAL_HOST, PORTS, free_port
+from gpuscope.ports import LOCAL_HOST, PORTS, free_ports
 
 if TYPE_CHECKING:
     from gpuscope.fleet import Fleet
@@ -309,7 +309,7 @@ class Stack(Parts):
         ports = {name: PORTS[name] for name in COMPONENTS}
         chosen = self.options.ports
         if chosen == "free":
-            ports = {name: free_port(self.options.host) for name in COMPONENTS}
+            ports = free_ports(COMPONENTS, self.options.host)
         elif isinstance(chosen, dict):
             unknown = set(chosen) - set(COMPONENTS)
             if unknown:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import requests
 import yaml
 
+from gpuscope import ports
 from gpuscope import stack as st
 from gpuscope.ports import PORTS
 from tests.conftest import require_binary, usage_error, wait_for
@@ -66,6 +69,39 @@ def test_missing_binary_names_the_debian_package(tmp_path, monkeypatch):
                      log=lambda line: None)
     with pytest.raises(st.StackError, match="apt-get install prometheus-alertmanager"):
         stack.start()
+
+
+class LowestFreePort:
+    """A socket whose bind to port 0 gets the lowest port no open one of these holds: an OS may hand
+    a port just closed to the next bind, which is how one-at-a-time picking gave two parts one port."""
+
+    held: ClassVar[set[int]] = set()
+
+    def __init__(self) -> None:
+        self.port = 0
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.port = 40000
+        while self.port in self.held:
+            self.port += 1
+        self.held.add(self.port)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def __enter__(self) -> LowestFreePort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.held.discard(self.port)
+
+
+def test_free_ports_are_distinct_even_where_a_closed_port_comes_straight_back(monkeypatch):
+    monkeypatch.setattr(ports, "socket", SimpleNamespace(socket=LowestFreePort))
+    stack = st.Stack(st.StackOptions(ports="free"), log=lambda line: None)
+    chosen = [int(stack.url(name).rsplit(":", 1)[1]) for name in st.COMPONENTS]
+    assert len(set(chosen)) == len(chosen) == len(st.COMPONENTS)
+    assert not LowestFreePort.held, "every socket is closed once the ports are chosen"
 
 
 def test_default_ports_are_the_ports_module():
