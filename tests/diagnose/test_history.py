@@ -3,7 +3,8 @@
 The recorded series (names from ``alerting/names.py``, labels as the generated rules record them)
 are backfilled with ``promtool tsdb create-blocks-from openmetrics`` into a fresh TSDB, a real
 Prometheus serves it, and the command's queries run against it. Two hosts: ``gpuhost`` tokenizes on
-every core with an idle GPU; ``memhost`` has a full, swinging GPU that throttles and reported XID 79.
+every core with an idle GPU and a launch-bound op; ``memhost`` has a full, swinging GPU that
+throttles, reported XID 79 and whose memory floor grows.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def _series(t0: int) -> dict[str, list[float]]:
     out[f"{names.GPU_MEMORY_TOTAL}{{{memhost_gpu}}}"] = const(100.0)
     out[f'{names.GPU_CLOCK_EVENT_RATIO}{{{memhost_gpu},reason="hw_thermal_slowdown"}}'] = const(0.8)
     out[f'{names.GPU_XID_RECENT}{{{memhost_gpu},xid="79"}}'] = const(1.0)
+    out[f"{names.GPU_MEMORY_GROWTH_RATE}{{{memhost_gpu}}}"] = const(1e6)  # the leak rules' floor grows
+    out[f'{names.REGION_GPU_BUSY_RATIO}{{{SERVER},instance="gpuhost:8000",op="lm_head",device="cuda:0"}}'] = (
+        const(0.2))
     return out
 
 
@@ -91,10 +95,12 @@ def test_past_window_is_judged_per_host(prometheus: str) -> None:
     by_host = {s["summary"]["host"]: s for s in document["summaries"]}
     assert set(by_host) == {"gpuhost", "memhost"}
     gpuhost, memhost = by_host["gpuhost"], by_host["memhost"]
-    assert {f["code"] for f in gpuhost["findings"]} == {"input_bound"}
+    assert {f["code"] for f in gpuhost["findings"]} == {"input_bound", "launch_bound_ops"}
+    assert gpuhost["summary"]["server"]["ops"]["lm_head"]["busy_ratio"] == pytest.approx(0.2)
     assert gpuhost["summary"]["cpu"] == pytest.approx(0.95, abs=0.01)  # from node_exporter's idle counter
     assert gpuhost["summary"]["server"]["ttft_p50_s"] == pytest.approx(0.05)
-    assert {f["code"] for f in memhost["findings"]} == {"memory_pressure", "thermal_throttling", "xid"}
+    assert {f["code"] for f in memhost["findings"]} == {"memory_pressure", "thermal_throttling", "xid",
+                                                        "memory_leak"}
     gpu = memhost["summary"]["gpus"][0]
     assert gpu["memory_used_ratio"] == pytest.approx(0.97) and gpu["util_min"] == 0 and gpu["util_max"] == 1
     assert gpu["xids"] == {"79": 1.0}

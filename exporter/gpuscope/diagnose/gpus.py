@@ -6,7 +6,6 @@ throttle reasons and XID watcher as ``gpuscope exporter``, run in-process and re
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Any
 
@@ -26,8 +25,6 @@ class GpuSampler:
     """Starts an in-process exporter sampling at ``interval``; :meth:`read` returns its latest values."""
 
     def __init__(self, interval: float = 0.5, nv: Any = None, xid_wait_ms: int = 200) -> None:
-        # The exporter logs NVML trouble itself; a terminal tool shows it in its own table instead.
-        logging.getLogger("gpuscope.exporter").setLevel(logging.ERROR)
         config = Config(interval=interval, slow_interval=max(interval, 1.0),
                         collectors=frozenset({"device", "clock_events", "energy", XID}))
         self.exporter = Exporter(config, nv=nv, xid_wait_ms=xid_wait_ms)

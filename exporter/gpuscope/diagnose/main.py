@@ -7,6 +7,7 @@ Exit status: 0 no problem found (warnings may be printed), 1 at least one proble
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import sys
@@ -98,6 +99,8 @@ def main(argv: list[str]) -> int:
                              f"{' on host ' + args.host if args.host else ''}\n")
             return UNOBSERVED
         return report(summaries, args.json, args.json_file)
+    # The in-process exporter logs NVML trouble (no library on a CPU host); the table says it instead.
+    logging.getLogger("gpuscope.exporter").setLevel(logging.ERROR)
     live = sys.stdout.isatty() and not args.json
     sampler = LiveSampler(args.duration, args.interval, args.server or None)
     host = socket.gethostname()
