@@ -55,3 +55,43 @@ def test_parse_reads_vllm_names_and_sums_engines() -> None:
     reading = scrape.parse(text)
     assert reading.source == "vllm"
     assert reading.gauges == {"running": 7.0, "kv_cache": 0.5}  # the KV cache's name before vLLM 0.9
+
+
+def test_live_frame_shows_progress_and_the_latest_table() -> None:
+    from gpuscope.diagnose import view
+    from gpuscope.diagnose.host import HostReading
+    from gpuscope.diagnose.live import Tick, Window
+
+    gpus = {"0": {"gpuscope_gpu_utilization_ratio": {"": 0.42}, "gpuscope_gpu_memory_used_bytes": {"": 50.0},
+                  "gpuscope_gpu_memory_total_bytes": {"": 100.0}}}
+    window = Window(ticks=[Tick(1.0, HostReading(0.25, 0.5, 0.1), gpus, None)], started=0.0)
+    frame = view.live_frame(window, 0.5, "box")
+    assert frame.startswith(view.CLEAR) and "[###############...............]  50%" in frame
+    assert "CPU  25%" in frame and " 42%" in frame and " 50%" in frame  # util and memory of GPU 0
+
+
+def test_malformed_exposition_is_an_unreachable_server_not_a_crash() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gpuscope.diagnose.live import LiveSampler
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"gpuscope_request_ttft_seconds_bucket{tenant=\"a\"} 1\nnot an exposition {{{\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        sampler = LiveSampler(0.2, 0.1, f"http://127.0.0.1:{httpd.server_address[1]}/metrics")
+        assert sampler._server() is None and sampler.window.server_error
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

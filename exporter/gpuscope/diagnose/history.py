@@ -9,6 +9,7 @@ key them (``alerting/bottleneck.py``: a ``host`` label the scrape sets, else the
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -53,7 +54,7 @@ def _values(query: Query, expr: str, *labels: str) -> dict[tuple[str, ...], floa
     out = {}
     for row in query(expr):
         value = float(row["value"][1])
-        if value == value:  # NaN: a quantile without observations
+        if math.isfinite(value):  # NaN: a quantile without observations; ±Inf: a ratio over nothing
             out[tuple(row["metric"].get(label, "") for label in labels)] = value
     return out
 

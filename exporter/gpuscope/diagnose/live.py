@@ -141,7 +141,7 @@ class LiveSampler:
             return None
         try:
             return scrape.fetch(self.server_url, timeout=min(2.0, max(0.2, self.interval)))
-        except (OSError, ValueError) as exc:  # unreachable, refused, not an exposition
+        except (OSError, ValueError, KeyError) as exc:  # unreachable, refused, not an exposition, no ``le``
             self.window.server_error = f"{self.server_url}: {exc}"
             return None
 
