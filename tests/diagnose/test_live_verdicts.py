@@ -112,8 +112,7 @@ CASES = {
 def sample(case: Case, url: str | None, duration: float = 1.2, interval: float = 0.1) -> Window:
     nv = FakeNvml(case.gpus)
     gpus = GpuSampler(interval=0.05, nv=nv, xid_wait_ms=20)
-    sampler = LiveSampler(duration, interval, url, gpu_sampler=gpus)
-    sampler.host = case.host  # type: ignore[assignment]
+    sampler = LiveSampler(duration, interval, url, gpu_sampler=gpus, host_sampler=case.host)  # type: ignore[arg-type]
 
     def on_tick(window: Window, share: float) -> None:
         if case.during is not None:

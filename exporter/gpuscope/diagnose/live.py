@@ -130,9 +130,10 @@ class LiveSampler:
     """Reads host, GPUs and server every ``interval`` for ``duration`` seconds."""
 
     def __init__(self, duration: float, interval: float, server_url: str | None, *, nv=None,
-                 proc_root: str = "/proc", gpu_sampler: GpuSampler | None = None) -> None:
+                 proc_root: str = "/proc", gpu_sampler: GpuSampler | None = None,
+                 host_sampler: HostSampler | None = None) -> None:
         self.duration, self.interval, self.server_url = duration, interval, server_url
-        self.host = HostSampler(proc_root)
+        self.host = host_sampler or HostSampler(proc_root)
         self.gpus = gpu_sampler or GpuSampler(interval=min(interval, 0.5), nv=nv)
         self.window = Window()
 
