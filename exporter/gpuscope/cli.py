@@ -14,6 +14,7 @@ COMMANDS = {
     "serve": ("gpuscope.server.main", "reference inference server (OpenAI-style completions)"),
     "receiver": ("gpuscope.receiver", "Alertmanager webhook receiver that logs and lists notifications"),
     "stack": ("gpuscope.stack", "start the whole stack from local binaries (no Docker)"),
+    "diagnose": ("gpuscope.diagnose.main", "sample this box (or a past window) and say what is wrong"),
     "generate": ("gpuscope.generate", "write every generated file (rules, dashboards, docs, manifests)"),
 }
 

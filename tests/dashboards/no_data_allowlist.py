@@ -28,7 +28,11 @@ ALLOWED_EMPTY: dict[tuple[str, str, str], str] = {
 
 KERNEL_BUSY = ("kernel busy windows need a GPU and cupti-python (gpuscope serve --timing.kernel-busy, off by "
                "default); the kernel busy GPU test checks the ratio itself")
+ENERGY = "energy per token needs the GPUs' energy counter (NVML or DCGM): " + NO_GPU
 ALLOWED_EMPTY.update({
+    **{("gpuscope-tenants", title, ref): ENERGY
+       for title in ("Energy per output token", "Cost per million output tokens")
+       for ref in ("A", "B")},
     ("gpuscope-kernels", "Kernel busy share per op", "A"): KERNEL_BUSY,
     ("gpuscope-bottlenecks", "Launch-bound modules", "A"): KERNEL_BUSY,
 })

@@ -182,6 +182,19 @@ class Links:
     grafana: str = f"http://localhost:{PORTS['grafana']}"
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What the GPUs cost, for the cost-per-token records (``energy.py``)."""
+
+    #: Price of one GPU-hour, in your currency. The default 1 makes the cost records read in GPU-hours
+    #: per million output tokens until a price is set.
+    gpu_hour: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.gpu_hour > 0:
+            raise ValueError(f"cost.gpu_hour must be a positive price, not {self.gpu_hour!r}")
+
+
 #: The sources whose metrics the rules read (``sources.py``): a server (``gpuscope-server`` or ``vllm``)
 #: and a GPU exporter (``gpuscope-exporter`` or ``dcgm-exporter``), several of one role where both run.
 #: ``alerts/prometheus/<profile>/sources.rules.yml`` is their normalisation layer; every source's layer is
@@ -201,6 +214,7 @@ class Profile:
     selectors: Selectors = field(default_factory=Selectors)
     thresholds: Thresholds = field(default_factory=Thresholds)
     links: Links = field(default_factory=Links)
+    cost: Cost = field(default_factory=Cost)
 
 
 #: Test-profile compression: 5 m → 20 s, 1 h → 4 m, 1 d → 96 m.

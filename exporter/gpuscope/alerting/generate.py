@@ -20,6 +20,7 @@ from gpuscope.alerting import (
     bottleneck,
     composite,
     docs,
+    energy,
     health_rules,
     latency,
     log_rules,
@@ -33,7 +34,7 @@ from gpuscope.alerting.config import PROFILES, Profile
 from gpuscope.alerting.rules import Alert, Group, render_rule_file
 
 #: Rule groups in evaluation order: the composite reads records of the groups before it.
-PROMETHEUS_AREAS = (latency, slo, memory, scheduling, composite, health_rules, bottleneck)
+PROMETHEUS_AREAS = (latency, slo, memory, scheduling, composite, health_rules, bottleneck, energy)
 
 
 def consumer_groups(p: Profile) -> list[Group]:

@@ -250,6 +250,25 @@ BOTTLENECK_CLASS = "gpuscope:bottleneck:class"
 #: their region time: modules that mostly wait for the CPU to launch them. {op, device}
 OP_LAUNCH_BOUND = "gpuscope:op_launch_bound:ratio"
 
+# Energy and cost per output token (energy.py). Keyed by ``host`` as the bottleneck series are.
+#: Watts of the host's GPUs from their energy counters. {host}
+HOST_GPU_POWER = "gpuscope:host_gpu_energy_joules:rate"
+#: GPUs the host's GPU exporter reports. {host}
+HOST_GPUS = "gpuscope:host_gpus:count"
+#: Output tokens per second of each server, and its share of its host's. {host, job, instance}
+SERVER_OUTPUT_TOKENS_RATE = "gpuscope:server_generation_tokens:rate"
+SERVER_OUTPUT_TOKENS_HOST_SHARE = "gpuscope:server_generation_tokens:host_share"
+#: The host's GPU watts attributed to each server (split by output tokens). {host, job, instance}
+SERVER_GPU_POWER = "gpuscope:server_gpu_energy_joules:rate"
+#: Joules per output token, and the cost of a million output tokens (cost.gpu_hour). {host, job, instance}
+ENERGY_PER_OUTPUT_TOKEN = "gpuscope:energy_per_output_token:joules"
+COST_PER_MILLION_OUTPUT_TOKENS = "gpuscope:cost_per_million_output_tokens:price"
+#: The server's watts split by the tenants' GPU-seconds shares, J/token and cost.
+#: {host, job, instance, tenant}
+TENANT_GPU_POWER = "gpuscope:tenant_gpu_energy_joules:rate"
+TENANT_ENERGY_PER_OUTPUT_TOKEN = "gpuscope:tenant_energy_per_output_token:joules"
+TENANT_COST_PER_MILLION_OUTPUT_TOKENS = "gpuscope:tenant_cost_per_million_output_tokens:price"
+
 #: Per role, the up copy and the absence record of its targets (health alerts, sources).
 TARGETS = {"server": (SERVER_UP, SERVER_TARGETS_ABSENT),
            "gpu": (GPU_EXPORTER_UP, GPU_EXPORTER_TARGETS_ABSENT)}

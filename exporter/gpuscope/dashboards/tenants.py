@@ -3,7 +3,7 @@ tenant: its queue, its tokens; GPU-time shares are gpuscope serve's)."""
 
 from gpuscope import catalogue as m
 from gpuscope.alerting import names
-from gpuscope.dashboards import uids
+from gpuscope.dashboards import energy, uids
 from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,
@@ -68,5 +68,6 @@ dashboard = dashboard(
         timeseries("TTFT p99 per tenant",
                    PromTarget(quantile_expr(0.99, m.REQUEST_TTFT, T, by=[T]), "{{tenant}}"),
                    unit="s", w=12),
+        *energy.panels(),
     ],
 )
