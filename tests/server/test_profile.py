@@ -249,3 +249,25 @@ def test_caps_keep_kernels_first_and_bytes_bound_the_file():
     body, dropped = pt.encode({"traceEvents": meta + cpu}, 2000)
     assert len(body) <= 2000 and dropped > 0
     assert json.loads(body)["otherData"]["events_left_out_bytes"] == dropped
+
+
+def test_kernel_mode_plumbing_with_torch_profiler_on_cpu(serve, monkeypatch):
+    """The kernels recorder end to end where torch.profiler records CPU activity only (no CUDA here):
+    module ranges and step marks land in torch's own Chrome trace, which is capped and served."""
+    from gpuscope.server import profile
+
+    monkeypatch.setattr(profile, "kernels_available", lambda device: True)
+    server = serve(timing="budget")
+    with Load(server.url):
+        started = capture(server, steps=3)
+        assert started["mode"] == "kernels"
+        status = finished(server, started["id"])
+    assert status["outcome"] == "ok", status
+    trace = requests.get(server.url + started["trace_path"], headers=AUTH, timeout=10).json()
+    names = {e.get("name") for e in trace["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"blocks.0.attn", "blocks.0.mlp"} <= names, sorted(names)[:20]
+    assert any(str(n).startswith("ProfilerStep#") for n in names)
+    assert trace["otherData"]["mode"] == "kernels" and trace["otherData"]["steps_captured"] == 3
+    assert server.metric(c.PROFILE_CAPTURES.name, {"mode": "kernels", "outcome": "ok"}) == 1
+    # The timer's sampling of the model resumed after the window.
+    assert server.service.instrumentation._model.__dict__.get("forward") is not None

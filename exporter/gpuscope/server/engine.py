@@ -163,6 +163,8 @@ class Engine:
             torch.cuda.set_device(self._device)
         with torch.inference_mode():
             self.runner.warm_up()
+            if self.profile is not None:
+                self.profile.warm_up()
             self.ready.set()
             while not self._stopping:
                 try:

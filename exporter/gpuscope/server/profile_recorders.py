@@ -181,7 +181,7 @@ class KernelRecorder:
         return self.busy is None or not self.busy.tracing
 
     def start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, record_function
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
         def wrap(op: Any, original: Callable) -> Callable:
             name = op.name
@@ -192,7 +192,10 @@ class KernelRecorder:
 
             return forward
 
-        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        # A schedule that always records: with one given, torch.profiler marks each step() as a
+        # ProfilerStep#N range (without one it marks nothing).
+        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                             schedule=lambda step: ProfilerAction.RECORD)
         self._prof.start()
         self._wrappers.install(wrap)
 
