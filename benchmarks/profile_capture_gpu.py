@@ -180,6 +180,7 @@ def summarize(trace: dict, steps: int) -> dict:
     top = dict(sorted(by_name.items(), key=lambda kv: -kv[1]["us_per_step"])[:12])
     return {
         "events": len(events),
+        "step_marks": sum(str(e.get("name", "")).startswith("ProfilerStep#") for e in events),
         "kernels": sum(len(d) for d in kernels.values()),
         "kernel_us_per_step": round(sum(sum(d) for d in kernels.values()) / per_step, 2),
         "top_kernels": top,
@@ -227,6 +228,13 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--extra-passes", type=int, default=4)
+    parser.add_argument(
+        "--busy-budget",
+        type=float,
+        default=0.05,
+        help="--timing.budget with the kernel busy window: its windows come every "
+        "max(10 s, cost / (0.25 × budget)), so a larger budget lets one fall due in the run",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="profile-bench-")
@@ -271,7 +279,7 @@ def main() -> int:
         "0",
         "--profile.dir",
         os.path.join(work, "traces"),
-    ] + (["--timing.kernel-busy"] if busy and gpu else [])
+    ] + (["--timing.kernel-busy", "--timing.budget", str(args.busy_budget)] if busy and gpu else [])
     log_path = os.path.join(args.out, "server.log")
     log = open(log_path, "w")  # noqa: SIM115 (held by the child processes until they stop)
     procs = [subprocess.Popen(serve, env=env, stdout=log, stderr=subprocess.STDOUT)]
@@ -394,9 +402,11 @@ def main() -> int:
         log.close()
         shutil.rmtree(work, ignore_errors=True)
     with open(log_path) as f:
-        summary["log_lines"] = [
-            line.strip()[line.index("{") :] for line in f if '"event":"profile_captured"' in line
-        ]
+        lines = f.readlines()
+    summary["log_lines"] = [
+        line.strip()[line.index("{") :] for line in lines if '"event":"profile_captured"' in line
+    ]
+    summary["warm_up_log"] = [line.strip() for line in lines if "torch.profiler warm" in line]
     with open(os.path.join(args.out, "profile-capture-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     for label in ("baseline", "fault"):
@@ -412,7 +422,17 @@ def main() -> int:
             f"  grew {row['growth_us_per_step']:>9} us/step  count/step {row['count_per_step']}  "
             f"{row['kernel'][:90]}"
         )
-    print("busy window ok after capture:", summary.get("busy_window_ok_after_capture"))
+    print(
+        "busy window ok after capture:",
+        summary.get("busy_window_ok_after_capture"),
+        summary.get("busy_windows"),
+    )
+    print(
+        "warm-up:",
+        summary["warm_up_log"],
+        "step marks:",
+        [summary[label]["step_marks"] for label in ("baseline", "fault")],
+    )
     return 0
 
 
