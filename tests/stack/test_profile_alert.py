@@ -191,3 +191,20 @@ def test_bad_servers_file_is_one_line_and_exit_2(tmp_path, servers, token_env, n
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+
+
+def test_trigger_records_unreachable_and_ignores_resolved(free_port):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    config = profile_trigger.TriggerConfig({INSTANCE: f"http://127.0.0.1:{free_port}"}, TOKEN, timeout_s=2.0)
+    trigger = profile_trigger.ProfileTrigger(config, registry)
+    firing = notification("firing", "GPUKernelLatencySpike")
+    firing["alerts"][0]["labels"]["instance"] = INSTANCE
+    firing["alerts"].append({**firing["alerts"][0], "status": "resolved"})  # same instance: one call
+    [entry] = trigger.on_notification(firing)
+    assert entry["result"] == "unreachable" and entry["instance"] == INSTANCE, entry
+    assert trigger.on_notification(notification("resolved", "GPUKernelLatencySpike")) == []
+    name = c.RECEIVER_PROFILE_REQUESTS.name
+    assert registry.get_sample_value(name, {"result": "unreachable"}) == 1
+    assert registry.get_sample_value(name, {"result": "requested"}) == 0
