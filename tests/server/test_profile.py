@@ -271,3 +271,43 @@ def test_kernel_mode_plumbing_with_torch_profiler_on_cpu(serve, monkeypatch):
     assert server.metric(c.PROFILE_CAPTURES.name, {"mode": "kernels", "outcome": "ok"}) == 1
     # The timer's sampling of the model resumed after the window.
     assert server.service.instrumentation._model.__dict__.get("forward") is not None
+
+
+class FakeBusy:
+    """The kernel busy window as a capture sees it: whether CUPTI is its now, and its tracer."""
+
+    def __init__(self) -> None:
+        self.tracing = True
+        self.trace = self
+        self.reclaimed = 0
+
+    def reclaim(self) -> None:
+        self.reclaimed += 1
+
+
+def test_kernel_capture_waits_for_an_open_busy_window_and_gives_cupti_back(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from gpuscope.server import profile
+
+    monkeypatch.setattr(profile, "kernels_available", lambda device: True)
+    busy = FakeBusy()
+    timer = SimpleNamespace(core=SimpleNamespace(busy=busy))
+    registry = CollectorRegistry()
+    capture_ = profile.ProfileCapture(profile_config(tmp_path), registry, timer=timer, instrumentation=None,
+                                      device="cpu")
+    cap = capture_.request({"steps": 2})
+    for _ in range(3):  # the engine's iterations while the busy window holds CUPTI
+        capture_.tick()
+        assert cap.state == "pending"
+    busy.tracing = False
+    capture_.tick()
+    assert cap.state == "capturing"
+    capture_.after_step("decode", 4, 0.01)
+    capture_.after_step("decode", 4, 0.01)
+    assert busy.reclaimed == 1  # handed back as the recorder stopped, on the engine thread
+    wait_for(lambda: cap.state == "done", timeout=30, what="the trace written")
+    assert cap.outcome == "ok" and cap.steps_captured == 2, cap.public()
+    assert registry.get_sample_value(c.PROFILE_CAPTURES.name, {"mode": "kernels", "outcome": "ok"}) == 1
