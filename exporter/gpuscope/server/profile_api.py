@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 
 from aiohttp import web
 
@@ -83,12 +84,10 @@ async def trace(request: web.Request) -> web.StreamResponse:
         path = request.app[PROFILE].trace_file(request.match_info["id"])
     except ProfileError as exc:
         return _error(exc)
-    try:
-        with open(path, "rb") as f:  # capped at --profile.max-bytes when written
-            body = f.read()
-    except FileNotFoundError:
+    if not os.path.isfile(path):
         return error_response(410, "the trace file is gone from --profile.dir")
-    return web.Response(body=body, content_type="application/json")
+    # Sent from the file by aiohttp (sendfile where it can), not read into the event loop's memory.
+    return web.FileResponse(path, headers={"Content-Type": "application/json"})
 
 
 def add_routes(app: web.Application, capture: ProfileCapture | None) -> None:
