@@ -359,11 +359,46 @@ TRACE_SPANS_DROPPED = _m("gpuscope_trace_spans_dropped_total", "counter",
                          "export batch the endpoint did not accept, after the exporter's retries).",
                          "spans", ("reason",), area=TRACING)
 
+# --- kernel profiles on demand (gpuscope serve --profile.enable) -------------------
+PROFILE = "Kernel profiles (`gpuscope serve --profile.enable`)"
+PROFILE_REQUESTS = _m("gpuscope_profile_requests_total", "counter",
+                      "Profile capture requests to POST /admin/profile, by result: accepted, rate_limited "
+                      "(within the interval after the last accepted one; 429), busy (a capture is in "
+                      "progress; 409), unavailable (the asked mode cannot run here; 409).",
+                      "requests", ("result",), area=PROFILE)
+PROFILE_CAPTURES = _m("gpuscope_profile_captures_total", "counter",
+                      "Finished profile captures, by mode (kernels: torch.profiler/CUPTI; regions: the "
+                      "timer's per-op regions) and outcome (ok: every asked step; partial: fewer steps "
+                      "within the window's time limit; failed: no trace written).", "captures",
+                      ("mode", "outcome"), area=PROFILE)
+PROFILE_THROUGHPUT_LOSS = _m("gpuscope_profile_throughput_loss_ratio", "gauge",
+                             "Throughput lost while the last capture ran: 1 - (tokens per step-second "
+                             "during the window) / (the same over the steps just before it). Noisy when "
+                             "batch sizes changed between the two.", "ratio", area=PROFILE)
+PROFILE_STALL_SECONDS = _m("gpuscope_profile_stall_seconds_total", "counter",
+                           "Seconds the engine thread spent starting and stopping captures (the profiler's "
+                           "own processing of what it recorded), outside any step.", "seconds",
+                           area=PROFILE)
+PROFILE_TRACE_BYTES = _m("gpuscope_profile_trace_bytes", "gauge",
+                         "Size of the last trace file written.", "bytes", area=PROFILE)
+PROFILE_EVENTS_DROPPED = _m("gpuscope_profile_events_dropped_total", "counter",
+                            "Trace events left out of trace files, by reason: count_cap (over "
+                            "--profile.max-events), byte_cap (over --profile.max-bytes).", "events",
+                            ("reason",), area=PROFILE)
+PROFILE_TRACES_RETAINED = _m("gpuscope_profile_traces_retained", "gauge",
+                             "Trace files kept in --profile.dir (the oldest beyond --profile.keep are "
+                             "deleted).", "files", area=PROFILE)
+
 # --- alert receiver (gpuscope receiver) ----------------------------------------
 RECEIVER = "Alert receiver (`gpuscope receiver`)"
 RECEIVER_NOTIFICATIONS = _m("gpuscope_receiver_notifications_total", "counter",
                             "Alertmanager notifications received, by status (firing, resolved).",
                             "notifications", ("status",), area=RECEIVER)
+RECEIVER_PROFILE_REQUESTS = _m("gpuscope_receiver_profile_requests_total", "counter",
+                               "Kernel profiles the receiver asked servers for on firing latency or "
+                               "composite alerts, by result: requested, rate_limited, refused (another "
+                               "4xx/5xx), unreachable, not_allowed (the alert's instance is not in the "
+                               "configured servers; no call made).", "requests", ("result",), area=RECEIVER)
 
 
 def all_metrics() -> Iterator[Metric]:

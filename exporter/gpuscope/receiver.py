@@ -13,6 +13,7 @@ installed, without the server's extras.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -65,7 +66,8 @@ class NotificationLog:
     """The bounded list of recent notifications, and their counter. Thread-safe."""
 
     def __init__(self, capacity: int = 500, registry: CollectorRegistry | None = None,
-                 out: TextIO | None = None, clock: Callable[[], float] = time.time) -> None:
+                 out: TextIO | None = None, clock: Callable[[], float] = time.time,
+                 on_notification: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._counter = catalogue.RECEIVER_NOTIFICATIONS.create(self.registry)
         for status in STATUSES:
@@ -74,11 +76,15 @@ class NotificationLog:
         self._lock = threading.Lock()
         self._out = out if out is not None else sys.stdout
         self._clock = clock
+        #: e.g. ``profile_trigger.ProfileTrigger.on_notification``; its answer is recorded as ``profiles``
+        self._on_notification = on_notification
 
     def add(self, payload: Any) -> dict[str, Any]:
         """Validate, log as one JSON line, remember and count one notification; return the stored record."""
         notification = validate_notification(payload)
         record = {"received_at": self._clock(), "notification": notification}
+        if self._on_notification is not None:
+            record["profiles"] = self._on_notification(notification)
         line = json.dumps({"event": "alertmanager_notification", **record}, separators=(",", ":"))
         with self._lock:
             self._recent.append(record)
@@ -191,6 +197,11 @@ def _parser() -> FlagParser:
                     help="notifications kept for GET /alerts (oldest dropped first)")
     parser.add_flag("--receiver.max-body-bytes", dest="max_body", type=int, default=1 << 20,
                     help="largest notification accepted (413 above)")
+    parser.add_flag("--receiver.profile-servers", dest="profile_servers", default=None,
+                    help="JSON allow-list of servers (instance label → URL) asked for a kernel profile on "
+                         "firing latency alerts (off when unset; docs/server.md)")
+    parser.add_flag("--receiver.profile-token-file", dest="profile_token_file", default=None,
+                    help="file holding the servers' profile token (else GPUSCOPE_PROFILE_TOKEN)")
     return parser
 
 
@@ -209,8 +220,20 @@ def main(argv: list[str]) -> int:
         parser.error(f"--receiver.history must be at least 1, got {args.history}")
     if args.max_body < 1:
         parser.error(f"--receiver.max-body-bytes must be at least 1, got {args.max_body}")
+    registry = CollectorRegistry()
+    trigger = None
+    if args.profile_servers:
+        from gpuscope.profile_trigger import ProfileTrigger, TriggerConfigError, load_config
+
+        try:
+            trigger = ProfileTrigger(load_config(args.profile_servers, args.profile_token_file, os.environ),
+                                     registry)
+        except TriggerConfigError as exc:
+            parser.error(f"--receiver.profile-servers: {exc}")
+    log = NotificationLog(args.history, registry,
+                          on_notification=trigger.on_notification if trigger is not None else None)
     try:
-        server = make_server(host, port, NotificationLog(args.history), args.max_body)
+        server = make_server(host, port, log, args.max_body)
     except OSError as exc:
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
     sys.stderr.write(f"gpuscope receiver: listening on http://{args.listen}/alerts\n")

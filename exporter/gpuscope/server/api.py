@@ -390,6 +390,9 @@ def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Ap
     app.router.add_get("/admin/faults", h.faults_list)
     app.router.add_post("/admin/faults/{name}", h.fault_set)
     app.router.add_delete("/admin/faults/{name}", h.fault_clear)
+    from .profile_api import add_routes as add_profile_routes  # it imports this module's error_response
+
+    add_profile_routes(app, service.profile)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     if tracing is not None:

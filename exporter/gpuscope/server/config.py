@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuscope.tenants import NAME_RULE, valid_tenant_name
 
@@ -208,6 +209,8 @@ class ServerConfig:
     #: Head sampling ratio of root requests (parent-based); None: OTEL_TRACES_SAMPLER's, else always.
     tracing_sample_ratio: float | None = None
     tracing_max_step_events: int = 8
+    #: On-demand profile captures (``profile_config.ProfileConfig``); None: off.
+    profile: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -100,7 +100,8 @@ class Engine:
     def __init__(self, model: ModelRunner | TinyGPT, scheduler: Scheduler, timer, *, batch_size: int,
                  max_wait_s: float, deliver: Deliver, metrics: RequestMetrics | None = None,
                  faults: FaultInjector | None = None, log_requests: bool = True,
-                 on_step: Callable[[str, list[Request], float], Any] | None = None) -> None:
+                 on_step: Callable[[str, list[Request], float], Any] | None = None,
+                 profile: Any = None) -> None:
         self.runner: ModelRunner = TinyRunner(model) if isinstance(model, TinyGPT) else model
         self.model = self.runner.module
         self.scheduler = scheduler
@@ -111,6 +112,7 @@ class Engine:
         self.faults = faults
         self.log_requests = log_requests
         self.on_step = on_step  # observer (op, batch, host seconds incl. the sync), e.g. for benchmarks
+        self.profile = profile  # profile.ProfileCapture: started and stopped between steps, here
         self._deliver = deliver
         self._device = self.runner.device
         self._context = self.runner.context
@@ -161,6 +163,8 @@ class Engine:
             torch.cuda.set_device(self._device)
         with torch.inference_mode():
             self.runner.warm_up()
+            if self.profile is not None:
+                self.profile.warm_up()
             self.ready.set()
             while not self._stopping:
                 try:
@@ -182,6 +186,8 @@ class Engine:
         self._wake.clear()
         if self.faults is not None:
             self.faults.apply(self.runner, self.scheduler)
+        if self.profile is not None:
+            self.profile.tick()
         events: list[tuple[Request, Event]] = []
         for req in [r for r in self._running if r.cancelled]:
             self._finish(req, "abort", events, "client disconnected")
@@ -284,8 +290,12 @@ class Engine:
             else:
                 self.timer.stop(handle)
                 ids = next_tokens.tolist()
-        if self.on_step is not None:
-            self.on_step(op, batch, time.perf_counter() - began)
+        if self.on_step is not None or self.profile is not None:
+            seconds = time.perf_counter() - began
+            if self.on_step is not None:
+                self.on_step(op, batch, seconds)
+            if self.profile is not None:
+                self.profile.after_step(op, len(batch), seconds)
         if self.metrics:
             self.metrics.batch_size.labels("prefill" if op == "prefill" else "decode").observe(len(batch))
         return ids

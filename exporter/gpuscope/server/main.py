@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gpuscope.flags import FlagParser, parse_listen_address
 from gpuscope.ports import default_listen_address
 
+from . import profile_config
 from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants, resolve_tracing
 
 PROG = "gpuscope serve"
@@ -73,6 +74,7 @@ def build_parser() -> FlagParser:
                help="step events a request's spans carry at most (the first half, then the slowest), "
                     "then a summary event; each costs ~30 µs of CPU to build and encode")
     p.add_flag("--log.level", default="info", help="debug, info, warning or error")
+    profile_config.add_flags(p)
     return p
 
 
@@ -116,6 +118,7 @@ def config_from_args(ns) -> ServerConfig:
         tracing_endpoint=tracing_endpoint, tracing_source=tracing_source,
         tracing_sample_ratio=args["tracing.sample_ratio"],
         tracing_max_step_events=args["tracing.max_step_events"],
+        profile=profile_config.from_args(args, os.environ),
     ).validate()
 
 

@@ -54,9 +54,16 @@ class Service:
         self.faults = FaultInjector(set(names), self.device) if config.faults_enabled else None
         self.metrics = (VllmRequestMetrics(self.registry, config.model_name) if vllm
                         else RequestMetrics(self.registry, names))
+        self.profile = None
+        if config.profile is not None:
+            from .profile import ProfileCapture
+
+            self.profile = ProfileCapture(config.profile, self.registry, timer=self.timer,
+                                          instrumentation=self.instrumentation, device=self.device,
+                                          instance=config.instance)
         self.engine = Engine(self.runner, self.scheduler, self.timer, batch_size=config.batch_size,
                              max_wait_s=config.max_wait_s, deliver=lambda events: None,
-                             metrics=self.metrics, faults=self.faults)
+                             metrics=self.metrics, faults=self.faults, profile=self.profile)
         self.registry.register(
             VllmStateCollector(self.scheduler, self.engine.kv_usage, config.model_name) if vllm
             else StateCollector(self.scheduler, self.device, self.engine.kv_usage, self._fault_state))

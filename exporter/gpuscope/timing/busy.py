@@ -126,6 +126,11 @@ class CuptiTrace:
         self.start()
         self.stop()
 
+    def reclaim(self) -> None:
+        """Register this tracer's buffer callbacks again: another CUPTI client (torch.profiler's
+        Kineto, during a profile capture) replaced them, and may have torn CUPTI down."""
+        self._cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+
     def _buffer_requested(self) -> tuple[int, int]:
         return self.BUFFER_BYTES, 0
 
@@ -198,6 +203,11 @@ class KernelBusy:
         self._lock = threading.Lock()
         #: each op's histogram (sum, count) at the last window
         self._seen: dict[tuple[str, int], tuple[float, int]] = {}
+
+    @property
+    def tracing(self) -> bool:
+        """Whether a window is open (CUPTI is this window's until it closes)."""
+        return self._window is not None
 
     def due(self) -> bool:
         """Whether the next sampled pass should be traced (cheap: called once per sampled pass)."""
