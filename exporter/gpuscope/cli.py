@@ -15,6 +15,7 @@ COMMANDS = {
     "receiver": ("gpuscope.receiver", "Alertmanager webhook receiver that logs and lists notifications"),
     "stack": ("gpuscope.stack", "start the whole stack from local binaries (no Docker)"),
     "generate": ("gpuscope.generate", "write every generated file (rules, dashboards, docs, manifests)"),
+    "share": ("gpuscope.share.main", "hold processes on one GPU to shares of its time (preload library)"),
 }
 
 
