@@ -76,3 +76,19 @@ def test_token_buckets_hold_a_tenant_over_its_share():
         mask = b.update({0: 0.9, 1: 0.0}, {0, 1}, 0.1)
     assert mask & 0b10
     assert b.update({0: 1.0}, {0}, 0.1) == 0xFFFF  # alone: nothing binds
+
+
+def test_slices_are_longer_for_larger_shares():
+    s = SliceScheduler([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
+    assert s.quantum(1, {0, 1}, 0.02) == pytest.approx(0.02)
+    assert s.quantum(0, {0, 1}, 0.02) == pytest.approx(0.02 * 0.7 / 0.3)
+    assert s.quantum(0, {0}, 0.02) == pytest.approx(0.02)
+
+
+def test_the_holders_unposted_time_counts_when_picking():
+    s = SliceScheduler([TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    s.charge(0, 0.010, 0.0)
+    s.charge(1, 0.012, 0.0)
+    assert s.pick({0, 1}, 0.0) == 0
+    assert s.pick({0, 1}, 0.0, pending={0: 0.005}) == 1  # a's running slice puts it past b
+    assert s.used[0] == pytest.approx(0.010)  # pending is not charged

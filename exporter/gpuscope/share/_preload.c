@@ -372,6 +372,7 @@ static void start_accounting(void) {
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, helper_main, NULL) != 0) goto fail;
+    pthread_setname_np(t, "gpuscope-share"); /* so its CPU time can be read per thread */
     return;
 fail:
     acct_failed = 1;

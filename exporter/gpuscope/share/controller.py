@@ -63,11 +63,14 @@ class Controller:
         self.procs: dict[int, ProcState] = {}
         self.holder: int | None = None  # None: the gate is open
         self.slice_end = 0.0
+        self._slice_start = 0.0
+        self._posted_in_slice = 0.0
         self.stats = Stats(slices={t.name: 0 for t in tenants})
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
         self._last_scan = 0.0
         self._last_sample = 0.0
         self._mask = OPEN_MASK
+        self._nvml_samples = self._nvml_matched = 0
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
 
     # --- processes --------------------------------------------------------------------------
@@ -105,8 +108,18 @@ class Controller:
         for state in self.procs.values():
             gpu_ns = state.view.counter("gpu_ns")
             if gpu_ns > state.gpu_ns_seen:
-                self.scheduler.charge(state.view.slot, (gpu_ns - state.gpu_ns_seen) / 1e9, now)
+                seconds = (gpu_ns - state.gpu_ns_seen) / 1e9
+                self.scheduler.charge(state.view.slot, seconds, now)
+                if state.view.slot == self.holder:
+                    self._posted_in_slice += seconds
                 state.gpu_ns_seen = gpu_ns
+
+    def _pending(self, now: float) -> dict[int, float]:
+        """The holder's slice so far, less what its processes already posted: its unposted GPU time
+        (at most the slice's wall time, since it held the GPU alone)."""
+        if self.holder is None:
+            return {}
+        return {self.holder: max(0.0, now - self._slice_start - self._posted_in_slice)}
 
     def active_slots(self) -> set[int]:
         now_ns = time.monotonic_ns()
@@ -138,11 +151,15 @@ class Controller:
             if not state.view.wait_drained(gen, self.drain_timeout_s) and pid_alive(state.view.pid):
                 self.stats.drain_timeouts += 1
 
-    def _grant(self, slot: int, now: float) -> None:
+    def _grant(self, slot: int, now: float, wanting: set[int]) -> None:
         self.holder = slot
-        self.slice_end = now + self.slice_s
-        self.stats.slices[self.tenants[slot].name] += 1
+        self._renew(now, wanting)
         self._set_mask(1 << slot)
+
+    def _renew(self, now: float, wanting: set[int]) -> None:
+        self._slice_start, self._posted_in_slice = now, 0.0
+        self.slice_end = now + self.scheduler.quantum(self.holder, wanting | {self.holder}, self.slice_s)
+        self.stats.slices[self.tenants[self.holder].name] += 1
 
     def step_events(self, now: float) -> float:
         """One decision in events mode; returns how long to sleep at most."""
@@ -161,7 +178,7 @@ class Controller:
             self._charge(now)
             nxt = self.scheduler.pick(wanting or active, now)
             if nxt is not None:
-                self._grant(nxt, now)
+                self._grant(nxt, now, wanting or active)
             return self.slice_s
         holder = self.holder
         holder_wants = holder in wanting
@@ -171,17 +188,16 @@ class Controller:
         others = wanting - {holder}
         if not others:
             if holder_wants:
-                self.slice_end = now + self.slice_s  # nobody else waits: renew
+                self._renew(now, wanting)  # nobody else waits
             return self.slice_s
-        nxt = self.scheduler.pick(wanting if holder_wants else others, now)
+        nxt = self.scheduler.pick(wanting if holder_wants else others, now, self._pending(now))
         if nxt == holder:
-            self.slice_end = now + self.slice_s
-            self.stats.slices[self.tenants[holder].name] += 1
-            return self.slice_s
+            self._renew(now, wanting)
+            return self.slice_end - now
         self._drain({holder})
         self._charge(time.monotonic())
-        self._grant(nxt, time.monotonic())
-        return self.slice_s
+        self._grant(nxt, time.monotonic(), wanting)
+        return self.slice_end - time.monotonic()
 
     def step_nvml(self, now: float) -> float:
         """One decision in nvml mode: token buckets on sampled utilization, every 100 ms."""
@@ -193,6 +209,11 @@ class Controller:
             state = self.procs.get(pid)
             if state is not None:
                 util[state.view.slot] = util.get(state.view.slot, 0.0) + fraction
+        self._nvml_samples += 1
+        self._nvml_matched += bool(util)
+        if self._nvml_samples == 50 and self.procs and not self._nvml_matched:
+            self.log(f"gpuscope share: NVML gave no utilization for any tenant process in 5 s (pids seen: "
+                     f"{sorted(by_pid)[:8]}, tenants: {sorted(self.procs)[:8]}): the buckets cannot bind")
         active = self.active_slots()
         self.stats.binding = len(active) > 1
         mask = self.buckets.update(util, active, dt)

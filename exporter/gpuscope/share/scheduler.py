@@ -60,16 +60,32 @@ class SliceScheduler:
         """Whether shares bind: more than one tenant has been launching lately."""
         return len(set(active)) > 1
 
-    def pick(self, wanting: Iterable[int], now: float) -> int | None:
-        """The slot that gets the next slice among those that want one (None: nobody wants one)."""
+    def pick(self, wanting: Iterable[int], now: float,
+             pending: Mapping[int, float] | None = None) -> int | None:
+        """The slot that gets the next slice among those that want one (None: nobody wants one).
+
+        ``pending``: GPU seconds a slot has used but not yet posted (the holder's running slice),
+        counted as if charged, so the holder is not favoured by its own unposted time."""
         wanting = sorted(set(wanting))
         if not wanting:
             return None
         self._decay(now)
-        eligible = [s for s in wanting if self.within_share(s, wanting)] or wanting
-        top = max(self.tenants[s].priority for s in eligible)
-        first = [s for s in eligible if self.tenants[s].priority == top]
-        return min(first, key=lambda s: (self._ratio(s), s))
+        saved = list(self.used)
+        for slot, extra in (pending or {}).items():
+            self.used[slot] += max(0.0, extra)
+        try:
+            eligible = [s for s in wanting if self.within_share(s, wanting)] or wanting
+            top = max(self.tenants[s].priority for s in eligible)
+            first = [s for s in eligible if self.tenants[s].priority == top]
+            return min(first, key=lambda s: (self._ratio(s), s))
+        finally:
+            self.used = saved
+
+    def quantum(self, slot: int, wanting: Iterable[int], base_s: float) -> float:
+        """Slice length for ``slot``: ``base_s`` for the smallest share among ``wanting``, longer in
+        proportion to the share (weighted round robin; the deficits correct what is left)."""
+        smallest = min((self.tenants[s].share for s in wanting), default=self.tenants[slot].share)
+        return base_s * min(8.0, self.tenants[slot].share / max(smallest, 1e-9))
 
     def preempts(self, holder: int, slot: int, wanting: Iterable[int]) -> bool:
         """Whether waiting ``slot`` should take the GPU from ``holder`` before its slice ends."""
