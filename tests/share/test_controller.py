@@ -51,7 +51,7 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
 @pytest.fixture
 def controller(tmp_path):
     tenants = [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]
-    c = Controller(str(tmp_path / "ledger"), tenants, slice_s=0.01)
+    c = Controller(str(tmp_path / "ledger"), tenants, slice_s=0.01, drain_timeout_s=2.0)  # CI's slack
     stop = threading.Event()
     loop = threading.Thread(target=c.run, args=(stop,))
     loop.start()

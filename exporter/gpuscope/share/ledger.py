@@ -249,13 +249,19 @@ class ProcView:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs to ask: kill() said it exists
+    return state not in ("Z", "X")
 
 
 def proc_paths(prefix: str) -> dict[int, str]:
