@@ -386,26 +386,31 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     return out
 
 
-def plot(src: str, dst: str) -> None:
+def plot(sources: list[str], dst: str) -> None:
+    """One panel per pair run found in ``sources`` (each a result of this script)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(src) as f:
-        data = json.load(f)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    for ax, accounting in zip(axes, ("events", "nvml"), strict=True):
-        r = data["pair"][accounting]
+    panels = []
+    for src in sources:
+        with open(src) as f:
+            data = json.load(f)
+        for accounting, r in data.get("pair", {}).items():
+            panels.append((f"{os.path.basename(src)}: --share.accounting {accounting}", r))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True, squeeze=False)
+    for ax, (title, r) in zip(axes[0], panels, strict=True):
         ts = [w["t"] + 2.5 for w in r["windows"]]
         for key, target, color in (("a", 0.7, "tab:blue"), ("b", 0.3, "tab:orange")):
             ax.plot(ts, [100 * w[key] for w in r["windows"]], "o-", color=color, label=f"tenant {key}")
             ax.axhspan(100 * target - 2, 100 * target + 2, color=color, alpha=0.15)
-        ax.set_title(f"--share.accounting {accounting}")
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("seconds (5 s windows)")
+        ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("throughput, % of alone (bands: share ±2 points)")
-    axes[0].legend()
+    axes[0][0].set_ylabel("throughput, % of alone (bands: share ±2)")
+    axes[0][0].legend()
     fig.suptitle("Two matmul loops at 70/30 on one H200 under gpuscope share")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
@@ -417,7 +422,8 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="JSON results file")
-    p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="draw the shares over time from a result")
+    p.add_argument("--plot", nargs="+", metavar="FILE",
+                   help="JSON result files then the PNG to draw: each tenant's share over time")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--solo-seconds", type=float, default=4.0)
     p.add_argument("--pair-seconds", type=float, default=40.0)
@@ -428,7 +434,9 @@ def main() -> None:
                    help="which parts to run (comma-separated)")
     args = p.parse_args()
     if args.plot:
-        plot(*args.plot)
+        if len(args.plot) < 2:
+            p.error("--plot needs at least one JSON file and the PNG")
+        plot(args.plot[:-1], args.plot[-1])
         return
     if not args.out:
         p.error("--out or --plot is needed")

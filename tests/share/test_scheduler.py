@@ -92,3 +92,37 @@ def test_the_holders_unposted_time_counts_when_picking():
     assert s.pick({0, 1}, 0.0) == 0
     assert s.pick({0, 1}, 0.0, pending={0: 0.005}) == 1  # a's running slice puts it past b
     assert s.used[0] == pytest.approx(0.010)  # pending is not charged
+
+
+def test_nvml_samples_are_held_between_reports():
+    from gpuscope.share.nvml_source import SampleHold
+
+    clock = [0.0]
+    reports = iter([{7: 0.6}, {}, {}, {8: 0.2}, {}, {}])
+    held = SampleHold(lambda: next(reports), hold_s=1.0, clock=lambda: clock[0])
+    assert held() == {7: 0.6}
+    clock[0] = 0.5
+    assert held() == {7: 0.6}  # no new sample: the last one still counts
+    clock[0] = 1.2
+    assert held() == {}  # stale
+    clock[0] = 1.3
+    assert held() == {8: 0.2}
+
+
+def test_held_samples_let_the_bucket_bind():
+    """A 60% tenant with a 0.3 share, sampled once per second, is held within a few seconds."""
+    from gpuscope.share.nvml_source import SampleHold
+
+    clock = [0.0]
+
+    def fresh():
+        return {1: 0.6, 2: 0.4} if clock[0] % 1.0 < 0.05 else {}
+
+    held = SampleHold(fresh, clock=lambda: clock[0])
+    b = TokenBuckets([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
+    masks = []
+    for _ in range(60):
+        util = held()
+        masks.append(b.update({0: util.get(2, 0.0), 1: util.get(1, 0.0)}, {0, 1}, 0.1))
+        clock[0] = round(clock[0] + 0.1, 3)
+    assert 0b01 in masks  # b was held at some point

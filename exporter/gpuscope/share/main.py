@@ -78,28 +78,6 @@ def _parser() -> FlagParser:
     return p
 
 
-def nvml_utilization(index: int):
-    """A callable giving pid -> SM utilization fraction over the last samples (NVML)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    state = {"last": 0}
-
-    def sample() -> dict[int, float]:
-        try:
-            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, state["last"])
-        except pynvml.NVMLError:
-            return {}  # no sample since the last call
-        out: dict[int, float] = {}
-        for s in samples:
-            state["last"] = max(state["last"], s.timeStamp)
-            out[s.pid] = max(out.get(s.pid, 0.0), s.smUtil / 100.0)
-        return out
-
-    return sample
-
-
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -117,6 +95,8 @@ def main(argv: list[str]) -> int:
     utilization = None
     if args.accounting == "nvml":
         try:
+            from gpuscope.share.nvml_source import nvml_utilization
+
             utilization = nvml_utilization(args.gpu)
         except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
             parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")
