@@ -384,6 +384,9 @@ SHARE_HOOK_ERRORS = _m("gpuscope_share_hook_errors_total", "counter",
 SHARE_FAILED_OPEN = _m("gpuscope_share_failed_open", "gauge",
                        "1 while a tenant process runs unthrottled because it lost its controller.",
                        "boolean", _TP, area=SHARE)
+SHARE_WAITING_THREADS = _m("gpuscope_share_waiting_threads", "gauge",
+                            "Launching threads of the process held at the gate right now (its backlog).",
+                            "threads", _TP, area=SHARE)
 SHARE_TARGET_RATIO = _m("gpuscope_share_target_ratio", "gauge",
                         "A tenant's target share of the GPU's time (--share).", "ratio", ("tenant",),
                         area=SHARE)

@@ -77,6 +77,8 @@ CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
     *ms = (float)((double)(b->at - a->at) / 1e6);
     return 0;
 }
+/* Stream 99 is "being captured into a graph". */
+CUresult cuStreamIsCapturing(CUstream s, int *status) { *status = (uintptr_t)s == 99; return 0; }
 static int ctx_token;
 CUresult cuCtxGetCurrent(void **c) { *c = &ctx_token; return 0; }
 CUresult cuCtxSetCurrent(void *c) { (void)c; return 0; }

@@ -18,7 +18,7 @@ from gpuscope.share.ledger import TenantPolicy, proc_paths
 from gpuscope.share.main import main as share_main
 from gpuscope.share.main import parse_shares
 from gpuscope.share.metrics import ShareCollector
-from tests.share.conftest import child_env
+from tests.share.fakecuda import child_env
 
 LOOP = """
 import ctypes, sys, time
@@ -141,3 +141,38 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         share_main(["--share", "a=0.5", "--share.accounting", "smi"])
     assert info.value.code == 2
+
+
+def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
+    import urllib.request
+
+    from gpuscope.ports import free_port
+
+    port = free_port()
+    ledger = str(tmp_path / "ledger")
+    env = {**os.environ, "GPUSCOPE_SHARE": "online=0.3:1,batch=0.7"}  # the flag from its env var
+    proc = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share.ledger", ledger,
+                             "--web.listen-address", f"127.0.0.1:{port}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def scraped() -> str:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    return r.read().decode()
+            except OSError:
+                return ""
+
+        wait_for(lambda: proc.poll() is not None or "gpuscope_share_target_ratio" in scraped(),
+                 what="the controller's /metrics")
+        assert proc.poll() is None, proc.communicate()[1]
+        text = scraped()
+        assert 'gpuscope_share_target_ratio{tenant="online"} 0.3' in text
+        assert os.path.exists(ledger) and os.path.exists(ledger + ".bell")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert not os.path.exists(ledger) and not os.path.exists(ledger + ".bell")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -3,14 +3,18 @@ nothing lost or reordered, and the accounting windows' GPU time."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from gpuscope.share.ledger import Policy, ProcView, TenantPolicy, proc_paths
-from tests.share.conftest import child_env, finish, launch, read_log
+from tests.share.fakecuda import child_env, finish, launch, read_log
 
 
 def test_every_path_is_intercepted_and_nothing_is_lost_or_reordered(fake_cuda, tmp_path):
@@ -125,21 +129,39 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
 
 def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)], stale_ms=300)
+    beating = threading.Event()
+    beating.set()
+
+    def heartbeat() -> None:  # alive until the tenant is held, then gone
+        while beating.is_set():
+            policy.heartbeat()
+            time.sleep(0.02)
+
+    beat = threading.Thread(target=heartbeat)
+    beat.start()
     try:
-        policy.set_gate(0)  # held, and no heartbeat follows: the controller looks dead
+        policy.set_gate(0)
         log = tmp_path / "log"
-        result, err = finish(launch(child_env(fake_cuda, log, tenant="a", ledger=policy.prefix), 3))
+        child = launch(child_env(fake_cuda, log, tenant="a", ledger=policy.prefix), 3)
+        _wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        try:
+            _wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+        finally:
+            view.close()
+        beating.clear()
+        beat.join()
+        result, err = finish(child)
         assert err.count("gpuscope-share:") == 1 and "controller is gone" in err
         assert result["stats"]["failed_open"] == 1
         assert len(read_log(log)) == 21
     finally:
+        beating.clear()
+        beat.join()
         policy.close()
 
 
 def test_a_tenant_cannot_write_the_policy(fake_cuda, tmp_path):
-    import os
-    import stat
-
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5)])
     try:
         assert stat.S_IMODE(os.stat(policy.prefix).st_mode) == 0o644
@@ -176,7 +198,7 @@ def test_many_threads_lose_no_launch(fake_cuda, tmp_path):
             "ts = [threading.Thread(target=run, args=(t,)) for t in range(4)]\n"
             "[t.start() for t in ts]; [t.join() for t in ts]\n")
         env = child_env(fake_cuda, log, tenant="b", ledger=policy.prefix)
-        subprocess.run([__import__("sys").executable, "-c", script], env=env, check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
         rows = read_log(log)
         assert len(rows) == 800
         for t in range(4):  # per stream (one per thread): all there, in order
@@ -184,4 +206,67 @@ def test_many_threads_lose_no_launch(fake_cuda, tmp_path):
     finally:
         stop.set()
         flipper.join()
+        policy.close()
+
+
+def test_launches_being_captured_into_a_graph_record_no_events(fake_cuda, tmp_path):
+    """An event recorded in a capture would become a graph node, and waiting on it would break the
+    capture: captured launches pass through untimed (the graph is timed when replayed)."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)])
+    try:
+        script = (
+            "import ctypes, json, time\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "U = ctypes.c_uint\n"
+            "for stream, micros in ((99, 5), (1, 7)):\n"
+            "    for i in range(10):\n"
+            "        assert cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(micros), U(1), U(1), U(0),"
+            " ctypes.c_void_p(stream), None, None) == 0\n"
+            "out = (ctypes.c_uint64 * 8)()\n"
+            "deadline = time.monotonic() + 5\n"
+            "while time.monotonic() < deadline:\n"
+            "    ctypes.CDLL(None).gpuscope_share_stats(out)\n"
+            "    if out[4] >= 70000 * 0.99:\n"
+            "        break\n"
+            "    time.sleep(0.01)\n"
+            "print(json.dumps(list(out)))\n")
+        env = child_env(fake_cuda, tmp_path / "log", tenant="a", ledger=policy.prefix)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True, timeout=60)
+        stats = json.loads(run.stdout)
+        assert stats[0] == 20  # all launched and counted
+        assert stats[4] == pytest.approx(70_000, rel=0.01)  # only stream 1's 10 × 7 µs were timed
+        assert len(read_log(tmp_path / "log")) == 20
+    finally:
+        policy.close()
+
+
+def test_a_forked_child_joins_with_its_own_slot_and_leaves_the_parents(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)])
+    folder = os.path.dirname(policy.prefix)
+    try:
+        script = (
+            "import ctypes, os, json, sys\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "U = ctypes.c_uint\n"
+            "def launch():\n"
+            "    assert cuda.cuLaunchKernel(None, U(0), U(1), U(1), U(1), U(1), U(1), U(0),"
+            " ctypes.c_void_p(1), None, None) == 0\n"
+            "launch()\n"
+            "parent = os.getpid()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    launch()\n"
+            f"    print(json.dumps(sorted(os.listdir({folder!r}))), flush=True)\n"
+            "    sys.exit(0)\n"  # a normal exit: the atexit handlers inherited from the parent run
+            "os.waitpid(pid, 0)\n"
+            f"print(json.dumps([parent, pid, sorted(os.listdir({folder!r}))]), flush=True)\n")
+        env = child_env(fake_cuda, tmp_path / "log", tenant="a", ledger=policy.prefix)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             check=True, timeout=60)
+        first, second = run.stdout.splitlines()
+        parent, child, after = json.loads(second)
+        assert {f"ledger.p{parent}", f"ledger.p{child}"} <= set(json.loads(first))  # one slot each
+        assert f"ledger.p{parent}" in after and f"ledger.p{child}" not in after
+    finally:
         policy.close()

@@ -242,7 +242,26 @@ static int controller_alive(void) {
 }
 
 static void leave(void) {
-    if (proc_path[0]) unlink(proc_path);
+    /* only the process that created the slot removes it (a forked child inherits this handler) */
+    if (proc_path[0] && proc && proc->pid == (int32_t)getpid()) unlink(proc_path);
+}
+
+/* A forked child starts over: it joins with a slot of its own at its first launch (its CUDA state,
+ * and so the parent's events, are not usable in it anyway). */
+static void after_fork_in_child(void) {
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    join_once = fresh;
+    policy = NULL;
+    proc = &local_proc;
+    proc_path[0] = 0;
+    gate = (const _Atomic uint32_t *)&all_open;
+    slot_bit = 1;
+    atomic_store(&failed_open, 0);
+    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
+    wlock = unlocked;
+    head = tail = 0;
+    win_open = win_launches = acct_ready = acct_failed = 0;
+    atomic_store(&helper_sleeping, 0);
 }
 
 static void ring_bell(void);
@@ -286,12 +305,17 @@ static void join(void) {
         atomic_store(&failed_open, 1);
         return;
     }
+    /* Written under a name the controller ignores, then renamed: the controller never maps a slot
+     * shorter than its page (touching a mapping past the end of its file is a SIGBUS). */
+    char tmp_path[sizeof proc_path + 8];
     snprintf(proc_path, sizeof proc_path, "%s.p%d", path, (int)getpid());
-    fd = open(proc_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    snprintf(tmp_path, sizeof tmp_path, "%s.new", proc_path);
+    fd = open(tmp_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0 || ftruncate(fd, 4096) != 0) {
-        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", proc_path, strerror(errno),
+        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", tmp_path, strerror(errno),
             tenant);
         if (fd >= 0) close(fd);
+        unlink(tmp_path);
         proc_path[0] = 0;
         atomic_store(&failed_open, 1);
         return;
@@ -300,7 +324,7 @@ static void join(void) {
     proc_t *q = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (q == MAP_FAILED) {
-        unlink(proc_path);
+        unlink(tmp_path);
         proc_path[0] = 0;
         atomic_store(&failed_open, 1);
         return;
@@ -313,6 +337,15 @@ static void join(void) {
     q->version = LAYOUT_VERSION;
     atomic_thread_fence(memory_order_release);
     q->magic = PROC_MAGIC; /* last: the controller reads a slot only once its magic is there */
+    if (rename(tmp_path, proc_path) != 0) {
+        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", proc_path, strerror(errno),
+            tenant);
+        unlink(tmp_path);
+        munmap(q, 4096);
+        proc_path[0] = 0;
+        atomic_store(&failed_open, 1);
+        return;
+    }
     proc = q;
     slot_bit = 1u << slot;
     helper_bit = 1u << (1 + (getpid() % 31));
@@ -696,6 +729,7 @@ EXPORT void gpuscope_share_stats(uint64_t out[8]) {
 
 __attribute__((constructor)) static void init(void) {
     find_real_dlsym();
+    pthread_atfork(NULL, NULL, after_fork_in_child);
     hook_fn[H_LAUNCH] = (void *)cuLaunchKernel;
     hook_fn[H_LAUNCH_PTSZ] = (void *)cuLaunchKernel_ptsz;
     hook_fn[H_LAUNCH_EX] = (void *)cuLaunchKernelEx;

@@ -73,6 +73,8 @@ class Mapping:
     def __init__(self, path: str, *, writable: bool) -> None:
         fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         try:
+            if os.fstat(fd).st_size < PAGE:  # touching a page past the file's end would be a SIGBUS
+                raise ValueError(f"{path} is shorter than a ledger page")
             prot = PROT_READ | (PROT_WRITE if writable else 0)
             addr = _libc.mmap(None, PAGE, prot, MAP_SHARED, fd, 0)
         finally:

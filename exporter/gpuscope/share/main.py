@@ -106,6 +106,9 @@ def main(argv: list[str]) -> int:
                                 utilization=utilization)
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
+        signal.signal(sig, lambda *_: stop.set())
     registry = CollectorRegistry()
     registry.register(ShareCollector(controller))
     try:
@@ -113,9 +116,6 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         controller.close()
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" for t in args.shares)
     sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
                      f"/metrics on http://{args.listen}/metrics\n")

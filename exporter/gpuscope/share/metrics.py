@@ -13,6 +13,7 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_LAUNCHES, "launches", 1),
     (cat.SHARE_HOOK_ERRORS, "hook_errors", 1),
     (cat.SHARE_FAILED_OPEN, "failed_open", 1),
+    (cat.SHARE_WAITING_THREADS, "waiting", 1),
 )
 
 
@@ -25,7 +26,8 @@ class ShareCollector:
     def collect(self) -> Iterator[object]:
         c = self.controller
         with c.lock:
-            rows = [(c.tenants[s.view.slot].name, str(pid), s.view.counters()) for pid, s in c.procs.items()]
+            rows = [(c.tenants[s.view.slot].name, str(pid), {**s.view.counters(), "waiting": s.view.waiting})
+                    for pid, s in c.procs.items()]
             slices = dict(c.stats.slices)
             binding, timeouts = c.stats.binding, c.stats.drain_timeouts
         for metric, key, scale in _PER_PROCESS:
