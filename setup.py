@@ -1,11 +1,21 @@
-"""The optional C extension of the timer's hot path (everything else is in pyproject.toml).
+"""The optional C parts of the package (everything else is in pyproject.toml).
 
-``optional=True``: where no C compiler or Python headers are present the build goes on without
-it and the timer uses its Python hot path (gpuscope/timing/hot.py). The extension links nothing
-from CUDA, so CPU-only machines build and test it too.
+- ``gpuscope.timing._hotpath``: the timer's hot path, a Python extension.
+- ``gpuscope.share._preload``: the preload library of ``gpuscope share``, a plain shared library that
+  processes load with LD_PRELOAD (it is never imported; gpuscope/share/preload.py finds it by path).
+
+Both are ``optional=True``: where no C compiler is present the build goes on without them (the timer
+then uses its Python hot path; ``gpuscope share`` says the library is missing). Neither links
+anything from CUDA, so CPU-only machines build and test them too.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("gpuscope.timing._hotpath", ["exporter/gpuscope/timing/_hotpath.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+setup(ext_modules=[
+    Extension("gpuscope.timing._hotpath", ["exporter/gpuscope/timing/_hotpath.c"],
+              extra_compile_args=["-O2"], optional=True),
+    Extension("gpuscope.share._preload", ["exporter/gpuscope/share/_preload.c"],
+              extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
+              extra_link_args=["-ldl", "-lpthread"],
+              optional=True),
+])

@@ -401,6 +401,43 @@ RECEIVER_PROFILE_REQUESTS = _m("gpuscope_receiver_profile_requests_total", "coun
                                "configured servers; no call made).", "requests", ("result",), area=RECEIVER)
 
 
+# --- GPU-time shares between processes (gpuscope share) ------------------------
+SHARE = "GPU-time shares between processes (`gpuscope share`)"
+_TP = ("tenant", "pid")
+SHARE_GPU_SECONDS = _m("gpuscope_share_gpu_seconds_total", "counter",
+                       "GPU time of a tenant process's launch windows, measured by CUDA events.",
+                       "seconds", _TP, area=SHARE)
+SHARE_THROTTLED_SECONDS = _m("gpuscope_share_throttled_seconds_total", "counter",
+                             "Time the process's launching threads were held at the gate (summed over "
+                             "threads).", "seconds", _TP, area=SHARE)
+SHARE_LAUNCHES = _m("gpuscope_share_launches_total", "counter",
+                    "Kernel and graph launches the preload library saw.", "launches", _TP, area=SHARE)
+SHARE_HOOK_ERRORS = _m("gpuscope_share_hook_errors_total", "counter",
+                       "Failures inside the preload library (an event record or query that failed, no "
+                       "events for accounting); the launch itself always goes ahead.", "errors", _TP,
+                       area=SHARE)
+SHARE_FAILED_OPEN = _m("gpuscope_share_failed_open", "gauge",
+                       "1 while a tenant process runs unthrottled because it lost its controller.",
+                       "boolean", _TP, area=SHARE)
+SHARE_WAITING_THREADS = _m("gpuscope_share_waiting_threads", "gauge",
+                            "Launching threads of the process held at the gate right now (its backlog).",
+                            "threads", _TP, area=SHARE)
+SHARE_TARGET_RATIO = _m("gpuscope_share_target_ratio", "gauge",
+                        "A tenant's target share of the GPU's time (--share).", "ratio", ("tenant",),
+                        area=SHARE)
+SHARE_PROCESSES = _m("gpuscope_share_processes", "gauge", "Tenant processes attached to the controller.",
+                     "processes", ("tenant",), area=SHARE)
+SHARE_SLICES = _m("gpuscope_share_slices_total", "counter",
+                  "Slices of exclusive GPU access granted to a tenant while shares bind.", "slices",
+                  ("tenant",), area=SHARE)
+SHARE_BINDING = _m("gpuscope_share_binding", "gauge",
+                   "1 while shares bind (two or more tenants launching), 0 while the gate is open.",
+                   "boolean", area=SHARE)
+SHARE_DRAIN_TIMEOUTS = _m("gpuscope_share_drain_timeouts_total", "counter",
+                          "Hand-overs where the previous holder's queued work did not finish within "
+                          "--share.drain-timeout (the next tenant was admitted anyway).", "handovers",
+                          area=SHARE)
+
 def all_metrics() -> Iterator[Metric]:
     """Every metric, in definition order."""
     return iter(_CATALOGUE.values())

@@ -16,6 +16,7 @@ COMMANDS = {
     "stack": ("gpuscope.stack", "start the whole stack from local binaries (no Docker)"),
     "diagnose": ("gpuscope.diagnose.main", "sample this box (or a past window) and say what is wrong"),
     "generate": ("gpuscope.generate", "write every generated file (rules, dashboards, docs, manifests)"),
+    "share": ("gpuscope.share.main", "hold processes on one GPU to shares of its time (preload library)"),
 }
 
 

@@ -25,6 +25,9 @@ PORTS: dict[str, int] = {
     "locust": 8089,
 }
 
+#: ``gpuscope share``'s /metrics: a per-node controller, not a compose service (hence not in PORTS).
+SHARE_PORT = 9402
+
 #: Default host: local only. Containers listen on 0.0.0.0 inside their own network namespace instead.
 LOCAL_HOST = "127.0.0.1"
 

@@ -32,6 +32,7 @@ class Selectors:
     exporter: str = 'job="gpuscope-exporter"'
     vllm: str = 'job="vllm"'
     dcgm: str = 'job="dcgm-exporter"'
+    share: str = 'job="gpuscope-share"'
     node: str = 'job="node"'
     #: Loki stream selector of the server's logs (its only stream labels are service and instance).
     server_logs: str = 'service="gpuscope-server"'

@@ -416,7 +416,24 @@ DCGM_EXPORTER = Source(
     ),
 )
 
-SOURCES: dict[str, Source] = {s.name: s for s in (GPUSCOPE_SERVER, GPUSCOPE_EXPORTER, VLLM, DCGM_EXPORTER)}
+# `gpuscope share` (docs/share.md): tenants are processes sharing one GPU. Its GPU seconds and target
+# shares are the same quantities as the server's, so the tenants dashboard and the under-served and
+# starved alerts read them unchanged; the backlog is a launching thread held at the gate at every
+# sample of the window (a tenant that gets its turns is seen running at some sample).
+_SHARE = {"drop": ("pid",)}
+GPUSCOPE_SHARE = Source(
+    name="gpuscope-share", role="server", title="gpuscope share",
+    upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="share",
+    raw={"tenant_gpu_seconds": Raw(m.SHARE_GPU_SECONDS.name, **_SHARE),
+         "quota": Raw(m.SHARE_TARGET_RATIO.name),
+         "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE)},
+    notes=("Tenants are processes on one GPU (`gpuscope share`): GPU seconds, target shares and the "
+           "backlog (threads held at the gate) only; no requests, tokens, latency or memory, so a tenant "
+           "held at every sample of the window counts as starved (no tokens are ever generated).",),
+)
+
+SOURCES: dict[str, Source] = {s.name: s for s in (GPUSCOPE_SERVER, GPUSCOPE_EXPORTER, VLLM, DCGM_EXPORTER,
+                                                  GPUSCOPE_SHARE)}
 
 
 def selected(p: Profile) -> list[Source]:

@@ -1,5 +1,6 @@
 """Tenants and scheduling: GPU-time share against quota, queue wait, starvation (a vLLM model is a
-tenant: its queue, its tokens; GPU-time shares are gpuscope serve's)."""
+tenant: its queue, its tokens; GPU-time shares are gpuscope serve's, and those of the processes that
+`gpuscope share` holds to shares of one GPU, whose backlog is their threads held at the gate)."""
 
 from gpuscope import catalogue as m
 from gpuscope.alerting import names
@@ -30,7 +31,8 @@ dashboard = dashboard(
     uid=uids.TENANTS,
     title="gpuscope / Tenants and scheduling",
     description="Per-tenant GPU time measured with CUDA events against each tenant's configured share, "
-                "queue wait, and starvation indicators.",
+                "queue wait, and starvation indicators; tenants of gpuscope serve, and processes held to "
+                "GPU-time shares by gpuscope share (their backlog: threads held at the gate).",
     tags=["server", "tenants"],
     variables=[instance_var(), tenant_var()],
     panels=[

@@ -1,0 +1,447 @@
+"""`gpuscope share` on one GPU: two unmodified processes held to GPU-time shares by the preload library.
+
+One call does everything (H200, about 4 minutes):
+
+1. solo: a process alone, plain and under the library (controller running, shares not binding), in
+   interleaved pairs: CPU per tiny launch, matmul throughput, a CUDA-graph replay loop (accounted?),
+   and a checksum of the matmul output (bit-identical?);
+2. two matmul loops at 70/30 (``--share.accounting events``), throughput per 5 s window against alone;
+3. the same with ``--share.accounting nvml`` (the peers' token bucket on NVML utilization);
+4. a Llama-shaped Hugging Face decode loop (random weights, high priority, share 0.3) alone (plain),
+   then beside a matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical?;
+and the CPU of the controller and of each process's helper thread throughout.
+
+    PYTHONPATH=exporter python benchmarks/share_bench.py --out share.json       # on the GPU host
+    PYTHONPATH=exporter python benchmarks/share_bench.py --plot share.json share.png   # anywhere
+
+The worker processes are this file too (``worker MODE``): plain PyTorch, no gpuscope import, loaded
+with LD_PRELOAD exactly as a tenant would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+LEDGER = "/dev/shm/gpuscope-share-bench"
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers (run as separate processes)
+
+def _stats() -> dict | None:
+    import ctypes
+
+    own = ctypes.CDLL(None)
+    if not hasattr(own, "gpuscope_share_stats"):
+        return None
+    out = (ctypes.c_uint64 * 8)()
+    own.gpuscope_share_stats(out)
+    keys = ["launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows", "failed_open",
+            "joined"]
+    return dict(zip(keys, list(out), strict=True))
+
+
+def _helper_cpu_s() -> float:
+    """CPU seconds of this process's gpuscope-share helper thread (0 without one)."""
+    total = 0.0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "gpuscope-share":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return total
+
+
+def worker(mode: str, seconds: float, start_at: float) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    result: dict = {"mode": mode}
+    if mode in ("solo", "hog"):
+        x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        y = x @ x
+        torch.cuda.synchronize()
+    if mode == "solo":
+        # CPU per tiny launch (launch-bound): 3 reps of 20000, best rep
+        t = torch.zeros(16, device=dev)
+        per = []
+        for _ in range(3):
+            c0 = time.process_time()
+            for _ in range(20000):
+                t.add_(1)
+            per.append((time.process_time() - c0) / 20000 * 1e6)
+            torch.cuda.synchronize()
+        result["launch_cpu_us"] = min(per)
+        # tiny-kernel throughput (where hook cost would show)
+        w0 = time.perf_counter()
+        for _ in range(20000):
+            t.add_(1)
+        torch.cuda.synchronize()
+        result["tiny_launches_per_s"] = 20000 / (time.perf_counter() - w0)
+        # a CUDA-graph replay loop
+        g = torch.cuda.CUDAGraph()
+        small = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            for _ in range(4):
+                z = small @ small
+        before = _stats()
+        for _ in range(200):
+            g.replay()
+        torch.cuda.synchronize()
+        time.sleep(0.05)  # let the helper post the last windows (read, not asserted, here)
+        after = _stats()
+        result["graph"] = {"replays": 200, "before": before, "after": after}
+        result["graph_checksum"] = hashlib.sha256(z.float().cpu().numpy().tobytes()).hexdigest()[:16]
+    if mode in ("solo", "hog"):
+        while time.time() < start_at:
+            time.sleep(0.001)
+        stamps = []
+        end = time.time() + seconds
+        while time.time() < end:
+            for _ in range(10):
+                y = x @ x
+            torch.cuda.synchronize()
+            stamps.append(time.time())
+        result["stamps"] = stamps
+        result["checksum"] = hashlib.sha256(y.float().cpu().numpy().tobytes()).hexdigest()[:16]
+    if mode == "llm":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                          num_attention_heads=16,
+                          num_key_value_heads=16, vocab_size=32000, max_position_embeddings=1024)
+        model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).eval()
+        prompt = torch.randint(0, 32000, (8, 64), device=dev, generator=torch.Generator(dev).manual_seed(1))
+
+        def request() -> tuple[list[tuple[float, float]], list[int]]:
+            steps, tokens = [], []
+            with torch.no_grad():
+                out = model(input_ids=prompt, use_cache=True)
+                pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                for _ in range(32):
+                    s0 = time.perf_counter()
+                    out = model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+                    pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                    torch.cuda.synchronize()
+                    steps.append((time.time(), time.perf_counter() - s0))
+                    tokens.append(int(nxt[0, 0]))
+            return steps, tokens
+
+        request()  # warm-up
+        while time.time() < start_at:
+            time.sleep(0.001)
+        steps, first_tokens = [], None
+        end = time.time() + seconds
+        while time.time() < end:
+            s, tok = request()
+            steps += s
+            first_tokens = first_tokens or tok
+        result["steps"] = steps
+        result["tokens"] = first_tokens
+    result["stats"] = _stats()
+    result["helper_cpu_s"] = _helper_cpu_s()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Orchestration
+
+def _lib() -> str:
+    sys.path.insert(0, os.path.join(ROOT, "exporter"))
+    from gpuscope.share.preload import library_path
+
+    lib = library_path()
+    if lib is None:
+        raise SystemExit("build the preload library first: python setup.py build_ext --inplace")
+    return lib
+
+
+def spawn(mode: str, seconds: float, start_at: float, tenant: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if tenant:
+        env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", mode, str(seconds),
+                             str(start_at)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def collect(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"worker failed: {err[-2000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["stderr"] = err[-400:]
+    return res
+
+
+class Controller:
+    """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
+
+    def __init__(self, shares: str, accounting: str, port: int) -> None:
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "exporter"))
+        self.port = port
+        self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share", shares,
+                                   "--share.accounting", accounting, "--share.ledger", LEDGER,
+                                   "--web.listen-address", f"127.0.0.1:{port}"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while not os.path.exists(LEDGER):
+            if self.p.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"controller did not start: {self.p.communicate()[1][-1000:]}")
+            time.sleep(0.05)
+        self.t0, self.cpu0 = time.time(), self.cpu()
+
+    def cpu(self) -> float:
+        with open(f"/proc/{self.p.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> dict:
+        share_lines = []
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                lines = r.read().decode().splitlines()
+                share_lines = [ln for ln in lines if ln.startswith("gpuscope_share_")]
+        except OSError as exc:
+            share_lines = [f"scrape failed: {exc}"]
+        cpu = self.cpu() - self.cpu0
+        wall = time.time() - self.t0
+        self.p.terminate()
+        _, err = self.p.communicate(timeout=30)
+        return {"cpu_s": cpu, "wall_s": wall, "cpu_core_pct": 100 * cpu / wall, "metrics": share_lines[:40],
+                "stderr": err[-500:]}
+
+
+def rate(stamps: list[float], lo: float, hi: float) -> float:
+    return sum(1 for s in stamps if lo <= s < hi) / (hi - lo)
+
+
+def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: int) -> dict:
+    ctl = Controller(shares, accounting, port)
+    start = time.time() + 12  # both processes past torch's start-up
+    pa, pb = spawn("hog", seconds, start, "a"), spawn("hog", seconds, start, "b")
+    while time.time() < start + seconds / 2:
+        time.sleep(0.2)
+    nvml_seen = nvml_process_samples()
+    ra, rb = collect(pa), collect(pb)
+    c = ctl.stop()
+    windows = []
+    t = start
+    while t + 5 <= start + seconds + 1e-6:
+        windows.append({"t": t - start, "a": rate(ra["stamps"], t, t + 5) / alone,
+                        "b": rate(rb["stamps"], t, t + 5) / alone})
+        t += 5
+    whole_a = rate(ra["stamps"], start + 5, start + seconds) / alone
+    whole_b = rate(rb["stamps"], start + 5, start + seconds) / alone
+    after_first = windows[1:]
+    worst = max(max(abs(w["a"] - 0.7), abs(w["b"] - 0.3)) for w in after_first)
+    gpu = {k: r["stats"]["gpu_ns"] / 1e9 for k, r in (("a", ra), ("b", rb))}
+    return {"accounting": accounting, "seconds": seconds, "windows": windows, "a": whole_a, "b": whole_b,
+            "worst_window_error_points": 100 * worst, "within_2_points": worst <= 0.02,
+            "gpu_seconds": gpu, "throttled_s": {"a": ra["stats"]["throttled_ns"] / 1e9,
+                                                  "b": rb["stats"]["throttled_ns"] / 1e9},
+            "helper_cpu_s": {"a": ra["helper_cpu_s"], "b": rb["helper_cpu_s"]},
+            "hook_errors": ra["stats"]["hook_errors"] + rb["stats"]["hook_errors"],
+            "checksums_equal": ra["checksum"] == rb["checksum"], "controller": c,
+            "pids": {"a": pa.pid, "b": pb.pid}, "nvml_process_samples_mid_run": nvml_seen}
+
+
+def nvml_process_samples() -> object:
+    """What NVML's per-process utilization says mid-run (what the nvml accounting reads)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return [[s.pid, s.smUtil, s.timeStamp] for s in pynvml.nvmlDeviceGetProcessUtilization(h, 0)][-8:]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def llm_run(accounting: str | None, seconds: float, port: int, shares: str = "llm=0.3:1,hog=0.7") -> dict:
+    ctl = Controller(shares, accounting, port) if accounting else None
+    start = time.time() + 15
+    pl = spawn("llm", seconds, start, "llm" if accounting else None)
+    ph = spawn("hog", seconds, start, "hog") if accounting else None
+    rl = collect(pl)
+    rh = collect(ph) if ph else None
+    c = ctl.stop() if ctl else None
+    lat = [s[1] for s in rl["steps"]]
+    return {"accounting": accounting, "shares": shares, "steps": len(lat), "p50_ms": 1e3 * pct(lat, 0.5),
+            "p99_ms": 1e3 * pct(lat, 0.99), "tokens": rl["tokens"], "llm_stats": rl["stats"],
+            "hog_its_per_s": (len(rh["stamps"]) / seconds) if rh else None,
+            "helper_cpu_s": rl["helper_cpu_s"] + (rh["helper_cpu_s"] if rh else 0.0), "controller": c}
+
+
+def main_bench(args: argparse.Namespace) -> dict:
+    _lib()
+
+    def save() -> None:  # after every phase: a later failure keeps what was measured
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
+        text=True).stdout.strip()}
+    phases = set(args.phases.split(","))
+    # 1. solo, interleaved: plain, library, plain, library
+    solo = []
+    for rnd in range(args.rounds if "solo" in phases else 0):
+        for under in (False, True):
+            ctl = Controller("a=0.7,b=0.3", "events", args.port) if under else None
+            r = collect(spawn("solo", args.solo_seconds, time.time(), "a" if under else None))
+            c = ctl.stop() if ctl else None
+            its = len(r["stamps"]) / args.solo_seconds
+            solo.append({"round": rnd, "library": under, "matmul_its_per_s": its,
+                         "launch_cpu_us": r["launch_cpu_us"], "tiny_launches_per_s": r["tiny_launches_per_s"],
+                         "checksum": r["checksum"], "graph_checksum": r["graph_checksum"],
+                         "graph": r["graph"],
+                         "stats": r["stats"], "helper_cpu_s": r["helper_cpu_s"], "controller": c})
+            print(f"solo round {rnd} library={under}: {its:.1f} it/s, "
+                  f"{r['launch_cpu_us']:.2f} µs CPU/launch, "
+                  f"{r['tiny_launches_per_s']:.0f} tiny launches/s", flush=True)
+    out["solo"] = solo
+    if not solo:  # a partial run: the alone rate from a pass of its own
+        r = collect(spawn("hog", 6.0, time.time() + 1, None))
+        alone = rate(r["stamps"], r["stamps"][0], r["stamps"][-1])
+        out["alone_its_per_s"] = alone
+        print(f"alone: {alone:.1f} it/s", flush=True)
+    if solo:
+        return _rest(args, out, solo, phases, save)
+    return _pairs_and_llm(args, out, alone, phases, save)
+
+
+def _rest(args: argparse.Namespace, out: dict, solo: list, phases: set[str], save) -> dict:
+    plain = [s for s in solo if not s["library"]]
+    lib = [s for s in solo if s["library"]]
+    alone = statistics.median(s["matmul_its_per_s"] for s in plain)
+    g = lib[-1]["graph"]
+    out["summary_solo"] = {
+        "alone_its_per_s": alone,
+        "throughput_loss_pct": 100 * (1 - statistics.median(s["matmul_its_per_s"] for s in lib) / alone),
+        "tiny_throughput_loss_pct": 100 * (1 - statistics.median(s["tiny_launches_per_s"] for s in lib)
+                                           / statistics.median(s["tiny_launches_per_s"] for s in plain)),
+        "launch_cpu_us_added": statistics.median(s["launch_cpu_us"] for s in lib)
+        - statistics.median(s["launch_cpu_us"] for s in plain),
+        "bit_identical": (len({s["checksum"] for s in solo}) == 1
+                          and len({s["graph_checksum"] for s in solo}) == 1),
+        "graph_replays_counted": g["after"]["graph_launches"] - g["before"]["graph_launches"],
+        "graph_gpu_ms_accounted": (g["after"]["gpu_ns"] - g["before"]["gpu_ns"]) / 1e6,
+    }
+    print(json.dumps(out["summary_solo"]), flush=True)
+    save()
+    return _pairs_and_llm(args, out, alone, phases, save)
+
+
+def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: set[str], save) -> dict:
+    # 2./3. two matmul loops at 70/30
+    out["pair"] = {}
+    for accounting in [m for m in ("events", "nvml") if f"pair-{m}" in phases]:
+        r = pair_run("a=0.7,b=0.3", accounting, args.pair_seconds, alone, args.port)
+        out["pair"][accounting] = r
+        print(f"pair {accounting}: a {100 * r['a']:.1f}% b {100 * r['b']:.1f}% of alone, worst 5 s window "
+              f"off by {r['worst_window_error_points']:.1f} points; controller "
+              f"{r['controller']['cpu_core_pct']:.2f}% of a core", flush=True)
+        save()
+    # 4. LLM beside a hog
+    runs = {"events": ("events", "llm=0.3:1,hog=0.7"), "nvml": ("nvml", "llm=0.3:1,hog=0.7"),
+            "events-llm-share-0.7": ("events", "llm=0.7:1,hog=0.3")}
+    chosen = [k for k in runs if f"llm-{k}" in phases]
+    if not chosen:
+        return out
+    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port)}
+    for key in chosen:
+        out["llm"][key] = llm_run(runs[key][0], args.llm_seconds, args.port, runs[key][1])
+    base = out["llm"]["alone"]
+    for accounting in chosen:
+        r = out["llm"][accounting]
+        r["p99_vs_alone"] = r["p99_ms"] / base["p99_ms"]
+        r["tokens_identical"] = r["tokens"] == base["tokens"]
+        print(f"llm {accounting}: p99 {r['p99_ms']:.1f} ms vs alone {base['p99_ms']:.1f} ms "
+              f"({r['p99_vs_alone']:.2f}x), hog {r['hog_its_per_s']:.1f} it/s", flush=True)
+    save()
+    return out
+
+
+def plot(sources: list[str], dst: str) -> None:
+    """One panel per pair run found in ``sources`` (each a result of this script)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for src in sources:
+        with open(src) as f:
+            data = json.load(f)
+        for accounting, r in data.get("pair", {}).items():
+            panels.append((f"{os.path.basename(src)}: --share.accounting {accounting}", r))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True, squeeze=False)
+    for ax, (title, r) in zip(axes[0], panels, strict=True):
+        ts = [w["t"] + 2.5 for w in r["windows"]]
+        for key, target, color in (("a", 0.7, "tab:blue"), ("b", 0.3, "tab:orange")):
+            ax.plot(ts, [100 * w[key] for w in r["windows"]], "o-", color=color, label=f"tenant {key}")
+            ax.axhspan(100 * target - 2, 100 * target + 2, color=color, alpha=0.15)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("seconds (5 s windows)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("throughput, % of alone (bands: share ±2)")
+    axes[0][0].legend()
+    fig.suptitle("Two matmul loops at 70/30 on one H200 under gpuscope share")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="JSON results file")
+    p.add_argument("--plot", nargs="+", metavar="FILE",
+                   help="JSON result files then the PNG to draw: each tenant's share over time")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--solo-seconds", type=float, default=4.0)
+    p.add_argument("--pair-seconds", type=float, default=40.0)
+    p.add_argument("--llm-seconds", type=float, default=15.0)
+    p.add_argument("--port", type=int, default=9402)
+    p.add_argument("--phases",
+                   default="solo,pair-events,pair-nvml,llm-events,llm-nvml,llm-events-llm-share-0.7",
+                   help="which parts to run (comma-separated)")
+    args = p.parse_args()
+    if args.plot:
+        if len(args.plot) < 2:
+            p.error("--plot needs at least one JSON file and the PNG")
+        plot(args.plot[:-1], args.plot[-1])
+        return
+    if not args.out:
+        p.error("--out or --plot is needed")
+    main_bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""GPU-time shares between separate processes on one GPU (`gpuscope share`, docs/share.md)."""

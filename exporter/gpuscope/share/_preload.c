@@ -1,0 +1,741 @@
+/* gpuscope share: the preload library an unmodified CUDA process loads with LD_PRELOAD.
+ *
+ * It interposes the kernel-launch entry points of the driver API (cuLaunchKernel, cuLaunchKernelEx,
+ * their _ptsz variants, cuGraphLaunch and its _ptsz variant) three ways, because each is how some
+ * program reaches them:
+ *   - by symbol, for programs linked against libcuda;
+ *   - through cuGetProcAddress / cuGetProcAddress_v2, which is how the CUDA runtime (torch's
+ *     libcudart) resolves every driver entry point;
+ *   - through dlsym, because the runtime dlopens libcuda.so.1 and looks cuGetProcAddress up on that
+ *     handle, which LD_PRELOAD alone does not interpose (ctypes, cuda-python and Triton do the same).
+ * Every other symbol passes through untouched. Nothing from CUDA is linked at build time: the real
+ * functions are resolved at run time with the real dlsym (found with dlvsym).
+ *
+ * What a launch does (layout of the shared files: ledger.py, the one other reader and writer):
+ *   - one relaxed atomic load of the gate word in the controller's read-only policy mapping; when the
+ *     process's tenant bit is set the launch goes ahead (plus counters and, once per window, two
+ *     event records); otherwise the launching thread sleeps on that word with a futex (no spinning,
+ *     no signals) until the controller sets the bit;
+ *   - launches are accounted in windows: a CUDA event from a preallocated pool before the window's
+ *     first launch and one after its last, resolved by a helper thread that sleeps in
+ *     cuEventSynchronize on blocking-sync events, so the launching thread never waits on accounting,
+ *     except that at most `inflight` windows may be queued (the bound on queued work that lets the
+ *     controller switch tenants quickly); the window length adapts to about `window_us` of GPU time.
+ * Without GPUSCOPE_SHARE_TENANT the library passes everything through silently; with it but no
+ * controller, or once the controller is gone, it passes through and says so once on stderr.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUfunction;
+typedef void *CUgraphExec;
+typedef void *CUevent;
+typedef void *CUcontext;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2ULL
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+#define CU_EVENT_BLOCKING_SYNC 1u
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Shared layout (ledger.py mirrors every offset)                                                   */
+
+#define POLICY_MAGIC 0x48535347u /* "GSSH" */
+#define PROC_MAGIC 0x50535347u   /* "GSSP" */
+#define LAYOUT_VERSION 1u
+#define MAX_TENANTS 16
+#define NAME_LEN 40
+
+typedef struct {
+    uint32_t magic, version;
+    int32_t controller_pid;
+    uint32_t ntenants;
+    _Atomic uint64_t heartbeat_ns; /* the controller's CLOCK_MONOTONIC */
+    _Atomic uint32_t gate;         /* futex word: bit i = tenant slot i may launch; bits 16..31 generation */
+    uint32_t mode;                 /* 0 events, 1 nvml */
+    uint32_t window_us, inflight_slice, inflight_open, stale_ms;
+    uint8_t pad[64 - 48];
+    struct {
+        char name[NAME_LEN];
+        uint32_t share_ppm, priority, active, pad;
+        uint8_t pad2[64 - NAME_LEN - 16];
+    } tenants[MAX_TENANTS];
+} policy_t;
+
+typedef struct {
+    uint32_t magic, version;
+    int32_t pid;
+    int32_t slot;
+    char tenant[NAME_LEN];
+    _Atomic uint32_t waiting;     /* threads held at the gate */
+    _Atomic uint32_t drained_gen; /* futex word: generation of the last closed gate with no work queued */
+    _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
+        inflight, failed_open, started_ns, waits, window_open;
+} proc_t;
+
+_Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
+_Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Real symbols                                                                                     */
+
+enum { H_LAUNCH, H_LAUNCH_PTSZ, H_LAUNCH_EX, H_LAUNCH_EX_PTSZ, H_GRAPH, H_GRAPH_PTSZ, H_GPA, H_GPA_V2, H_N };
+static const char *const hook_names[H_N] = {
+    "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
+    "cuGraphLaunch",  "cuGraphLaunch_ptsz",  "cuGetProcAddress", "cuGetProcAddress_v2"};
+static _Atomic(void *) real_fn[H_N];
+static void *hook_fn[H_N];
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn real_dlsym;
+static void *libcuda;
+
+static void find_real_dlsym(void) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", NULL};
+    for (int i = 0; versions[i] && !real_dlsym; i++) real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+}
+
+static void *driver_symbol(const char *name) {
+    if (!real_dlsym) find_real_dlsym();
+    if (!real_dlsym) return NULL;
+    if (!libcuda) libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    return libcuda ? real_dlsym(libcuda, name) : NULL;
+}
+
+static void *real(int i) {
+    void *p = atomic_load_explicit(&real_fn[i], memory_order_acquire);
+    if (p) return p;
+    if (!real_dlsym) find_real_dlsym();
+    p = real_dlsym ? real_dlsym(RTLD_NEXT, hook_names[i]) : NULL;
+    if (!p || p == hook_fn[i]) p = driver_symbol(hook_names[i]);
+    if (p == hook_fn[i]) p = NULL;
+    if (p) atomic_store_explicit(&real_fn[i], p, memory_order_release);
+    return p;
+}
+
+/* Driver calls the accounting makes (never hooked). */
+typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
+typedef CUresult (*event_record_fn)(CUevent, CUstream);
+typedef CUresult (*event_sync_fn)(CUevent);
+typedef CUresult (*event_elapsed_fn)(float *, CUevent, CUevent);
+typedef CUresult (*ctx_fn)(CUcontext *);
+typedef CUresult (*ctx_set_fn)(CUcontext);
+typedef CUresult (*capturing_fn)(CUstream, int *);
+typedef CUresult (*capture_mode_fn)(int *);
+static struct {
+    capturing_fn capturing, capturing_ptsz;
+    capture_mode_fn capture_mode;
+    event_create_fn create;
+    event_record_fn record, record_ptsz;
+    event_sync_fn sync;
+    event_elapsed_fn elapsed;
+    ctx_fn get_ctx;
+    ctx_set_fn set_ctx;
+} drv;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* State                                                                                            */
+
+#define POOL 64      /* windows in the ring (two events each), created once at join */
+#define K_MIN 1
+#define K_MAX 1024
+
+static int say_fd = 2;
+static void say(const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n > 0) {
+        ssize_t w = write(say_fd, buf, (size_t)(n < (int)sizeof buf ? n : (int)sizeof buf - 1));
+        (void)w;
+    }
+}
+
+static const uint32_t all_open = 0xffffffffu;
+/* The word the fast path reads: the controller's gate, or all_open while passing through. */
+static const _Atomic uint32_t *gate = (const _Atomic uint32_t *)&all_open;
+static uint32_t slot_bit = 1;
+
+static pthread_once_t join_once = PTHREAD_ONCE_INIT;
+static policy_t *policy;
+static proc_t *proc;
+static proc_t local_proc; /* counters when no ledger is mapped */
+static char proc_path[256];
+static atomic_int failed_open;
+
+typedef struct {
+    CUevent start, end;
+    CUstream stream;
+    int ptsz;
+} window_t;
+
+static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
+static window_t ring[POOL];
+static uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
+static int win_open, win_launches, acct_ready, acct_failed;
+static int K = 8;
+static CUcontext acct_ctx;
+static uint32_t helper_bit;
+static _Atomic int helper_sleeping;
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static long futex(volatile void *addr, int op, uint32_t val, const struct timespec *ts, uint32_t bits) {
+    return syscall(SYS_futex, addr, op, val, ts, NULL, bits);
+}
+
+static void abs_after(struct timespec *ts, uint64_t ns) {
+    uint64_t t = now_ns() + ns;
+    ts->tv_sec = (time_t)(t / 1000000000ull);
+    ts->tv_nsec = (long)(t % 1000000000ull);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Joining and leaving                                                                              */
+
+static void fail_open(const char *why) {
+    if (atomic_exchange(&failed_open, 1)) return;
+    gate = (const _Atomic uint32_t *)&all_open;
+    if (proc) atomic_store(&proc->failed_open, 1);
+    say("gpuscope-share: %s: running unthrottled from now on\n", why);
+    /* Wake this process's own threads held at the gate (the word no longer changes). */
+    if (policy) futex((void *)&policy->gate, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+}
+
+static int controller_alive(void) {
+    if (!policy) return 0;
+    if (kill(policy->controller_pid, 0) != 0 && errno == ESRCH) return 0;
+    uint64_t beat = atomic_load(&policy->heartbeat_ns);
+    uint64_t stale = (uint64_t)(policy->stale_ms ? policy->stale_ms : 2000) * 1000000ull;
+    return now_ns() < beat + stale;
+}
+
+static void leave(void) {
+    /* only the process that created the slot removes it (a forked child inherits this handler) */
+    if (proc_path[0] && proc && proc->pid == (int32_t)getpid()) unlink(proc_path);
+}
+
+/* A forked child starts over: it joins with a slot of its own at its first launch (its CUDA state,
+ * and so the parent's events, are not usable in it anyway). */
+static void after_fork_in_child(void) {
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    join_once = fresh;
+    policy = NULL;
+    proc = &local_proc;
+    proc_path[0] = 0;
+    gate = (const _Atomic uint32_t *)&all_open;
+    slot_bit = 1;
+    atomic_store(&failed_open, 0);
+    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
+    wlock = unlocked;
+    head = tail = 0;
+    win_open = win_launches = acct_ready = acct_failed = 0;
+    atomic_store(&helper_sleeping, 0);
+}
+
+static void ring_bell(void);
+static void *helper_main(void *arg);
+
+static void join(void) {
+    const char *tenant = getenv("GPUSCOPE_SHARE_TENANT");
+    const char *dbg = getenv("GPUSCOPE_SHARE_FD");
+    if (dbg) say_fd = atoi(dbg);
+    proc = &local_proc;
+    if (!tenant || !*tenant) return; /* not a tenant: plain pass-through, nothing to say */
+    const char *path = getenv("GPUSCOPE_SHARE_LEDGER");
+    if (!path || !*path) path = "/dev/shm/gpuscope-share";
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        say("gpuscope-share: no controller ledger at %s (%s): tenant %s runs unthrottled\n", path,
+            strerror(errno), tenant);
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    policy_t *p = mmap(NULL, sizeof(policy_t), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED || p->magic != POLICY_MAGIC || p->version != LAYOUT_VERSION) {
+        say("gpuscope-share: %s is not a version-%u ledger: tenant %s runs unthrottled\n", path,
+            LAYOUT_VERSION, tenant);
+        if (p != MAP_FAILED) munmap(p, sizeof(policy_t));
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    policy = p;
+    int slot = -1;
+    for (uint32_t i = 0; i < p->ntenants && i < MAX_TENANTS; i++)
+        if (strncmp(p->tenants[i].name, tenant, NAME_LEN) == 0) slot = (int)i;
+    if (slot < 0) {
+        say("gpuscope-share: the controller has no share named %s: running unthrottled\n", tenant);
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    if (!controller_alive()) {
+        say("gpuscope-share: the controller of %s is not running: tenant %s runs unthrottled\n", path, tenant);
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    /* Written under a name the controller ignores, then renamed: the controller never maps a slot
+     * shorter than its page (touching a mapping past the end of its file is a SIGBUS). */
+    char tmp_path[sizeof proc_path + 8];
+    snprintf(proc_path, sizeof proc_path, "%s.p%d", path, (int)getpid());
+    snprintf(tmp_path, sizeof tmp_path, "%s.new", proc_path);
+    fd = open(tmp_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || ftruncate(fd, 4096) != 0) {
+        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", tmp_path, strerror(errno),
+            tenant);
+        if (fd >= 0) close(fd);
+        unlink(tmp_path);
+        proc_path[0] = 0;
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    fchmod(fd, 0644); /* the controller reads it; only this process writes it */
+    proc_t *q = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (q == MAP_FAILED) {
+        unlink(tmp_path);
+        proc_path[0] = 0;
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    q->pid = (int32_t)getpid();
+    q->slot = slot;
+    strncpy(q->tenant, tenant, NAME_LEN - 1);
+    atomic_store(&q->drained_gen, 0);
+    atomic_store(&q->started_ns, now_ns());
+    q->version = LAYOUT_VERSION;
+    atomic_thread_fence(memory_order_release);
+    q->magic = PROC_MAGIC; /* last: the controller reads a slot only once its magic is there */
+    if (rename(tmp_path, proc_path) != 0) {
+        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", proc_path, strerror(errno),
+            tenant);
+        unlink(tmp_path);
+        munmap(q, 4096);
+        proc_path[0] = 0;
+        atomic_store(&failed_open, 1);
+        return;
+    }
+    proc = q;
+    slot_bit = 1u << slot;
+    helper_bit = 1u << (1 + (getpid() % 31));
+    atexit(leave);
+    gate = &policy->gate;
+    ring_bell();
+}
+
+static inline void ensure_joined(void) { pthread_once(&join_once, join); }
+
+/* The controller's doorbell: a separate, world-writable word it sleeps on. */
+static _Atomic uint32_t *bell;
+static void ring_bell(void) {
+    if (!bell) {
+        char path[280];
+        const char *ledger = getenv("GPUSCOPE_SHARE_LEDGER");
+        snprintf(path, sizeof path, "%s.bell", ledger && *ledger ? ledger : "/dev/shm/gpuscope-share");
+        int fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd < 0) return;
+        void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (m == MAP_FAILED) return;
+        bell = m;
+    }
+    atomic_fetch_add(bell, 1);
+    futex(bell, FUTEX_WAKE, 1, NULL, 0);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Accounting windows                                                                               */
+
+static int load_driver_calls(void) {
+    drv.create = (event_create_fn)driver_symbol("cuEventCreate");
+    drv.record = (event_record_fn)driver_symbol("cuEventRecord");
+    drv.record_ptsz = (event_record_fn)driver_symbol("cuEventRecord_ptsz");
+    drv.sync = (event_sync_fn)driver_symbol("cuEventSynchronize");
+    drv.elapsed = (event_elapsed_fn)driver_symbol("cuEventElapsedTime_v2");
+    if (!drv.elapsed) drv.elapsed = (event_elapsed_fn)driver_symbol("cuEventElapsedTime");
+    drv.get_ctx = (ctx_fn)driver_symbol("cuCtxGetCurrent");
+    drv.set_ctx = (ctx_set_fn)driver_symbol("cuCtxSetCurrent");
+    drv.capturing = (capturing_fn)driver_symbol("cuStreamIsCapturing");
+    drv.capturing_ptsz = (capturing_fn)driver_symbol("cuStreamIsCapturing_ptsz");
+    drv.capture_mode = (capture_mode_fn)driver_symbol("cuThreadExchangeStreamCaptureMode");
+    return drv.create && drv.record && drv.sync && drv.elapsed && drv.get_ctx && drv.set_ctx;
+}
+
+/* Called under wlock at the first admitted launch of a joined process. */
+static void start_accounting(void) {
+    acct_ready = 1;
+    if (!load_driver_calls() || drv.get_ctx(&acct_ctx) != 0 || !acct_ctx) goto fail;
+    for (int i = 0; i < POOL; i++)
+        if (drv.create(&ring[i].start, CU_EVENT_BLOCKING_SYNC) != 0 ||
+            drv.create(&ring[i].end, CU_EVENT_BLOCKING_SYNC) != 0)
+            goto fail;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, helper_main, NULL) != 0) goto fail;
+    pthread_setname_np(t, "gpuscope-share"); /* so its CPU time can be read per thread */
+    return;
+fail:
+    acct_failed = 1;
+    atomic_fetch_add(&proc->hook_errors, 1);
+    say("gpuscope-share: no CUDA events for accounting: launches are counted, not timed\n");
+}
+
+static inline uint32_t inflight_limit(void) {
+    uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
+    int binding = policy && !atomic_load_explicit(&failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
+    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
+    return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
+}
+
+static void wake_helper(void) {
+    if (atomic_load_explicit(&helper_sleeping, memory_order_relaxed) && policy)
+        futex((void *)&policy->gate, FUTEX_WAKE_BITSET, 1, NULL, helper_bit);
+}
+
+/* Whether work on `stream` is being captured into a graph: no events go there (an event recorded in
+ * a capture is a graph node, and waiting on it would invalidate the capture); the graph's launches
+ * are accounted when it is replayed. */
+static int capturing(CUstream stream, int ptsz) {
+    capturing_fn fn = (ptsz && drv.capturing_ptsz) ? drv.capturing_ptsz : drv.capturing;
+    int status = 0;
+    return fn && fn(stream, &status) == 0 && status != 0;
+}
+
+/* Under wlock: close the open window with an end event on its stream (not while it is captured:
+ * the window then stays open until the capture ends). */
+static int close_window(void) {
+    window_t *w = &ring[tail % POOL];
+    if (capturing(w->stream, w->ptsz)) return 0;
+    event_record_fn rec = (w->ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
+    if (rec(w->end, w->stream) != 0) atomic_fetch_add(&proc->hook_errors, 1);
+    win_open = 0;
+    atomic_store_explicit(&proc->window_open, 0, memory_order_relaxed);
+    tail++;
+    atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
+    wake_helper();
+    return 1;
+}
+
+/* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
+ * while the oldest queued window finishes (the bound on queued work). */
+static void open_window(CUstream stream, int ptsz) {
+    if (capturing(stream, ptsz)) return;
+    if (win_open) {
+        window_t *w = &ring[tail % POOL];
+        if (w->stream == stream && w->ptsz == ptsz && win_launches < K) return;
+        if (!close_window()) return;
+    }
+    while (tail - head >= inflight_limit()) {
+        CUevent oldest = ring[head % POOL].end;
+        pthread_mutex_unlock(&wlock);
+        drv.sync(oldest); /* a blocking-sync event: the thread sleeps, it does not spin */
+        pthread_mutex_lock(&wlock);
+        if (win_open) return; /* another thread opened one meanwhile */
+        if (tail - head >= inflight_limit()) {
+            /* the helper has not popped it yet: resolve it here */
+            window_t *w = &ring[head % POOL];
+            float ms = 0;
+            if (drv.elapsed(&ms, w->start, w->end) == 0 && ms > 0)
+                atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
+            atomic_fetch_add(&proc->windows, 1);
+            head++;
+        }
+    }
+    window_t *w = &ring[tail % POOL];
+    w->stream = stream;
+    w->ptsz = ptsz;
+    event_record_fn rec = (ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
+    if (rec(w->start, stream) != 0) {
+        atomic_fetch_add(&proc->hook_errors, 1);
+        return;
+    }
+    win_open = 1;
+    atomic_store_explicit(&proc->window_open, 1, memory_order_relaxed);
+    win_launches = 0;
+}
+
+static void adapt(float ms) {
+    float target = (policy && policy->window_us ? policy->window_us : 2000) / 1000.0f;
+    if (ms > 2 * target && K > K_MIN) K /= 2;
+    else if (ms < target / 2 && K < K_MAX) K *= 2;
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    drv.set_ctx(acct_ctx);
+    if (drv.capture_mode) {
+        /* relaxed: this thread's event waits must not break another thread's graph capture */
+        int mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */
+        drv.capture_mode(&mode);
+    }
+    uint32_t last_seen_closed = 0;
+    int went_quiet = 0;
+    for (;;) {
+        pthread_mutex_lock(&wlock);
+        if (head < tail) {
+            window_t w = ring[head % POOL];
+            uint64_t h = head;
+            pthread_mutex_unlock(&wlock);
+            drv.sync(w.end);
+            float ms = 0;
+            CUresult rc = drv.elapsed(&ms, w.start, w.end);
+            pthread_mutex_lock(&wlock);
+            if (head == h) { /* not resolved by a launching thread meanwhile */
+                if (rc == 0 && ms > 0) atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
+                else if (rc != 0) atomic_fetch_add(&proc->hook_errors, 1);
+                atomic_fetch_add(&proc->windows, 1);
+                head++;
+                adapt(ms);
+            }
+            atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
+            pthread_mutex_unlock(&wlock);
+            continue;
+        }
+        uint32_t g = atomic_load(gate);
+        int allowed = (g & slot_bit) != 0;
+        int binding = (g & 0xffffu) != 0xffffu;
+        uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
+        if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window()) {
+            /* The gate closed (or the process went quiet) with a window open: end it here so the
+             * slice's GPU time is posted and the controller can hand the GPU on. */
+            went_quiet = allowed && binding;
+            pthread_mutex_unlock(&wlock);
+            continue;
+        }
+        if (went_quiet) { /* the holder has nothing queued any more: tell the controller */
+            went_quiet = 0;
+            ring_bell();
+        }
+        if (!allowed && (g >> 16) != last_seen_closed) {
+            last_seen_closed = g >> 16;
+            atomic_store(&proc->drained_gen, g >> 16);
+            futex((void *)&proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+        }
+        atomic_store(&helper_sleeping, 1);
+        /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
+        uint64_t nap = (binding && win_open) ? 1000000ull : 100000000ull;
+        pthread_mutex_unlock(&wlock);
+        if (atomic_load(&failed_open)) {
+            struct timespec ts = {0, 100000000};
+            nanosleep(&ts, NULL);
+        } else {
+            struct timespec ts;
+            abs_after(&ts, nap);
+            futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
+            if (!controller_alive()) fail_open("the share controller is gone");
+        }
+        atomic_store(&helper_sleeping, 0);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* The gate                                                                                         */
+
+static void wait_turn(void) {
+    uint64_t t0 = now_ns();
+    atomic_fetch_add(&proc->waiting, 1);
+    atomic_fetch_add(&proc->waits, 1);
+    ring_bell();
+    for (;;) {
+        uint32_t g = atomic_load(gate);
+        if (g & slot_bit) break;
+        struct timespec ts;
+        abs_after(&ts, 200000000ull);
+        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, 1u);
+        if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
+    }
+    atomic_fetch_sub(&proc->waiting, 1);
+    atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
+}
+
+/* Everything a launch does around the real call. `graph` counts graph launches. */
+#define ADMIT_AND_RUN(STREAM, PTSZ, GRAPH, CALL)                                                         \
+    do {                                                                                                 \
+        ensure_joined();                                                                                 \
+        if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) wait_turn();                 \
+        if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) {                       \
+            atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                         \
+            if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);        \
+            return CALL;                                                                                 \
+        }                                                                                                \
+        pthread_mutex_lock(&wlock);                                                                      \
+        while (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) {                         \
+            pthread_mutex_unlock(&wlock); /* closed between the check and the lock: wait again */       \
+            wait_turn();                                                                                 \
+            pthread_mutex_lock(&wlock);                                                                  \
+        }                                                                                                \
+        if (!acct_ready) start_accounting();                                                             \
+        if (!acct_failed) open_window((STREAM), (PTSZ));                                                 \
+        CUresult rc_ = CALL;                                                                             \
+        atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
+        if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);            \
+        atomic_store_explicit(&proc->last_launch_ns, now_ns(), memory_order_relaxed);                    \
+        if (win_open) {                                                                                  \
+            win_launches += (GRAPH) ? 8 : 1;                                                             \
+            if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window();          \
+        }                                                                                                \
+        pthread_mutex_unlock(&wlock);                                                                    \
+        return rc_;                                                                                      \
+    } while (0)
+
+#define REAL(i, T) ((T)real(i))
+#define MISSING 500 /* CUDA_ERROR_NOT_FOUND */
+
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+typedef CUresult (*launch_ex_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
+typedef CUresult (*graph_fn)(CUgraphExec, CUstream);
+typedef CUresult (*gpa_fn)(const char *, void **, int, uint64_t);
+typedef CUresult (*gpa2_fn)(const char *, void **, int, uint64_t, int *);
+
+static inline CUstream ptsz_stream(CUstream s) { return s ? s : CU_STREAM_PER_THREAD; }
+
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                               unsigned bz, unsigned shm, CUstream s, void **params, void **extra) {
+    launch_fn fn = REAL(H_LAUNCH, launch_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(s, 0, 0, fn(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
+}
+
+EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                    unsigned bz, unsigned shm, CUstream s, void **params, void **extra) {
+    launch_fn fn = REAL(H_LAUNCH_PTSZ, launch_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(ptsz_stream(s), 1, 0, fn(f, gx, gy, gz, bx, by, bz, shm, s, params, extra));
+}
+
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {
+    launch_ex_fn fn = REAL(H_LAUNCH_EX, launch_ex_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(c ? c->hStream : NULL, 0, 0, fn(c, f, params, extra));
+}
+
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {
+    launch_ex_fn fn = REAL(H_LAUNCH_EX_PTSZ, launch_ex_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(ptsz_stream(c ? c->hStream : NULL), 1, 0, fn(c, f, params, extra));
+}
+
+EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s) {
+    graph_fn fn = REAL(H_GRAPH, graph_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(s, 0, 1, fn(g, s));
+}
+
+EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) {
+    graph_fn fn = REAL(H_GRAPH_PTSZ, graph_fn);
+    if (!fn) return MISSING;
+    ADMIT_AND_RUN(ptsz_stream(s), 1, 1, fn(g, s));
+}
+
+/* The hook for a symbol name, or -1. cuGetProcAddress is asked for base names ("cuLaunchKernel");
+ * the per-thread flag selects the _ptsz variant. */
+static int hook_index(const char *symbol, uint64_t flags) {
+    if (!symbol || symbol[0] != 'c' || symbol[1] != 'u') return -1;
+    for (int i = 0; i < H_N; i++)
+        if (strcmp(symbol, hook_names[i]) == 0) {
+            int ptsz = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+            if (ptsz && (i == H_LAUNCH || i == H_LAUNCH_EX || i == H_GRAPH)) return i + 1;
+            return i;
+        }
+    return -1;
+}
+
+/* A driver pointer handed out for `i`: keep it as the real one and hand out the hook instead. */
+static void *wrap(int i, void *p) {
+    if (!p || p == hook_fn[i]) return p;
+    void *expected = NULL;
+    atomic_compare_exchange_strong(&real_fn[i], &expected, p);
+    return hook_fn[i];
+}
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
+    gpa_fn fn = REAL(H_GPA, gpa_fn);
+    if (!fn) return MISSING;
+    CUresult rc = fn(symbol, pfn, version, flags);
+    int i = hook_index(symbol, flags);
+    if (rc == 0 && pfn && i >= 0) *pfn = wrap(i, *pfn);
+    return rc;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
+    gpa2_fn fn = REAL(H_GPA_V2, gpa2_fn);
+    if (!fn) return MISSING;
+    CUresult rc = fn(symbol, pfn, version, flags, status);
+    int i = hook_index(symbol, flags);
+    if (rc == 0 && pfn && i >= 0) *pfn = wrap(i, *pfn);
+    return rc;
+}
+
+/* dlsym: the runtime finds cuGetProcAddress on its own dlopen handle of libcuda.so.1. RTLD_NEXT lookups
+ * pass through unchanged (resolved relative to this library, as every dlsym-hooking preload does). */
+EXPORT void *dlsym(void *handle, const char *symbol) {
+    if (!real_dlsym) find_real_dlsym();
+    if (!real_dlsym) return NULL;
+    void *p = real_dlsym(handle, symbol);
+    if (handle == RTLD_NEXT) return p;
+    int i = hook_index(symbol, 0);
+    if (i < 0 || !p) return p;
+    if (p == hook_fn[i]) return p; /* found this library's own export: real() resolves the driver's */
+    return wrap(i, p);
+}
+
+/* Counters for tests and for a process that wants to read its own numbers. */
+EXPORT void gpuscope_share_stats(uint64_t out[8]) {
+    ensure_joined();
+    out[0] = atomic_load(&proc->launches);
+    out[1] = atomic_load(&proc->graph_launches);
+    out[2] = atomic_load(&proc->hook_errors);
+    out[3] = atomic_load(&proc->throttled_ns);
+    out[4] = atomic_load(&proc->gpu_ns);
+    out[5] = atomic_load(&proc->windows);
+    out[6] = (uint64_t)atomic_load(&failed_open);
+    out[7] = (uint64_t)(policy != NULL);
+}
+
+__attribute__((constructor)) static void init(void) {
+    find_real_dlsym();
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+    hook_fn[H_LAUNCH] = (void *)cuLaunchKernel;
+    hook_fn[H_LAUNCH_PTSZ] = (void *)cuLaunchKernel_ptsz;
+    hook_fn[H_LAUNCH_EX] = (void *)cuLaunchKernelEx;
+    hook_fn[H_LAUNCH_EX_PTSZ] = (void *)cuLaunchKernelEx_ptsz;
+    hook_fn[H_GRAPH] = (void *)cuGraphLaunch;
+    hook_fn[H_GRAPH_PTSZ] = (void *)cuGraphLaunch_ptsz;
+    hook_fn[H_GPA] = (void *)cuGetProcAddress;
+    hook_fn[H_GPA_V2] = (void *)cuGetProcAddress_v2;
+}

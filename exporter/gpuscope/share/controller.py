@@ -1,0 +1,245 @@
+"""The share controller's loop: finds tenant processes, decides who may launch, writes the gate.
+
+It never touches the GPU itself in ``events`` mode: the tenants' preload library measures GPU time
+with CUDA events and posts it to their slots; the controller charges it and hands out slices. In
+``nvml`` mode it samples per-process utilization from NVML every 100 ms for the token buckets.
+
+The loop sleeps on the ledger's bell (a futex) between decisions, so it costs nothing while no share
+binds and a few wake-ups per slice while one does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from gpuscope.share.ledger import OPEN_MASK, Policy, ProcView, TenantPolicy, pid_alive, proc_paths
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets
+
+#: A tenant counts as active (shares bind while two are) this long after its last launch.
+ACTIVE_S = 0.5
+#: The holder still wants its slice if it launched this recently.
+HOLDER_RECENT_S = 0.002
+
+UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
+
+
+@dataclass
+class ProcState:
+    view: ProcView
+    gpu_ns_seen: int = 0
+
+
+@dataclass
+class Stats:
+    """What /metrics shows besides the processes' own counters."""
+
+    slices: dict[str, int] = field(default_factory=dict)
+    drain_timeouts: int = 0
+    departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
+    binding: bool = False
+
+
+class Controller:
+    def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
+                 slice_s: float = 0.02, drain_timeout_s: float = 0.2, window_us: int = 2000,
+                 inflight_slice: int = 2, inflight_open: int = 16,
+                 utilization: UtilizationSource | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us,
+                             inflight_slice=inflight_slice, inflight_open=inflight_open)
+        self.tenants = tenants
+        self.mode = mode
+        self.slice_s = slice_s
+        self.drain_timeout_s = drain_timeout_s
+        self.scheduler = SliceScheduler(tenants)
+        self.buckets = TokenBuckets(tenants)
+        self.utilization = utilization
+        self.procs: dict[int, ProcState] = {}
+        self.holder: int | None = None  # None: the gate is open
+        self.slice_end = 0.0
+        self._slice_start = 0.0
+        self._posted_in_slice = 0.0
+        self.stats = Stats(slices={t.name: 0 for t in tenants})
+        self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
+        self._last_scan = 0.0
+        self._last_sample = 0.0
+        self._mask = OPEN_MASK
+        self._nvml_samples = self._nvml_matched = 0
+        self.log = log or (lambda line: sys.stderr.write(line + "\n"))
+
+    # --- processes --------------------------------------------------------------------------
+    def scan(self) -> None:
+        """Adopt new tenant slots; a dead process's slot is removed and its share given back."""
+        paths = proc_paths(self.policy.prefix)
+        with self.lock:
+            for pid, path in paths.items():
+                if pid in self.procs:
+                    continue
+                try:
+                    view = ProcView(path)
+                except (OSError, ValueError):
+                    continue  # still being written, or not ours
+                if not 0 <= view.slot < len(self.tenants):
+                    view.close()
+                    continue
+                self.procs[pid] = ProcState(view)
+            for pid in list(self.procs):
+                if pid not in paths or not pid_alive(pid):
+                    self._forget(pid)
+
+    def _forget(self, pid: int) -> None:
+        state = self.procs.pop(pid)
+        tenant = self.tenants[state.view.slot].name
+        totals = self.stats.departed.setdefault(tenant, {})
+        for name, value in state.view.counters().items():
+            totals[name] = totals.get(name, 0) + value
+        path = state.view.path
+        state.view.close()
+        with contextlib.suppress(OSError):  # exited cleanly (it removes its own slot) or not ours
+            os.unlink(path)
+
+    def _charge(self, now: float) -> None:
+        for state in self.procs.values():
+            gpu_ns = state.view.counter("gpu_ns")
+            if gpu_ns > state.gpu_ns_seen:
+                seconds = (gpu_ns - state.gpu_ns_seen) / 1e9
+                self.scheduler.charge(state.view.slot, seconds, now)
+                if state.view.slot == self.holder:
+                    self._posted_in_slice += seconds
+                state.gpu_ns_seen = gpu_ns
+
+    def _pending(self, now: float) -> dict[int, float]:
+        """The holder's slice so far, less what its processes already posted: its unposted GPU time
+        (at most the slice's wall time, since it held the GPU alone)."""
+        if self.holder is None:
+            return {}
+        return {self.holder: max(0.0, now - self._slice_start - self._posted_in_slice)}
+
+    def active_slots(self) -> set[int]:
+        now_ns = time.monotonic_ns()
+        return {s.view.slot for s in self.procs.values()
+                if s.view.waiting or now_ns - s.view.counter("last_launch_ns") < ACTIVE_S * 1e9}
+
+    def wanting_slots(self) -> set[int]:
+        """Slots with a thread held at the gate, plus the holder while it still has work."""
+        now_ns = time.monotonic_ns()
+        out = set()
+        for s in self.procs.values():
+            v = s.view
+            if v.waiting or (v.slot == self.holder and (v.counter("window_open") or v.counter("inflight")
+                                            or now_ns - v.counter("last_launch_ns") < HOLDER_RECENT_S * 1e9)):
+                out.add(v.slot)
+        return out
+
+    # --- the gate ---------------------------------------------------------------------------
+    def _set_mask(self, mask: int) -> int:
+        self._mask = mask
+        return self.policy.set_gate(mask)
+
+    def _drain(self, slots: set[int] | None) -> None:
+        """Close the gate and wait until the processes of ``slots`` (None: all) have nothing queued."""
+        gen = self._set_mask(0)
+        for state in list(self.procs.values()):
+            if slots is not None and state.view.slot not in slots:
+                continue
+            if not state.view.wait_drained(gen, self.drain_timeout_s) and pid_alive(state.view.pid):
+                self.stats.drain_timeouts += 1
+
+    def _grant(self, slot: int, now: float, wanting: set[int]) -> None:
+        self.holder = slot
+        self._renew(now, wanting)
+        self._set_mask(1 << slot)
+
+    def _renew(self, now: float, wanting: set[int]) -> None:
+        self._slice_start, self._posted_in_slice = now, 0.0
+        self.slice_end = now + self.scheduler.quantum(self.holder, wanting | {self.holder}, self.slice_s)
+        self.stats.slices[self.tenants[self.holder].name] += 1
+
+    def step_events(self, now: float) -> float:
+        """One decision in events mode; returns how long to sleep at most."""
+        self._charge(now)
+        active = self.active_slots()
+        if not self.scheduler.binds(active):
+            if self.holder is not None or self._mask != OPEN_MASK:
+                self.holder = None
+                self._set_mask(OPEN_MASK)
+            self.stats.binding = False
+            return 0.1
+        self.stats.binding = True
+        wanting = self.wanting_slots()
+        if self.holder is None:
+            self._drain(None)  # from the open gate: everyone's queued work first
+            self._charge(now)
+            nxt = self.scheduler.pick(wanting or active, now)
+            if nxt is not None:
+                self._grant(nxt, now, wanting or active)
+            return self.slice_s
+        holder = self.holder
+        holder_wants = holder in wanting
+        preempt = any(self.scheduler.preempts(holder, s, wanting) for s in wanting if s != holder)
+        if holder_wants and now < self.slice_end and not preempt:
+            return self.slice_end - now
+        others = wanting - {holder}
+        if not others:
+            if holder_wants:
+                self._renew(now, wanting)  # nobody else waits
+            return self.slice_s
+        nxt = self.scheduler.pick(wanting if holder_wants else others, now, self._pending(now))
+        if nxt == holder:
+            self._renew(now, wanting)
+            return self.slice_end - now
+        self._drain({holder})
+        self._charge(time.monotonic())
+        self._grant(nxt, time.monotonic(), wanting)
+        return self.slice_end - time.monotonic()
+
+    def step_nvml(self, now: float) -> float:
+        """One decision in nvml mode: token buckets on sampled utilization, every 100 ms."""
+        dt = now - self._last_sample if self._last_sample else 0.1
+        self._last_sample = now
+        by_pid = self.utilization() if self.utilization else {}
+        util: dict[int, float] = {}
+        for pid, fraction in by_pid.items():
+            state = self.procs.get(pid)
+            if state is not None:
+                util[state.view.slot] = util.get(state.view.slot, 0.0) + fraction
+        self._nvml_samples += 1
+        self._nvml_matched += bool(util)
+        if self._nvml_samples == 50 and self.procs and not self._nvml_matched:
+            self.log(f"gpuscope share: NVML gave no utilization for any tenant process in 5 s (pids seen: "
+                     f"{sorted(by_pid)[:8]}, tenants: {sorted(self.procs)[:8]}): the buckets cannot bind")
+        active = self.active_slots()
+        self.stats.binding = len(active) > 1
+        mask = self.buckets.update(util, active, dt)
+        if mask != self._mask:
+            self._set_mask(mask)
+        return 0.1
+
+    def step(self) -> float:
+        now = time.monotonic()
+        self.policy.heartbeat()
+        if now - self._last_scan >= 0.1:
+            self._last_scan = now
+            self.scan()
+        with self.lock:
+            if self.mode == "nvml":
+                return self.step_nvml(now)
+            return self.step_events(now)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            seen = self.policy.bell_value()
+            timeout = self.step()
+            self.policy.wait_bell(seen, max(0.0005, min(timeout, 0.1)))
+
+    def close(self) -> None:
+        with self.lock:
+            for pid in list(self.procs):
+                self.procs.pop(pid).view.close()
+        self.policy.close()

@@ -1,0 +1,127 @@
+"""gpuscope share: hold separate processes on one GPU to shares of its time, measured by CUDA events.
+
+Start the controller, then start each process with the preload library and its tenant's name:
+
+    gpuscope share --share online=0.3:1,batch=0.7
+    LD_PRELOAD=$(python -m gpuscope.share.preload) GPUSCOPE_SHARE_TENANT=online python serve.py
+
+docs/share.md explains the mechanism, its limits and its security model.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import start_http_server
+
+from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
+from gpuscope.ports import LOCAL_HOST, SHARE_PORT
+from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+from gpuscope.share.preload import DEFAULT_LEDGER, library_path
+
+
+def parse_shares(text: str) -> list[TenantPolicy]:
+    """``NAME=FRACTION[:PRIORITY],...`` → tenants; fractions in (0, 1] summing to at most 1."""
+    tenants: list[TenantPolicy] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, rest = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY]")
+        if len(name.encode()) >= NAME_LEN or not all(ch.isalnum() or ch in "-_." for ch in name):
+            raise ValueError(f"tenant name {name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} bytes")
+        fraction, _, priority = rest.partition(":")
+        try:
+            share = float(fraction)
+            prio = int(priority) if priority else 0
+        except ValueError:
+            raise ValueError(f"{item!r}: FRACTION must be a number and PRIORITY an integer") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"{item!r}: the share must be in (0, 1]")
+        if not 0 <= prio <= 1000:
+            raise ValueError(f"{item!r}: the priority must be between 0 and 1000")
+        if any(t.name == name for t in tenants):
+            raise ValueError(f"tenant {name!r} named twice")
+        tenants.append(TenantPolicy(name, share, prio))
+    if not tenants:
+        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY],...")
+    if len(tenants) > MAX_TENANTS:
+        raise ValueError(f"at most {MAX_TENANTS} tenants")
+    if sum(t.share for t in tenants) > 1.0 + 1e-9:
+        raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
+    return tenants
+
+
+def _parser() -> FlagParser:
+    p = FlagParser(prog="gpuscope share", description=__doc__.splitlines()[0])
+    p.add_flag("--share", dest="shares", type=checked(parse_shares), required=False,
+               help="tenants and their shares: NAME=FRACTION[:PRIORITY],... (higher priority first)")
+    p.add_flag("--share.accounting", dest="accounting", choices=("events", "nvml"), default="events",
+               help="events: slices charged by the tenants' CUDA events; nvml: token buckets fed by NVML "
+                    "utilization every 100 ms (what the peer projects do)")
+    p.add_flag("--share.ledger", dest="ledger", default=DEFAULT_LEDGER,
+               help="path prefix of the shared-memory ledger (tenants set GPUSCOPE_SHARE_LEDGER to it)")
+    p.add_flag("--share.slice", dest="slice", type=checked(parse_duration), default=0.02,
+               help="length of one tenant's turn while shares bind")
+    p.add_flag("--share.drain-timeout", dest="drain_timeout", type=checked(parse_duration), default=0.2,
+               help="longest wait for the previous holder's queued work at a hand-over")
+    p.add_flag("--share.window", dest="window", type=checked(parse_duration), default=0.002,
+               help="GPU time one accounting window aims at (two CUDA events per window)")
+    p.add_flag("--share.gpu", dest="gpu", type=int, default=0, help="NVML index of the GPU (nvml accounting)")
+    p.add_flag("--web.listen-address", dest="listen", default=f"{LOCAL_HOST}:{SHARE_PORT}",
+               help="HOST:PORT for /metrics")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.shares is None:
+        parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
+    try:
+        host, port = parse_listen_address(args.listen)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if library_path() is None:
+        parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
+    from gpuscope.share.controller import Controller
+    from gpuscope.share.metrics import ShareCollector
+
+    utilization = None
+    if args.accounting == "nvml":
+        try:
+            from gpuscope.share.nvml_source import nvml_utilization
+
+            utilization = nvml_utilization(args.gpu)
+        except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
+            parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")
+    try:
+        controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
+                                drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
+                                utilization=utilization)
+    except OSError as exc:
+        parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
+        signal.signal(sig, lambda *_: stop.set())
+    registry = CollectorRegistry()
+    registry.register(ShareCollector(controller))
+    try:
+        server, _ = start_http_server(port, host, registry=registry)
+    except OSError as exc:
+        controller.close()
+        parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" for t in args.shares)
+    sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
+                     f"/metrics on http://{args.listen}/metrics\n")
+    try:
+        controller.run(stop)
+    finally:
+        server.shutdown()
+        controller.close()
+    return 0

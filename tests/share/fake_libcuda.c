@@ -1,0 +1,110 @@
+/* A stand-in libcuda.so.1 for the preload library's tests: it records every launch (name, stream,
+ * the caller's sequence number in gridDimX) to the file named by FAKE_CUDA_LOG, serves
+ * cuGetProcAddress / cuGetProcAddress_v2 like the real driver (base names, the per-thread flag picks
+ * the _ptsz variant), and keeps a fake GPU clock so event pairs have durations: a launch takes
+ * blockDimX microseconds of "GPU time" on that clock, a graph launch 100. Prototypes follow cuda.h. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+static _Atomic uint64_t gpu_clock_ns;
+static int log_fd = -1;
+
+static void log_call(const char *name, CUstream s, unsigned seq) {
+    if (log_fd < 0) {
+        const char *p = getenv("FAKE_CUDA_LOG");
+        log_fd = p ? open(p, O_WRONLY | O_CREAT | O_APPEND, 0644) : 2;
+    }
+    char buf[128];
+    int n = snprintf(buf, sizeof buf, "%s %lu %u\n", name, (unsigned long)(uintptr_t)s, seq);
+    if (write(log_fd, buf, (size_t)n) < 0) abort();
+}
+
+#define LAUNCH(NAME)                                                                                   \
+    CUresult NAME(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
+                  unsigned shm, CUstream s, void **p, void **e) {                                      \
+        (void)f; (void)gy; (void)gz; (void)by; (void)bz; (void)shm; (void)p; (void)e;                  \
+        atomic_fetch_add(&gpu_clock_ns, (uint64_t)bx * 1000);                                          \
+        log_call(#NAME, s, gx);                                                                        \
+        return 0;                                                                                      \
+    }
+LAUNCH(cuLaunchKernel)
+LAUNCH(cuLaunchKernel_ptsz)
+
+#define LAUNCH_EX(NAME)                                                                                \
+    CUresult NAME(const CUlaunchConfig *c, void *f, void **p, void **e) {                              \
+        (void)f; (void)p; (void)e;                                                                     \
+        atomic_fetch_add(&gpu_clock_ns, (uint64_t)c->blockDimX * 1000);                                \
+        log_call(#NAME, c->hStream, c->gridDimX);                                                      \
+        return 0;                                                                                      \
+    }
+LAUNCH_EX(cuLaunchKernelEx)
+LAUNCH_EX(cuLaunchKernelEx_ptsz)
+
+#define GRAPH(NAME)                                                                                    \
+    CUresult NAME(void *g, CUstream s) {                                                               \
+        atomic_fetch_add(&gpu_clock_ns, 100000);                                                       \
+        log_call(#NAME, s, (unsigned)(uintptr_t)g);                                                    \
+        return 0;                                                                                      \
+    }
+GRAPH(cuGraphLaunch)
+GRAPH(cuGraphLaunch_ptsz)
+
+CUresult cuMemAlloc_v2(void **p, size_t n) { *p = malloc(n); log_call("cuMemAlloc_v2", 0, 0); return 0; }
+
+/* Events: a slot holding the fake clock at record time. */
+typedef struct { uint64_t at; int recorded; } fake_event;
+CUresult cuEventCreate(fake_event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof **e); return 0; }
+CUresult cuEventRecord(fake_event *e, CUstream s) { (void)s; e->at = atomic_load(&gpu_clock_ns); e->recorded = 1; return 0; }
+CUresult cuEventRecord_ptsz(fake_event *e, CUstream s) { return cuEventRecord(e, s); }
+CUresult cuEventSynchronize(fake_event *e) { (void)e; return 0; }
+CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
+    if (!a->recorded || !b->recorded) return 600;
+    *ms = (float)((double)(b->at - a->at) / 1e6);
+    return 0;
+}
+/* Stream 99 is "being captured into a graph". */
+CUresult cuStreamIsCapturing(CUstream s, int *status) { *status = (uintptr_t)s == 99; return 0; }
+static int ctx_token;
+CUresult cuCtxGetCurrent(void **c) { *c = &ctx_token; return 0; }
+CUresult cuCtxSetCurrent(void *c) { (void)c; return 0; }
+
+static const struct { const char *name; void *fn; void *ptsz; } table[] = {
+    {"cuLaunchKernel", (void *)cuLaunchKernel, (void *)cuLaunchKernel_ptsz},
+    {"cuLaunchKernelEx", (void *)cuLaunchKernelEx, (void *)cuLaunchKernelEx_ptsz},
+    {"cuGraphLaunch", (void *)cuGraphLaunch, (void *)cuGraphLaunch_ptsz},
+    {"cuMemAlloc", (void *)cuMemAlloc_v2, (void *)cuMemAlloc_v2},
+    {"cuEventRecord", (void *)cuEventRecord, (void *)cuEventRecord_ptsz},
+};
+
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status);
+CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags) {
+    return cuGetProcAddress_v2(sym, pfn, ver, flags, NULL);
+}
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status) {
+    (void)ver;
+    if (strcmp(sym, "cuGetProcAddress") == 0) { *pfn = (void *)cuGetProcAddress_v2; if (status) *status = 0; return 0; }
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+        if (strcmp(sym, table[i].name) == 0) {
+            *pfn = (flags & 2) ? table[i].ptsz : table[i].fn;
+            if (status) *status = 0;
+            return 0;
+        }
+    *pfn = NULL;
+    if (status) *status = 1;
+    return 500;
+}

@@ -1,0 +1,178 @@
+"""The controller with real tenant processes on the fake driver: join, crash, binding, metrics, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuscope import catalogue
+from gpuscope.share.controller import Controller
+from gpuscope.share.ledger import TenantPolicy, proc_paths
+from gpuscope.share.main import main as share_main
+from gpuscope.share.main import parse_shares
+from gpuscope.share.metrics import ShareCollector
+from tests.share.fakecuda import child_env
+
+LOOP = """
+import ctypes, sys, time
+cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
+end = time.time() + float(sys.argv[1])
+n = 0
+while time.time() < end:
+    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(50), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+    n += 1
+    if sys.argv[2] == 'idle' and n == 10:
+        time.sleep(60)
+"""
+
+
+def tenant(fake, tmp_path, name: str, ledger: str, seconds: float, how: str = "busy") -> subprocess.Popen:
+    env = child_env(fake, tmp_path / f"log-{name}", tenant=name, ledger=ledger)
+    env["FAKE_CUDA_LOG"] = os.devnull
+    return subprocess.Popen([sys.executable, "-c", LOOP, str(seconds), how], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def controller(tmp_path):
+    tenants = [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]
+    c = Controller(str(tmp_path / "ledger"), tenants, slice_s=0.01, drain_timeout_s=2.0)  # CI's slack
+    stop = threading.Event()
+    loop = threading.Thread(target=c.run, args=(stop,))
+    loop.start()
+    yield c
+    stop.set()
+    loop.join()
+    c.close()
+
+
+def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller):
+    p = tenant(fake_cuda, tmp_path, "a", controller.policy.prefix, 30, "idle")
+    try:
+        wait_for(lambda: p.pid in controller.procs, what="the controller to adopt the process")
+        wait_for(lambda: controller.procs[p.pid].view.counter("launches") == 10, what="its launches")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        wait_for(lambda: p.pid not in controller.procs, what="the dead process to be forgotten")
+        assert p.pid not in proc_paths(controller.policy.prefix)  # its slot file was removed
+        assert controller.stats.departed["a"]["launches"] == 10
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, controller):
+    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0) for name in "ab"]
+    try:
+        seen = {}
+        wait_for(lambda: all(p.pid in controller.procs for p in procs), what="both tenants")
+        wait_for(lambda: controller.stats.binding, what="shares to bind")
+        for p in procs:
+            seen[p.pid] = controller.procs[p.pid].view.counters()
+        for p in procs:
+            _, err = p.communicate(timeout=30)
+            assert p.returncode == 0 and err == ""
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    wait_for(lambda: set(controller.stats.departed) == {"a", "b"}, what="both exits to be noticed")
+    assert controller.stats.slices["a"] > 0 and controller.stats.slices["b"] > 0
+    assert controller.stats.drain_timeouts == 0
+    assert all(c["launches"] > 0 for c in seen.values())
+    # both were held at the gate for the other's turns
+    a, b = (controller.stats.departed[n] for n in "ab")
+    assert a["throttled_ns"] > 0 and b["throttled_ns"] > 0
+    # the larger share got more of the (fake) GPU time
+    assert a["gpu_ns"] > b["gpu_ns"] > 0
+
+
+def test_metrics_come_from_the_catalogue(fake_cuda, tmp_path, controller):
+    p = tenant(fake_cuda, tmp_path, "b", controller.policy.prefix, 30, "idle")
+    try:
+        wait_for(lambda: p.pid in controller.procs, what="the tenant")
+        wait_for(lambda: controller.procs[p.pid].view.counter("launches") == 10, what="its launches")
+        registry = CollectorRegistry()
+        registry.register(ShareCollector(controller))
+        text = generate_latest(registry).decode()
+    finally:
+        p.kill()
+        p.wait()
+    assert f'gpuscope_share_launches_total{{pid="{p.pid}",tenant="b"}} 10.0' in text
+    assert 'gpuscope_share_target_ratio{tenant="a"} 0.7' in text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    for name in names:
+        base = name.removesuffix("_created")
+        assert base in {m.name for m in catalogue.all_metrics()}, name
+
+
+def test_share_flags():
+    assert parse_shares("online=0.3:5, batch=0.7") == [TenantPolicy("online", 0.3, 5),
+                                                       TenantPolicy("batch", 0.7)]
+    for bad, why in (("a=0.8,b=0.3", "more than 1"), ("a", "NAME=FRACTION"), ("a=x", "must be a number"),
+                     ("a=0", "(0, 1]"), ("a=0.1,a=0.2", "twice"), ("a b=0.1", "tenant name"),
+                     ("", "no tenants")):
+        with pytest.raises(ValueError) as info:
+            parse_shares(bad)
+        assert why in str(info.value), (bad, str(info.value))
+
+
+def test_a_bad_flag_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        share_main(["--share", "a=2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpuscope share: error:" in err and "(0, 1]" in err
+    with pytest.raises(SystemExit) as info:
+        share_main(["--share", "a=0.5", "--share.accounting", "smi"])
+    assert info.value.code == 2
+
+
+def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
+    import urllib.request
+
+    from gpuscope.ports import free_port
+
+    port = free_port()
+    ledger = str(tmp_path / "ledger")
+    env = {**os.environ, "GPUSCOPE_SHARE": "online=0.3:1,batch=0.7"}  # the flag from its env var
+    proc = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share.ledger", ledger,
+                             "--web.listen-address", f"127.0.0.1:{port}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def scraped() -> str:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    return r.read().decode()
+            except OSError:
+                return ""
+
+        wait_for(lambda: proc.poll() is not None or "gpuscope_share_target_ratio" in scraped(),
+                 what="the controller's /metrics")
+        assert proc.poll() is None, proc.communicate()[1]
+        text = scraped()
+        assert 'gpuscope_share_target_ratio{tenant="online"} 0.3' in text
+        assert os.path.exists(ledger) and os.path.exists(ledger + ".bell")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert not os.path.exists(ledger) and not os.path.exists(ledger + ".bell")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,272 @@
+"""The preload library against a fake driver: interception on every path, pass-through, fail-open,
+nothing lost or reordered, and the accounting windows' GPU time."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpuscope.share.ledger import Policy, ProcView, TenantPolicy, proc_paths
+from tests.share.fakecuda import child_env, finish, launch, read_log
+
+
+def test_every_path_is_intercepted_and_nothing_is_lost_or_reordered(fake_cuda, tmp_path):
+    log = tmp_path / "log"
+    result, err = finish(launch(child_env(fake_cuda, log), 4))
+    hooks = result["hooks"]
+    assert hooks is not None, "the library's exports were not found in the process"
+    paths = result["paths"]
+    # dlsym on the dlopen handle, cuGetProcAddress v1 and v2: all hand out the library's hooks,
+    # and the per-thread flag hands out the _ptsz hook
+    assert paths["dlsym"] == paths["gpa_v1"] == paths["gpa_v2"] == hooks["cuLaunchKernel"]
+    assert paths["dlsym_ptsz"] == paths["gpa_v2_ptsz"] == hooks["cuLaunchKernel_ptsz"]
+    assert result["stats"]["launches"] == len(result["launched"]) == 4 * 7
+    assert result["stats"]["graph_launches"] == 4
+    rows = read_log(log)
+    # every launch reached the driver once, in call order (so in order on each stream), through the
+    # variant it was asked for
+    assert [[s, q] for _, s, q in rows] == result["launched"]
+    assert [name for name, _, q in rows[:7]] == [
+        "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernel", "cuLaunchKernel", "cuLaunchKernel_ptsz",
+        "cuLaunchKernelEx", "cuGraphLaunch"]
+    assert err == ""  # not a tenant: silent
+
+
+def test_without_the_library_the_same_calls_reach_the_driver(fake_cuda, tmp_path):
+    with_lib, without = tmp_path / "with", tmp_path / "without"
+    finish(launch(child_env(fake_cuda, with_lib), 3))
+    result, _ = finish(launch(child_env(fake_cuda, without, preload=False), 3))
+    assert result["hooks"] is None
+    assert read_log(with_lib) == read_log(without)
+
+
+def test_symbol_interposition_for_a_program_linked_against_libcuda(fake_cuda, tmp_path):
+    log = tmp_path / "log"
+    run = subprocess.run([str(fake_cuda / "linked")], env=child_env(fake_cuda, log), capture_output=True,
+                         text=True, check=True)
+    assert run.stdout.strip() == "10"
+    assert [q for _, _, q in read_log(log)] == list(range(1000, 1010))
+    env = child_env(fake_cuda, tmp_path / "l2", preload=False)
+    plain = subprocess.run([str(fake_cuda / "linked")], env=env, capture_output=True, text=True, check=True)
+    assert plain.stdout.strip() == "-1"
+
+
+def test_a_tenant_without_a_controller_passes_through_and_says_so_once(fake_cuda, tmp_path):
+    log = tmp_path / "log"
+    env = child_env(fake_cuda, log, tenant="batch", ledger=str(tmp_path / "no-ledger"))
+    result, err = finish(launch(env, 5))
+    assert err.count("gpuscope-share:") == 1
+    assert "no controller ledger" in err and "batch runs unthrottled" in err
+    assert result["stats"]["launches"] == 35 and result["stats"]["joined"] == 0
+    assert len(read_log(log)) == 35
+
+
+def test_an_unknown_tenant_runs_unthrottled(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5)])
+    try:
+        policy.set_gate(0)  # nobody may launch: an unknown tenant must not be held
+        env = child_env(fake_cuda, tmp_path / "log", tenant="stranger", ledger=policy.prefix)
+        result, err = finish(launch(env, 2))
+        assert "no share named stranger" in err
+        assert result["stats"]["launches"] == 14
+    finally:
+        policy.close()
+
+
+def test_a_joined_tenant_accounts_gpu_time_in_windows(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    try:
+        env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
+        result, err = finish(launch(env, 20, "wait-gpu-ns"))
+        stats = result["stats"]
+        assert stats["joined"] == 1 and stats["failed_open"] == 0 and stats["hook_errors"] == 0
+        # the fake GPU clock: 6 launches of 5 µs and one graph of 100 µs per round
+        assert stats["gpu_ns"] == pytest.approx(20 * 130_000, rel=0.01)
+        assert 0 < stats["windows"] <= stats["launches"]
+        assert err == ""
+        assert proc_paths(policy.prefix) == {}  # the process removed its slot when it exited
+    finally:
+        policy.close()
+
+
+def _wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    try:
+        policy.set_gate(0b01)  # only a may launch
+        log = tmp_path / "log"
+        child = launch(child_env(fake_cuda, log, tenant="b", ledger=policy.prefix), 3)
+        _wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        try:
+            _wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+            assert view.tenant == "b" and view.slot == 1
+            assert not log.exists() or read_log(log) == []  # nothing launched while held
+            policy.heartbeat()
+            policy.set_gate(0b11)
+        finally:
+            view.close()
+        result, err = finish(child)
+        assert result["stats"]["launches"] == 21 and result["stats"]["throttled_ns"] > 0
+        assert len(read_log(log)) == 21 and err == ""
+    finally:
+        policy.close()
+
+
+def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)], stale_ms=300)
+    beating = threading.Event()
+    beating.set()
+
+    def heartbeat() -> None:  # alive until the tenant is held, then gone
+        while beating.is_set():
+            policy.heartbeat()
+            time.sleep(0.02)
+
+    beat = threading.Thread(target=heartbeat)
+    beat.start()
+    try:
+        policy.set_gate(0)
+        log = tmp_path / "log"
+        child = launch(child_env(fake_cuda, log, tenant="a", ledger=policy.prefix), 3)
+        _wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        try:
+            _wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+        finally:
+            view.close()
+        beating.clear()
+        beat.join()
+        result, err = finish(child)
+        assert err.count("gpuscope-share:") == 1 and "controller is gone" in err
+        assert result["stats"]["failed_open"] == 1
+        assert len(read_log(log)) == 21
+    finally:
+        beating.clear()
+        beat.join()
+        policy.close()
+
+
+def test_a_tenant_cannot_write_the_policy(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5)])
+    try:
+        assert stat.S_IMODE(os.stat(policy.prefix).st_mode) == 0o644
+        assert stat.S_IMODE(os.stat(policy.prefix + ".bell").st_mode) == 0o666
+    finally:
+        policy.close()
+
+
+def test_many_threads_lose_no_launch(fake_cuda, tmp_path):
+    """Launches from several threads of one tenant while the controller flips the gate."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            policy.heartbeat()
+            policy.set_gate(0b01)
+            time.sleep(0.002)
+            policy.set_gate(0b11)
+            time.sleep(0.002)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        log = tmp_path / "log"
+        script = (
+            "import ctypes, threading\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "U = ctypes.c_uint\n"
+            "def run(t):\n"
+            "    for i in range(200):\n"
+            "        assert cuda.cuLaunchKernel(None, U(t * 1000 + i), U(1), U(1), U(1), U(1), U(1), U(0),"
+            " ctypes.c_void_p(t + 1), None, None) == 0\n"
+            "ts = [threading.Thread(target=run, args=(t,)) for t in range(4)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n")
+        env = child_env(fake_cuda, log, tenant="b", ledger=policy.prefix)
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+        rows = read_log(log)
+        assert len(rows) == 800
+        for t in range(4):  # per stream (one per thread): all there, in order
+            assert [q for _, s, q in rows if s == t + 1] == [t * 1000 + i for i in range(200)]
+    finally:
+        stop.set()
+        flipper.join()
+        policy.close()
+
+
+def test_launches_being_captured_into_a_graph_record_no_events(fake_cuda, tmp_path):
+    """An event recorded in a capture would become a graph node, and waiting on it would break the
+    capture: captured launches pass through untimed (the graph is timed when replayed)."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)])
+    try:
+        script = (
+            "import ctypes, json, time\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "U = ctypes.c_uint\n"
+            "for stream, micros in ((99, 5), (1, 7)):\n"
+            "    for i in range(10):\n"
+            "        assert cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(micros), U(1), U(1), U(0),"
+            " ctypes.c_void_p(stream), None, None) == 0\n"
+            "out = (ctypes.c_uint64 * 8)()\n"
+            "deadline = time.monotonic() + 5\n"
+            "while time.monotonic() < deadline:\n"
+            "    ctypes.CDLL(None).gpuscope_share_stats(out)\n"
+            "    if out[4] >= 70000 * 0.99:\n"
+            "        break\n"
+            "    time.sleep(0.01)\n"
+            "print(json.dumps(list(out)))\n")
+        env = child_env(fake_cuda, tmp_path / "log", tenant="a", ledger=policy.prefix)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True, timeout=60)
+        stats = json.loads(run.stdout)
+        assert stats[0] == 20  # all launched and counted
+        assert stats[4] == pytest.approx(70_000, rel=0.01)  # only stream 1's 10 × 7 µs were timed
+        assert len(read_log(tmp_path / "log")) == 20
+    finally:
+        policy.close()
+
+
+def test_a_forked_child_joins_with_its_own_slot_and_leaves_the_parents(fake_cuda, tmp_path):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)])
+    folder = os.path.dirname(policy.prefix)
+    try:
+        script = (
+            "import ctypes, os, json, sys\n"
+            "cuda = ctypes.CDLL('libcuda.so.1')\n"
+            "U = ctypes.c_uint\n"
+            "def launch():\n"
+            "    assert cuda.cuLaunchKernel(None, U(0), U(1), U(1), U(1), U(1), U(1), U(0),"
+            " ctypes.c_void_p(1), None, None) == 0\n"
+            "launch()\n"
+            "parent = os.getpid()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    launch()\n"
+            f"    print(json.dumps(sorted(os.listdir({folder!r}))), flush=True)\n"
+            "    sys.exit(0)\n"  # a normal exit: the atexit handlers inherited from the parent run
+            "os.waitpid(pid, 0)\n"
+            f"print(json.dumps([parent, pid, sorted(os.listdir({folder!r}))]), flush=True)\n")
+        env = child_env(fake_cuda, tmp_path / "log", tenant="a", ledger=policy.prefix)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             check=True, timeout=60)
+        first, second = run.stdout.splitlines()
+        parent, child, after = json.loads(second)
+        assert {f"ledger.p{parent}", f"ledger.p{child}"} <= set(json.loads(first))  # one slot each
+        assert f"ledger.p{parent}" in after and f"ledger.p{child}" not in after
+    finally:
+        policy.close()

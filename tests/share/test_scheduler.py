@@ -1,0 +1,128 @@
+"""The share scheduler as pure code: shares, priorities, who binds, token buckets."""
+
+import pytest
+
+from gpuscope.share.ledger import TenantPolicy
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets
+
+
+def simulate(s: SliceScheduler, wanting, slice_s: float, rounds: int) -> list[float]:
+    """Give slices to whoever pick() names, each using its whole slice; returns GPU seconds per slot."""
+    got = [0.0] * len(s.tenants)
+    now = 0.0
+    for _ in range(rounds):
+        slot = s.pick(wanting, now)
+        got[slot] += slice_s
+        now += slice_s
+        s.charge(slot, slice_s, now)
+    return got
+
+
+def test_two_busy_tenants_get_their_shares():
+    s = SliceScheduler([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
+    got = simulate(s, {0, 1}, 0.01, 1000)
+    assert got[0] / sum(got) == pytest.approx(0.7, abs=0.01)
+
+
+def test_shares_are_relative_among_those_that_want_the_gpu():
+    s = SliceScheduler([TenantPolicy("a", 0.2), TenantPolicy("b", 0.2), TenantPolicy("c", 0.6)])
+    got = simulate(s, {0, 1}, 0.01, 1000)  # c is idle: a and b split evenly
+    assert got[2] == 0
+    assert got[0] / sum(got) == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_higher_priority_tenant_goes_first_within_its_share():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 5)])
+    assert s.pick({0, 1}, 0.0) == 1  # nothing used yet: the online tenant first
+    s.charge(1, 0.01, 0.01)
+    assert s.pick({0, 1}, 0.01) == 0  # over its share: the hog's turn
+    assert s.preempts(0, 1, {0, 1}) is False
+    s.charge(0, 0.05, 0.06)
+    assert s.preempts(0, 1, {0, 1}) is True  # back within its share: it may cut the hog's slice
+
+
+def test_priority_does_not_buy_more_than_the_share():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 5)])
+    got = simulate(s, {0, 1}, 0.01, 1000)
+    assert got[1] / sum(got) == pytest.approx(0.3, abs=0.015)
+
+
+def test_binding_needs_two_active_tenants_and_pick_needs_a_wanting_one():
+    s = SliceScheduler([TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    assert not s.binds({0})
+    assert not s.binds(set())
+    assert s.binds({0, 1})
+    assert s.pick(set(), 0.0) is None
+    assert s.pick({1}, 0.0) == 1
+
+
+def test_usage_is_forgotten_over_time():
+    s = SliceScheduler([TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)], memory_s=1.0)
+    s.charge(0, 10.0, 0.0)
+    assert s.pick({0, 1}, 0.0) == 1
+    s.charge(1, 0.001, 30.0)  # 30 memory times later a's old use has decayed away
+    assert s.used[0] < 1e-9
+    with pytest.raises(ValueError):
+        SliceScheduler([TenantPolicy("a", 1.0)], memory_s=0)
+
+
+def test_token_buckets_hold_a_tenant_over_its_share():
+    b = TokenBuckets([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)], burst_s=0.05)
+    mask = 0xFFFF
+    for _ in range(20):  # b runs at 60% of the GPU for 2 s: its bucket empties
+        mask = b.update({0: 0.4, 1: 0.6}, {0, 1}, 0.1)
+    assert mask == 0b01
+    for _ in range(3):  # held: no utilization, it refills at 0.3 per second
+        mask = b.update({0: 0.9, 1: 0.0}, {0, 1}, 0.1)
+    assert mask & 0b10
+    assert b.update({0: 1.0}, {0}, 0.1) == 0xFFFF  # alone: nothing binds
+
+
+def test_slices_are_longer_for_larger_shares():
+    s = SliceScheduler([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
+    assert s.quantum(1, {0, 1}, 0.02) == pytest.approx(0.02)
+    assert s.quantum(0, {0, 1}, 0.02) == pytest.approx(0.02 * 0.7 / 0.3)
+    assert s.quantum(0, {0}, 0.02) == pytest.approx(0.02)
+
+
+def test_the_holders_unposted_time_counts_when_picking():
+    s = SliceScheduler([TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    s.charge(0, 0.010, 0.0)
+    s.charge(1, 0.012, 0.0)
+    assert s.pick({0, 1}, 0.0) == 0
+    assert s.pick({0, 1}, 0.0, pending={0: 0.005}) == 1  # a's running slice puts it past b
+    assert s.used[0] == pytest.approx(0.010)  # pending is not charged
+
+
+def test_nvml_samples_are_held_between_reports():
+    from gpuscope.share.nvml_source import SampleHold
+
+    clock = [0.0]
+    reports = iter([{7: 0.6}, {}, {}, {8: 0.2}, {}, {}])
+    held = SampleHold(lambda: next(reports), hold_s=1.0, clock=lambda: clock[0])
+    assert held() == {7: 0.6}
+    clock[0] = 0.5
+    assert held() == {7: 0.6}  # no new sample: the last one still counts
+    clock[0] = 1.2
+    assert held() == {}  # stale
+    clock[0] = 1.3
+    assert held() == {8: 0.2}
+
+
+def test_held_samples_let_the_bucket_bind():
+    """A 60% tenant with a 0.3 share, sampled once per second, is held within a few seconds."""
+    from gpuscope.share.nvml_source import SampleHold
+
+    clock = [0.0]
+
+    def fresh():
+        return {1: 0.6, 2: 0.4} if clock[0] % 1.0 < 0.05 else {}
+
+    held = SampleHold(fresh, clock=lambda: clock[0])
+    b = TokenBuckets([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
+    masks = []
+    for _ in range(60):
+        util = held()
+        masks.append(b.update({0: util.get(2, 0.0), 1: util.get(1, 0.0)}, {0, 1}, 0.1))
+        clock[0] = round(clock[0] + 0.1, 3)
+    assert 0b01 in masks  # b was held at some point
