@@ -15,6 +15,9 @@ COMMANDS = {
     "receiver": ("gpuscope.receiver", "Alertmanager webhook receiver that logs and lists notifications"),
     "stack": ("gpuscope.stack", "start the whole stack from local binaries (no Docker)"),
     "generate": ("gpuscope.generate", "write every generated file (rules, dashboards, docs, manifests)"),
+    "loadtest": ("gpuscope.loadtest.run", "Locust with the bundle's streaming users against a server"),
+    "compare": ("gpuscope.loadtest.compare", "compare server configurations and endpoints under one load"),
+    "drill": ("gpuscope.loadtest.fault_drill", "induce each fault under load and time its alert"),
 }
 
 
