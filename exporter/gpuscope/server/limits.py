@@ -106,8 +106,8 @@ class LimitedRequestHandler(RequestHandler):
             if payload.is_eof():
                 self._disarm()
             else:
-                self._pending_body = payload
                 self._arm("body", self.limits.body_timeout_s)
+                self._pending_body = payload  # after _arm, which forgets the last one
         elif self._deadline_kind == "body":
             if self._pending_body is None or self._pending_body.is_eof():
                 self._disarm()
