@@ -348,10 +348,6 @@ SHUTDOWN_REQUESTS = _m("gpuscope_shutdown_requests_total", "counter",
                        "aborted_queued (had not started), aborted_running (still running at the end of "
                        "--shutdown.grace; error chunk and [DONE] for streams).", "requests", ("outcome",),
                        area=SERVER)
-TRACE_CONTEXT_IGNORED = _m("gpuscope_trace_context_ignored_total", "counter",
-                           "Incoming W3C trace context headers ignored as invalid (traced server only), by "
-                           "header: traceparent (the request starts a new trace) or tracestate (dropped).",
-                           "headers", ("header",), area=SERVER)
 
 # --- Loki log shipping (gpuscope.loki_push) -----------------------------------------
 LOGS = "Loki log shipping (`gpuscope.loki_push`)"
@@ -375,6 +371,10 @@ TRACE_SPANS_DROPPED = _m("gpuscope_trace_spans_dropped_total", "counter",
                          "queue had no room for the request's whole trace), export_failed (spans of an "
                          "export batch the endpoint did not accept, after the exporter's retries).",
                          "spans", ("reason",), area=TRACING)
+TRACE_CONTEXT_IGNORED = _m("gpuscope_trace_context_ignored_total", "counter",
+                           "Incoming W3C trace context headers ignored as invalid (traced server only), by "
+                           "header: traceparent (the request starts a new trace) or tracestate (dropped).",
+                           "headers", ("header",), area=TRACING)
 
 # --- alert receiver (gpuscope receiver) ----------------------------------------
 RECEIVER = "Alert receiver (`gpuscope receiver`)"

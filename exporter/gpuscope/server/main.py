@@ -19,6 +19,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry
 
 from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
+from gpuscope.logsafe import EscapingFilter
 from gpuscope.ports import default_listen_address
 
 from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants, resolve_tracing
@@ -147,10 +148,16 @@ def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry)
     root.setLevel(numeric)
     stderr = logging.StreamHandler(sys.stderr)
     stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    stderr.addFilter(EscapingFilter())  # one record, one line: client text in a message cannot forge lines
     records: queue.SimpleQueue = queue.SimpleQueue()
     listener = logging.handlers.QueueListener(records, stderr)
     listener.start()
     root.addHandler(logging.handlers.QueueHandler(records))
+    # OpenTelemetry's own warnings (they may quote a client's headers): through the same handler, with
+    # time and level, instead of Python's last-resort print of the bare message.
+    otel = logging.getLogger("opentelemetry")
+    otel.addHandler(logging.handlers.QueueHandler(records))
+    otel.propagate = False
     handlers: list[logging.Handler] = []
     if config.loki_url:
         from gpuscope.loki_push import LokiHandler
