@@ -40,6 +40,11 @@ log = logging.getLogger("gpuscope.server")
 OUTCOMES = ("rejected", "completed", "failed", "disconnected", "aborted_queued", "aborted_running")
 #: After the engine ended what was left: how long its handlers get to write their last chunk.
 FINAL_WRITE_S = 2.0
+#: How long exiting may take after the grace, at most: the engine's stop (5 s when a step hangs),
+#: the last chunks (FINAL_WRITE_S), closing connections and flushing logs. An orchestrator's stop grace
+#: (compose's stop_grace_period, Kubernetes' terminationGracePeriodSeconds) must be at least
+#: ``--shutdown.grace`` plus this, or it kills the server mid-drain.
+EXIT_AFTER_GRACE_S = 10.0
 
 ErrorResponse = Callable[..., web.Response]
 
