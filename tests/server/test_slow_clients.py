@@ -41,6 +41,12 @@ def _connect(server: ServeProcess, sent: bytes = b"") -> socket.socket:
     return sock
 
 
+def test_this_aiohttp_has_the_connection_state_the_limits_read():
+    from gpuscope.server import limits
+
+    assert limits.SUPPORTED  # else an aiohttp upgrade silently turned the deadlines and cap off
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     server = ServeProcess(tmp_path_factory.mktemp("slow") / "serve.log", "--web.header-timeout", "1s",

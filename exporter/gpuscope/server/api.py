@@ -39,6 +39,7 @@ from gpuscope import catalogue as c
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError, FaultInjector
 from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
+from .limits import SUPPORTED as LIMITS_SUPPORTED
 from .protocol import (
     BadRequest,
     new_trace_id,
@@ -482,6 +483,9 @@ class AppRunner(web.AppRunner):
         server.__class__ = _JsonErrorServer
         server.client_errors = self.app.get(CLIENT_ERRORS)
         server.limits = self.app[SERVICE].config.http
+        if not LIMITS_SUPPORTED:
+            log.warning("this aiohttp lacks the connection state the read deadlines and connection cap "
+                        "use: serving without them")
         server.connections_closed = self.app.get(CONNECTIONS_CLOSED)
         return server
 

@@ -33,6 +33,11 @@ from .http_settings import HttpLimits
 log = logging.getLogger("gpuscope.server")
 
 CLOSE_REASONS = ("header_timeout", "body_timeout", "evicted", "refused")
+#: aiohttp's per-connection state the deadlines read (private, in every aiohttp 3.x tested here). An
+#: aiohttp without them serves without the deadlines and cap, and the server says so at start.
+_INTERNALS = ("_messages", "_request_count", "_request_in_progress", "_waiter", "_close", "_force_close",
+              "_manager")
+SUPPORTED = all(hasattr(RequestHandler, name) for name in _INTERNALS)
 #: After answering a connection it closes (408, 503): how long its socket stays open for the client to
 #: read the answer; closing at once with the client's bytes unread would reset it and lose the answer.
 LINGER_S = 1.0
@@ -67,6 +72,8 @@ class LimitedRequestHandler(RequestHandler):
     # --- connection cap ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if not SUPPORTED:
+            return
         self._arm("header", self.limits.header_timeout_s)
         manager = self._manager
         if manager is None:
@@ -94,6 +101,9 @@ class LimitedRequestHandler(RequestHandler):
 
     # --- deadlines -----------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if not SUPPORTED:
+            super().data_received(data)
+            return
         if self._answered:
             return  # after our 408/503: read and dropped, so closing resets nothing
         before = self._request_count
