@@ -35,6 +35,7 @@ from prometheus_client import Counter
 from prometheus_client.exposition import choose_encoder
 
 from gpuscope import catalogue as c
+from gpuscope.logsafe import quote
 
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError, FaultInjector
@@ -122,7 +123,7 @@ async def json_errors(request: web.Request, handler):
             _count(request, "disconnect")
         raise
     except BodyTimeout as exc:  # a body shorter than its Content-Length, or one that trickles (limits.py)
-        log.info("%s %s: %s", request.method, request.path, exc)
+        log.info("%s %s: %s", request.method, quote(request.path, 200), exc)
         response = error_response(408, str(exc))
         response.force_close()
         return response
@@ -131,19 +132,20 @@ async def json_errors(request: web.Request, handler):
         # aiohttp's ClientConnectionResetError, a payload cut short) or sent a broken body. Its fault.
         if client_gone(request):
             _count(request, "disconnect")
-            log.debug("client went away during %s %s: %s", request.method, request.path, _first_line(exc))
+            log.debug("client went away during %s %s: %s", request.method, quote(request.path, 200),
+                      _first_line(exc))
             return error_response(400, "client disconnected")  # nobody reads it; aiohttp drops it
         if isinstance(exc, RequestPayloadError):
             _count(request, "bad_body")
             message = f"request body is malformed: {_first_line(exc.__cause__ or exc)}"
-            log.info("%s %s: %s", request.method, request.path, message)
+            log.info("%s %s: %s", request.method, quote(request.path, 200), message)
             response = error_response(400, message)
             response.force_close()  # the body's framing is lost: nothing after it can be parsed
             return response
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, quote(request.path, 200))
         return error_response(500, "internal server error", "server_error")
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, quote(request.path, 200))
         return error_response(500, "internal server error", "server_error")
 
 
