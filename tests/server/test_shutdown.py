@@ -157,3 +157,21 @@ def test_what_runs_at_the_end_of_the_grace_ends_with_an_error_chunk_and_done(tmp
 def test_bad_shutdown_and_limit_flags_are_one_line(flag, value, message):
     line = usage_error("gpuscope", "serve", flag, value, env=ENV)
     assert message in line, line
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_the_grace_now(tmp_path):
+    server = _start(tmp_path, "600s")
+    try:
+        stream = Stream(server.url, 900)
+        assert stream.first.wait(60) and not stream.error
+        server.child.popen.send_signal(signal.SIGTERM)
+        wait_for(lambda: _draining(server), timeout=30, what="/readyz 503 after SIGTERM")
+        server.child.popen.send_signal(signal.SIGINT)  # Ctrl-C after `kill`: do not wait 10 minutes
+        events = stream.join()
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == "server shutting down"
+        assert server.child.wait(120) == 0
+    finally:
+        server.stop()
+    counts = _drained(server.log())
+    assert counts["aborted_running"] == 1, counts
