@@ -4,8 +4,9 @@
 #   - Debian packages (when run as root): Prometheus + promtool, Alertmanager + amtool,
 #     node_exporter, docker-compose (for `config` validation), Node.js + npm (LogQL grammar),
 #     VictoriaMetrics + vmagent + vmalert (the fleet profile's test);
-#   - a virtual environment in .venv with torch's CPU build (installed first, by exact pin, so pip
-#     does not fetch a multi-GB CUDA build) and gpuscope with its extras;
+#   - a virtual environment in .venv with torch's CPU build (installed first, by exact pin, from a
+#     local wheel where the machine has one, else from torch's CPU index, so pip does not fetch a
+#     multi-GB CUDA build) and gpuscope with its extras;
 #   - npm packages for the LogQL syntax check;
 # then ruff, and pytest (GPU tests skip without a GPU; distro-binary tests fail instead of skipping
 # when GPUSCOPE_STRICT=1).
@@ -40,9 +41,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+TORCH=torch==2.13.0
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 if ! "$VPY" -c 'import torch' 2>/dev/null; then
-  step "torch 2.13.0 (CPU build) before anything that depends on it"
-  "$VPY" -m pip install -q torch==2.13.0
+  # By exact pin, CPU build, before anything that depends on it: a plain `torch` from PyPI is the
+  # multi-GB CUDA build. A wheel already on this machine's disk (pip's --find-links) is used when there
+  # is one; otherwise torch's own CPU index, as README's no-Docker path says.
+  if "$VPY" -m pip install -q --no-index --no-deps "$TORCH" 2>/dev/null; then
+    step "$TORCH from this machine's wheels, then its dependencies"
+    "$VPY" -m pip install -q "$TORCH"
+  else
+    step "$TORCH (CPU build) from $TORCH_CPU_INDEX"
+    "$VPY" -m pip install -q "$TORCH" --index-url "$TORCH_CPU_INDEX"
+  fi
 fi
 step "gpuscope and its extras"
 "$VPY" -m pip install -q -e ".[server,loadtest,dashboards,dev,hf,tracing,cupti]"

@@ -335,6 +335,19 @@ HTTP_CLIENT_ERRORS = _m("gpuscope_http_client_errors_total", "counter",
                         "bad_body (broken body framing or encoding; 400), disconnect (the client hung up "
                         "while its body was read or its stream written).", "requests", ("reason",),
                         area=SERVER)
+HTTP_CONNECTIONS_CLOSED = _m("gpuscope_http_connections_closed_total", "counter",
+                             "Connections the server closed on a slow, stalled or surplus client, by "
+                             "reason: header_timeout (request line and headers not in within "
+                             "--web.header-timeout; 408), body_timeout (body not in within "
+                             "--web.body-timeout; 408), evicted (idle or waiting for headers, closed to "
+                             "admit a new connection over --web.max-connections), refused (over the cap with "
+                             "every connection answering; 503).", "connections", ("reason",), area=SERVER)
+SHUTDOWN_REQUESTS = _m("gpuscope_shutdown_requests_total", "counter",
+                       "Requests that ended while the server shut down (SIGTERM/SIGINT), by outcome: "
+                       "rejected (arrived after the signal; 503), completed, failed, disconnected, "
+                       "aborted_queued (had not started), aborted_running (still running at the end of "
+                       "--shutdown.grace; error chunk and [DONE] for streams).", "requests", ("outcome",),
+                       area=SERVER)
 
 # --- Loki log shipping (gpuscope.loki_push) -----------------------------------------
 LOGS = "Loki log shipping (`gpuscope.loki_push`)"
@@ -358,6 +371,10 @@ TRACE_SPANS_DROPPED = _m("gpuscope_trace_spans_dropped_total", "counter",
                          "queue had no room for the request's whole trace), export_failed (spans of an "
                          "export batch the endpoint did not accept, after the exporter's retries).",
                          "spans", ("reason",), area=TRACING)
+TRACE_CONTEXT_IGNORED = _m("gpuscope_trace_context_ignored_total", "counter",
+                           "Incoming W3C trace context headers ignored as invalid (traced server only), by "
+                           "header: traceparent (the request starts a new trace) or tracestate (dropped).",
+                           "headers", ("header",), area=TRACING)
 
 # --- kernel profiles on demand (gpuscope serve --profile.enable) -------------------
 PROFILE = "Kernel profiles (`gpuscope serve --profile.enable`)"

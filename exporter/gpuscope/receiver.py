@@ -13,6 +13,7 @@ installed, without the server's extras.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -31,9 +32,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gpuscope import catalogue
 from gpuscope.flags import FlagParser, parse_listen_address
 from gpuscope.httpjson import JsonRequestHandler
+from gpuscope.logsafe import EscapingFilter
 from gpuscope.ports import default_listen_address
 
 STATUSES = ("firing", "resolved")
+#: Seconds a connection may wait for each read (Alertmanager sends whole requests at once).
+READ_TIMEOUT_S = 30.0
+logger = logging.getLogger("gpuscope.receiver")
 
 
 class BadRequest(Exception):
@@ -100,9 +105,14 @@ class NotificationLog:
         return items[-limit:] if limit else items
 
 
-def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPRequestHandler]:
+def _make_handler(log: NotificationLog, max_body_bytes: int,
+                  read_timeout: float = READ_TIMEOUT_S) -> type[BaseHTTPRequestHandler]:
     class Handler(JsonRequestHandler):
         server_version = "gpuscope-receiver"
+        malformed_log = logger
+        # Every read and write of a connection: a client that sends nothing, stops mid-request or sends
+        # a body shorter than its Content-Length is closed after this long instead of holding a thread.
+        timeout = read_timeout
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # stdout carries notifications only, one JSON line each
@@ -181,12 +191,18 @@ def _limit(query: str) -> int | None:
     return limit
 
 
-def make_server(host: str, port: int, log: NotificationLog,
-                max_body_bytes: int = 1 << 20) -> ThreadingHTTPServer:
+class ReceiverServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that resets, times out or vanishes mid-answer: one line, not a traceback on stderr.
+        logger.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+
+def make_server(host: str, port: int, log: NotificationLog, max_body_bytes: int = 1 << 20,
+                read_timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
     """A bound (not yet serving) HTTP server; port 0 picks a free one (``server.server_address``)."""
-    server = ThreadingHTTPServer((host, port), _make_handler(log, max_body_bytes))
-    server.daemon_threads = True
-    return server
+    return ReceiverServer((host, port), _make_handler(log, max_body_bytes, read_timeout))
 
 
 def _parser() -> FlagParser:
@@ -236,6 +252,13 @@ def main(argv: list[str]) -> int:
         server = make_server(host, port, log, args.max_body)
     except OSError as exc:
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    # Diagnostics (malformed requests) go to stderr as lines with time and level; stdout carries
+    # notifications only.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s level=%(levelname)s msg=%(message)s"))
+    handler.addFilter(EscapingFilter())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     sys.stderr.write(f"gpuscope receiver: listening on http://{args.listen}/alerts\n")
     # As PID 1 in a container, SIGTERM is ignored unless handled: turn it into a clean stop.
     signal.signal(signal.SIGTERM, _raise_interrupt)

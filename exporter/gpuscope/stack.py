@@ -6,7 +6,9 @@ Alertmanager and node_exporter (Debian packages ``prometheus``,
 configuration files as ``docker-compose.yml``: ``deploy/prometheus/prometheus.yml``
 and ``alerts/alertmanager.yml``, with only the compose ``SERVICE:PORT`` addresses
 rewritten to local ones, into a run directory. It waits for every part to be
-healthy, prints where each listens, and stops them all on Ctrl-C or SIGTERM.
+healthy, prints where each listens, and stops them all on Ctrl-C (SIGINT) or SIGTERM, also when
+started with SIGINT ignored (``gpuscope stack &`` in a script). The command starts with no stored
+data from an earlier run in its run directory (``--stack.keep-data`` keeps it).
 
 Tests and scripts use it as a context manager (docs/stack.md)::
 
@@ -415,6 +417,9 @@ def _parser() -> FlagParser:
                     help="alert rule profile: production, or test (compressed windows, 1s evaluation)")
     parser.add_flag("--stack.run-dir", dest="run_dir", default=".stack",
                     help="directory for rendered configs, data and logs")
+    parser.add_flag("--stack.keep-data", dest="keep_data", action=argparse.BooleanOptionalAction,
+                    default=False, help="keep the stored series and alerts of the last run in the run dir "
+                                        "(default: start with none, so no old series shows up)")
     parser.add_flag("--stack.host", dest="host", default=LOCAL_HOST, help="address every part listens on")
     parser.add_flag("--stack.root", dest="root", type=Path, default=None,
                     help="the gpuscope checkout whose configuration files to run with (default: the one at "
@@ -454,7 +459,36 @@ def _fleet(args: argparse.Namespace, server_args: list[str]) -> Fleet:
                               server_args=server_args, root=find_root(args.root)))
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
+#: Data the parts store under the run directory (Stack's and Fleet's), at its top or one level down
+#: (a fleet's central/ and host directories): what a run leaves behind for the next one.
+DATA_DIRS = ("prometheus-data", "alertmanager-data", "victoria-metrics-data", "vmagent-queue")
+
+#: Signals that stop the command; both also when its parent ignored them (``cmd &`` in a script
+#: starts it with SIGINT ignored, and Python then leaves SIGINT ignored).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def clear_data(run_dir: Path) -> list[Path]:
+    """Remove the stored data of an earlier run from ``run_dir`` (DATA_DIRS only: configs and logs are
+    rewritten anyway, and nothing else in the directory is touched); return what was removed."""
+    removed = []
+    for pattern in (*DATA_DIRS, *(f"*/{name}" for name in DATA_DIRS)):
+        for path in sorted(run_dir.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                try:
+                    shutil.rmtree(path)
+                except OSError as exc:
+                    raise StackError(f"cannot remove {path} of the last run: {exc.strerror or exc} "
+                                     "(--stack.keep-data keeps it)") from None
+                removed.append(path)
+    return removed
+
+
+def _stop(signum: int, frame: object) -> None:
+    # Once: a second signal while the parts stop must not cut their orderly stop short (each part
+    # still gets SIGKILL after its grace).
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -479,9 +513,15 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     options = StackOptions(profile=args.profile, ports=ports, host=args.host, run_dir=Path(args.run_dir),
                            server_args=server_args, components=components, root=root, source=args.source)
-    # SIGTERM (docker stop, systemd, kill) stops the parts as cleanly as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT and SIGTERM (Ctrl-C, kill, docker stop, systemd) stop the parts alike, whatever the
+    # parent left them as.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop)
     try:
+        if not args.keep_data:
+            for path in clear_data(Path(args.run_dir)):
+                sys.stderr.write(f"gpuscope stack: removed {path} of the last run (--stack.keep-data "
+                                 "keeps it)\n")
         stack: Stack | Fleet = Stack(options) if not args.hosts else _fleet(args, server_args)
         with stack:
             print(stack.summary(), flush=True)

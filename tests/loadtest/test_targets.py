@@ -93,7 +93,7 @@ def test_target_that_does_not_answer_is_one_line_and_exit_2(tmp_path, paced_serv
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
     # The first target has no /v1/models (the paced server's default): it is the one named.
-    assert lines[0].startswith("python -m gpuscope.loadtest.compare: error: target 'up': GET ")
+    assert lines[0].startswith("gpuscope compare: error: target 'up': GET ")
     assert "/v1/models: HTTP 404" in lines[0]
     result = _compare_cli(["--target", f"down={closed}"], tmp_path)
     assert result.returncode == 2 and "target 'down': GET " + closed + "/v1/models: " in result.stderr

@@ -63,7 +63,7 @@ from gpuscope.loadtest.targets import (
     resolve_model,
 )
 
-PROG = "python -m gpuscope.loadtest.compare"
+PROG = "gpuscope compare"
 #: ``--sets`` value for no configuration sets (only ``--target`` endpoints).
 NO_SETS = "none"
 

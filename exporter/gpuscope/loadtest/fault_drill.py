@@ -51,7 +51,7 @@ from gpuscope.loadtest import runtools
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
 from gpuscope.loadtest.runtools import duration_arg
 
-PROG = "python -m gpuscope.loadtest.fault_drill"
+PROG = "gpuscope drill"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
 LOAD_TENANTS = "alpha:1,beta:1"
 STARVED_TENANT = "beta"

@@ -32,6 +32,7 @@ from prometheus_client.exposition import choose_encoder
 
 from gpuscope import catalogue as cat
 from gpuscope.httpjson import JsonRequestHandler
+from gpuscope.logsafe import quote
 
 log = logging.getLogger("gpuscope.exporter")
 
@@ -246,6 +247,7 @@ class _DeadlineReader(io.RawIOBase):
 
 class _Handler(JsonRequestHandler):
     server: ExporterServer
+    malformed_log = log
     # Headers and body go out in two writes; with Nagle on, the second waits for a delayed ACK
     # (up to 40 ms on Linux) on keep-alive connections, which is what Prometheus uses.
     disable_nagle_algorithm = True
@@ -295,4 +297,5 @@ class _Handler(JsonRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = _method_not_allowed
 
     def log_message(self, format: str, *args: object) -> None:
-        log.debug("http: " + format, *args)
+        if log.isEnabledFor(logging.DEBUG):  # the request line is the client's text: escaped, bounded
+            log.debug("http: %s", quote(format % args, 300))

@@ -13,6 +13,7 @@ import sys
 import threading
 
 from gpuscope.flags import FlagParser, checked, parse_duration
+from gpuscope.logsafe import EscapingFilter
 from gpuscope.nvml import config as flags
 from gpuscope.nvml.config import parse
 from gpuscope.nvml.exporter import Exporter
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     logging.basicConfig(level=_LEVELS[config.log_level], stream=sys.stderr,
                         format="%(asctime)s level=%(levelname)s msg=%(message)s")
+    for handler in logging.getLogger().handlers:  # one record, one line, whatever a message holds
+        handler.addFilter(EscapingFilter())
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     exporter = Exporter(config)
     try:

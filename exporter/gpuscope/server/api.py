@@ -35,9 +35,12 @@ from prometheus_client import Counter
 from prometheus_client.exposition import choose_encoder
 
 from gpuscope import catalogue as c
+from gpuscope.logsafe import quote
 
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError, FaultInjector
+from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
+from .limits import SUPPORTED as LIMITS_SUPPORTED
 from .protocol import (
     BadRequest,
     new_trace_id,
@@ -48,13 +51,17 @@ from .protocol import (
 )
 from .scheduler import QueueFull
 from .service import Service
+from .shutdown import Drain
 
 if TYPE_CHECKING:
+    from .http_settings import HttpLimits
     from .tracing import RequestTrace, RequestTracing
 
 log = logging.getLogger("gpuscope.server")
 SERVICE = web.AppKey("service", Service)
 TRACING = web.AppKey("tracing", object)
+DRAIN = web.AppKey("drain", Drain)
+CONNECTIONS_CLOSED = web.AppKey("connections_closed", Counter)
 CLIENT_ERRORS = web.AppKey("client_errors", Counter)
 CLIENT_ERROR_REASONS = ("malformed", "bad_body", "disconnect")
 
@@ -115,24 +122,30 @@ async def json_errors(request: web.Request, handler):
         if client_gone(request):  # cancelled because the client went away (not a shutdown)
             _count(request, "disconnect")
         raise
+    except BodyTimeout as exc:  # a body shorter than its Content-Length, or one that trickles (limits.py)
+        log.info("%s %s: %s", request.method, quote(request.path, 200), exc)
+        response = error_response(408, str(exc))
+        response.force_close()
+        return response
     except (ConnectionError, RequestPayloadError) as exc:
         # Reading the body or writing the answer failed: a client that hung up (ConnectionResetError,
         # aiohttp's ClientConnectionResetError, a payload cut short) or sent a broken body. Its fault.
         if client_gone(request):
             _count(request, "disconnect")
-            log.debug("client went away during %s %s: %s", request.method, request.path, _first_line(exc))
+            log.debug("client went away during %s %s: %s", request.method, quote(request.path, 200),
+                      _first_line(exc))
             return error_response(400, "client disconnected")  # nobody reads it; aiohttp drops it
         if isinstance(exc, RequestPayloadError):
             _count(request, "bad_body")
             message = f"request body is malformed: {_first_line(exc.__cause__ or exc)}"
-            log.info("%s %s: %s", request.method, request.path, message)
+            log.info("%s %s: %s", request.method, quote(request.path, 200), message)
             response = error_response(400, message)
             response.force_close()  # the body's framing is lost: nothing after it can be parsed
             return response
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, quote(request.path, 200))
         return error_response(500, "internal server error", "server_error")
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, quote(request.path, 200))
         return error_response(500, "internal server error", "server_error")
 
 
@@ -374,9 +387,15 @@ def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Ap
     """
     limits = {"max_line_size": MAX_REQUEST_LINE, "max_field_size": MAX_HEADER_FIELD,
               "max_headers": MAX_HEADERS}
-    app = web.Application(client_max_size=service.config.max_body_bytes, middlewares=[json_errors],
-                          handler_args=limits)
+    drain = Drain(service, service.registry, service.config.http.shutdown_grace_s, error_response)
+    app = web.Application(client_max_size=service.config.max_body_bytes,
+                          middlewares=[json_errors, drain.middleware], handler_args=limits)
     app[SERVICE] = service
+    app[DRAIN] = drain
+    connections_closed = c.HTTP_CONNECTIONS_CLOSED.create(service.registry)
+    for reason in CLOSE_REASONS:
+        connections_closed.labels(reason)
+    app[CONNECTIONS_CLOSED] = connections_closed
     client_errors = c.HTTP_CLIENT_ERRORS.create(service.registry)
     for reason in CLIENT_ERROR_REASONS:
         client_errors.labels(reason)
@@ -405,7 +424,7 @@ def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Ap
 # --- serving: aiohttp's runner, with JSON answers to what its HTTP parser rejects -----------------
 
 
-class _JsonErrorRequestHandler(RequestHandler):
+class _JsonErrorRequestHandler(LimitedRequestHandler):
     """aiohttp's per-connection protocol; errors raised before any route runs get the API's JSON shape.
 
     aiohttp answers a request its parser rejects (``HttpProcessingError``: request line or a header
@@ -448,10 +467,15 @@ class _JsonErrorServer(web.Server):
     """aiohttp's low-level server, making :class:`_JsonErrorRequestHandler` connections."""
 
     client_errors: Counter | None = None
+    limits: HttpLimits | None = None
+    connections_closed: Counter | None = None
 
     def __call__(self) -> RequestHandler:
         handler = _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
         handler.client_errors = self.client_errors
+        if self.limits is not None:
+            handler.limits = self.limits
+        handler.connections_closed = self.connections_closed
         return handler
 
 
@@ -463,11 +487,18 @@ class AppRunner(web.AppRunner):
         # The server aiohttp built for this app; only the connection protocol it makes differs.
         server.__class__ = _JsonErrorServer
         server.client_errors = self.app.get(CLIENT_ERRORS)
+        server.limits = self.app[SERVICE].config.http
+        if not LIMITS_SUPPORTED:
+            log.warning("this aiohttp lacks the connection state the read deadlines and connection cap "
+                        "use: serving without them")
+        server.connections_closed = self.app.get(CONNECTIONS_CLOSED)
         return server
 
 
-def run(app: web.Application, host: str, port: int, shutdown_timeout: float = 5.0) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (like ``web.run_app``).
+def run(app: web.Application, host: str, port: int, shutdown_timeout: float = 1.0) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (shutdown.py): drain within the
+    app's grace (``--shutdown.grace``), end what is left with an error chunk and ``[DONE]``, then close
+    the connections (idle ones at once, others after ``shutdown_timeout``) and stop the engine.
 
     Raises OSError when the address cannot be bound (the app's cleanup has run by then).
     """
@@ -475,14 +506,32 @@ def run(app: web.Application, host: str, port: int, shutdown_timeout: float = 5.
     async def serve() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        drain = app[DRAIN]
+
+        def on_signal() -> None:
+            if stop.is_set():
+                drain.hurry()  # a second signal: end the grace now
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         runner = AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
             await stop.wait()
+            await drain.run()
+            _close_idle(runner)
         finally:
-            await runner.cleanup()  # in-flight requests get up to shutdown_timeout, then the engine stops
+            await runner.cleanup()  # every handler is done by now; then the engine and timer stop
 
     asyncio.run(serve())
+
+
+def _close_idle(runner: web.AppRunner) -> None:
+    """Close kept-alive connections waiting for a next request (aiohttp's shutdown would wait
+    ``shutdown_timeout`` for each before closing it)."""
+    server = runner.server
+    for handler in server.connections if server is not None else ():
+        if isinstance(handler, LimitedRequestHandler) and handler._idle():
+            handler.force_close()

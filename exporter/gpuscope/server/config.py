@@ -16,6 +16,8 @@ from typing import Any
 
 from gpuscope.tenants import NAME_RULE, valid_tenant_name
 
+from .http_settings import HttpLimits, HttpSettingsError
+
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 #: ``--metrics.names``: gpuscope's own names, or vLLM's (names, labels, buckets of vLLM's V1 engine).
 METRIC_NAMES = ("gpuscope", "vllm")
@@ -211,6 +213,8 @@ class ServerConfig:
     tracing_max_step_events: int = 8
     #: On-demand profile captures (``profile_config.ProfileConfig``); None: off.
     profile: Any = None
+    #: Read deadlines, connection cap and shutdown grace of the HTTP side (``limits.HttpLimits``).
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     @property
     def batch_size(self) -> int:
@@ -222,6 +226,10 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         self.model.validate()
+        try:
+            self.http.validate()
+        except HttpSettingsError as exc:
+            raise ConfigError(str(exc)) from None
         if self.scheduler not in ("share", "fcfs"):
             raise ConfigError(f"--scheduler {self.scheduler!r} must be 'share' or 'fcfs'")
         if self.timing not in ("off", "budget", "all"):

@@ -39,6 +39,8 @@ from .step_timing import HostClock, trace_context
 
 log = logging.getLogger("gpuscope.server")
 request_log = logging.getLogger("gpuscope.server.requests")
+#: The message of every request the server ends because it is shutting down (engine stop or drain).
+SHUTDOWN_MESSAGE = "server shutting down"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Engine:
         self._kv_usage = 0.0
         self._wake = threading.Event()
         self._stopping = False
+        self._draining = False
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.runner.allocate(batch_size)
@@ -148,6 +151,12 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gpuscope-engine", daemon=True)
         self._thread.start()
+
+    def drain(self) -> None:
+        """Start no more requests: those queued end at the next step (abort, SHUTDOWN_MESSAGE);
+        running ones go on until they finish or ``stop()``."""
+        self._draining = True
+        self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
@@ -177,9 +186,9 @@ class Engine:
                     self._send(events)
             events = []
             for req in list(self._running):
-                self._finish(req, "abort", events, "server shutting down")
-            for req in self.scheduler.pick(1 << 30):
-                self._finish(req, "abort", events, "server shutting down")
+                self._finish(req, "abort", events, SHUTDOWN_MESSAGE)
+            for req in self.scheduler.take_all():
+                self._finish(req, "abort", events, SHUTDOWN_MESSAGE, started=False)
             self._send(events)
 
     def _iteration(self) -> None:
@@ -191,6 +200,9 @@ class Engine:
         events: list[tuple[Request, Event]] = []
         for req in [r for r in self._running if r.cancelled]:
             self._finish(req, "abort", events, "client disconnected")
+        if self._draining:  # shutting down: what has not started never will
+            for req in self.scheduler.take_all():
+                self._finish(req, "abort", events, SHUTDOWN_MESSAGE, started=False)
         if not self._running:
             count, oldest = self.scheduler.oldest_seq_age()
             if count == 0:

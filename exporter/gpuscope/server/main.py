@@ -14,14 +14,17 @@ import os
 import queue
 import socket
 import sys
+from functools import partial
 
 from prometheus_client import CollectorRegistry
 
-from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
+from gpuscope.logsafe import EscapingFilter
 from gpuscope.ports import default_listen_address
 
 from . import profile_config
 from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants, resolve_tracing
+from .http_settings import HttpLimits
 
 PROG = "gpuscope serve"
 
@@ -75,6 +78,15 @@ def build_parser() -> FlagParser:
                     "then a summary event; each costs ~30 µs of CPU to build and encode")
     p.add_flag("--log.level", default="info", help="debug, info, warning or error")
     profile_config.add_flags(p)
+    p.add_flag("--web.header-timeout", type=checked(parse_duration), default="10s",
+               help="a request's line and headers must arrive within this (else 408, connection closed)")
+    p.add_flag("--web.body-timeout", type=checked(parse_duration), default="30s",
+               help="a request's body must arrive within this once its headers are in (else 408)")
+    p.add_flag("--web.max-connections", type=int, default=512,
+               help="open connections at most: a new one closes an idle or stalled one, else gets 503")
+    p.add_flag("--shutdown.grace", type=checked(partial(parse_duration, allow_zero=True)), default="10s",
+               help="on SIGTERM/SIGINT: how long running requests may finish (new ones get 503); then "
+                    "streams end with an error chunk and [DONE] (keep the orchestrator's grace above it)")
     return p
 
 
@@ -119,6 +131,8 @@ def config_from_args(ns) -> ServerConfig:
         tracing_sample_ratio=args["tracing.sample_ratio"],
         tracing_max_step_events=args["tracing.max_step_events"],
         profile=profile_config.from_args(args, os.environ),
+        http=HttpLimits(header_timeout_s=args["web.header_timeout"], body_timeout_s=args["web.body_timeout"],
+                        max_connections=args["web.max_connections"], shutdown_grace_s=args["shutdown.grace"]),
     ).validate()
 
 
@@ -137,10 +151,16 @@ def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry)
     root.setLevel(numeric)
     stderr = logging.StreamHandler(sys.stderr)
     stderr.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    stderr.addFilter(EscapingFilter())  # one record, one line: client text in a message cannot forge lines
     records: queue.SimpleQueue = queue.SimpleQueue()
     listener = logging.handlers.QueueListener(records, stderr)
     listener.start()
     root.addHandler(logging.handlers.QueueHandler(records))
+    # OpenTelemetry's own warnings (they may quote a client's headers): through the same handler, with
+    # time and level, instead of Python's last-resort print of the bare message.
+    otel = logging.getLogger("opentelemetry")
+    otel.addHandler(logging.handlers.QueueHandler(records))
+    otel.propagate = False
     handlers: list[logging.Handler] = []
     if config.loki_url:
         from gpuscope.loki_push import LokiHandler
@@ -217,7 +237,7 @@ def main(argv: list[str]) -> int:
     log.info("listening on http://%s:%d (model %s on %s, scheduler %s, timing %s)", config.host, config.port,
              config.model_name, service.device, config.scheduler, config.timing)
     try:
-        run(build_app(service, tracing=tracing), config.host, config.port, shutdown_timeout=5.0)
+        run(build_app(service, tracing=tracing), config.host, config.port)
     except OSError as exc:
         sys.stderr.write(f"{PROG}: error: cannot listen on {config.host}:{config.port}: {exc.strerror}\n")
         service.close()

@@ -160,6 +160,15 @@ class Scheduler:
                 self._started[name] += 1
             return victim, req
 
+    def take_all(self) -> list:
+        """Every waiting request out of the queues, a starved tenant's too, none of them started
+        (the server is shutting down and ends them)."""
+        with self._lock:
+            taken = [req for queue in self._queues.values() for req in queue]
+            for queue in self._queues.values():
+                queue.clear()
+        return taken
+
     def finished(self, req: Schedulable) -> None:
         """A started request left the batch (done, aborted or failed)."""
         with self._lock:

@@ -49,8 +49,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from prometheus_client import CollectorRegistry
 
 from gpuscope import catalogue as c
+from gpuscope.logsafe import quote
 
 from .config import ServerConfig
+from .protocol import parse_traceparent
+from .tracestate import valid_tracestate
 
 log = logging.getLogger("gpuscope.server.tracing")
 
@@ -244,6 +247,10 @@ class RequestTracing:
         if self.dropped is not None:
             for reason in DROP_REASONS:
                 self.dropped.labels(reason)
+        self.ignored = c.TRACE_CONTEXT_IGNORED.create(registry) if registry is not None else None
+        if self.ignored is not None:
+            for header in ("traceparent", "tracestate"):
+                self.ignored.labels(header)
         # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over these defaults.
         defaults = {"service.name": SERVICE_NAME}
         if config.instance:
@@ -319,16 +326,29 @@ class RequestTracing:
         ns0, perf0 = time.time_ns(), time.perf_counter()
         context = None
         header = headers.get("traceparent")
-        if header:
+        if header and parse_traceparent(header) is None:
+            self._ignore("traceparent", header)  # a new trace, as protocol.parse_traceparent decides
+        elif header:
             # Lower-cased as protocol.parse_traceparent reads it, so both accept the same headers.
             carrier = {"traceparent": header.strip().lower()}
-            state = headers.get("tracestate")
-            if state:
-                carrier["tracestate"] = state
+            getall = getattr(headers, "getall", None)
+            fields = getall("tracestate", []) if getall is not None else [headers.get("tracestate") or ""]
+            state = ",".join(fields)
+            if state.strip(" \t,"):
+                if valid_tracestate(state):
+                    carrier["tracestate"] = state
+                else:  # dropped whole (W3C); never handed to OpenTelemetry, which logs it raw
+                    self._ignore("tracestate", state)
             context = self._propagator.extract(carrier)
         span = self._tracer.start_span(ROOT_SPAN, context=context, kind=SpanKind.SERVER, start_time=ns0,
                                        attributes=self._root_attributes)
         return RequestTrace(span, ns0, perf0)
+
+    def _ignore(self, header: str, value: str) -> None:
+        """Count an invalid trace context header; the client's text only escaped and cut short."""
+        if self.ignored is not None:
+            self.ignored.labels(header).inc()
+        log.debug("ignoring an invalid %s header: %s", header, quote(value, 64))
 
     def track(self, rt: RequestTrace, req, tenant: str) -> None:
         """``req`` is the engine request of ``rt``; call before submitting it, so its steps are seen."""
