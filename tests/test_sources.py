@@ -96,6 +96,9 @@ def test_the_labels_a_layer_renames_or_drops_are_on_the_series(source):
     if source == "dcgm-exporter":
         scrape = {*dcgm.EXPORTED_KUBERNETES, "gpuscope_gi"}
         assert set(sources.DCGM_IDENTITY) - scrape <= on_series
+        mig = samples("dcgm-exporter-4.x-mig.prom")
+        assert all(set(upstream.DCGM_MIG_LABELS) <= set(s) for s in mig["DCGM_FI_DEV_FB_USED"][:2])
+        assert all(set(upstream.DCGM_XID_LABELS) <= set(s) for s in mig["DCGM_FI_DEV_XID_ERRORS"])
         kube = samples("dcgm-exporter-4.x.prom")["DCGM_FI_DEV_FB_USED"]
         assert all(set(upstream.DCGM_KUBERNETES_LABELS) <= set(s) for s in kube)
 

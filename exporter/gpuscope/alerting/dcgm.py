@@ -26,9 +26,9 @@ from gpuscope.alerting import upstream as up
 from gpuscope.alerting.rules import by, sel
 
 #: MIG labels (folded into ``gpu``).
-MIG = ("GPU_I_PROFILE", "GPU_I_ID")
+MIG = up.DCGM_MIG_LABELS
 #: The XID field's per-code labels (3.3.6+).
-XID_CODE = ("err_code", "err_msg")
+XID_CODE = up.DCGM_XID_LABELS
 #: The workload's labels under a ServiceMonitor with ``honorLabels: false``.
 EXPORTED_KUBERNETES = tuple(f"exported_{label}" for label in up.DCGM_KUBERNETES_LABELS)
 #: Temporary labels: the MIG fold builds ``gpu`` from the first, the info series its parent from the second.
