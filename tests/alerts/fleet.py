@@ -16,7 +16,8 @@ What each part follows (the labels and values its upstream writes):
   ``exported_container``; with ``honorLabels: true`` they win, and GPUs without a workload carry none.
 - vLLM: ``vllm/v1/metrics/loggers.py`` (v0.12), two data-parallel engines (``engine="0"``, ``"1"``) of
   one served model, every family of ``gpuscope.alerting.upstream``.
-- The bundle's own server and exporter: every catalogue metric of their areas, with its labels.
+- The bundle's own server and exporter: every catalogue metric of their areas, with its labels; the
+  exporter with pod attribution on, GPU 0's workload pod replaced 10 minutes ago.
 
 The fleet (times relative to the end of the history, ``now``):
 
@@ -234,6 +235,19 @@ def _histogram(name: str, labels: dict[str, str], buckets: tuple[float, ...],
     yield Series(f"{name}_sum", labels, lambda ago: count(ago) * 0.05)
 
 
+def _pod_attributed(series: Series) -> Iterator[Series]:
+    """The bundle's exporter with pod attribution (``gpuscope.nvml.collectors.PodLabelled``): per-GPU
+    ``gpuscope_gpu_*`` samples of GPU 0 carry its workload's pod, replaced ``CHURN_S`` before now."""
+    if not series.name.startswith("gpuscope_gpu_") or series.labels.get("gpu") != "0" \
+            or series.name == m.GPU_INFO.name:
+        yield series
+        return
+    for pod, alive in (("vllm-0-6b8d9f7c4-pq2ls", lambda ago: ago >= CHURN_S),
+                       ("vllm-0-6b8d9f7c4-t7xvn", lambda ago: ago < CHURN_S)):
+        labels = {**series.labels, "namespace": "inference", "pod": pod, "container": "vllm"}
+        yield Series(series.name, labels, lambda ago, v=series.value, a=alive: v(ago) if a(ago) else None)
+
+
 def _bundle() -> Iterator[Series]:
     server = {"job": "gpuscope-server", "instance": "inference-1:8000"}
     exporter = {"job": "gpuscope-exporter", "instance": "gpu-node-4:9835"}
@@ -243,7 +257,8 @@ def _bundle() -> Iterator[Series]:
         if metric.area in (m.TIMING, m.SERVER, m.LOGS):
             yield from _catalogue_series(metric, server, 20.0)
         elif metric.area == m.GPU:
-            yield from _catalogue_series(metric, exporter, 0.0)
+            for series in _catalogue_series(metric, exporter, 0.0):
+                yield from _pod_attributed(series)
 
 
 def _vllm() -> Iterator[Series]:

@@ -147,6 +147,11 @@ def test_every_rule_evaluates_without_error_over_the_fleet(profile: Profile, bac
             assert sorted(keys) == sorted(set(keys)) and len(keys) == 7, (record, keys)
         codes = {(r["instance"], r["gpu"]): r["value"] for r in query(url, names.GPU_XID_CODE + dcgm)}
         assert codes[("10.42.2.23:9400", "1")] == "79" and codes[("gpu-node-3:9400", "0")] == "48"
+        # The bundle's exporter with pod attribution: one memory series per GPU through the replacement.
+        own = [r["gpu"] for r in query(url, names.GPU_MEMORY_HEADROOM + '{job="gpuscope-exporter"}')]
+        assert sorted(own) == ["0", "1"], own
+        info = query(url, names.GPU_INFO + '{job="gpuscope-exporter"}')
+        assert {(r["gpu"], r.get("pod", "")) for r in info} == {("0", "vllm-0-6b8d9f7c4-t7xvn"), ("1", "")}
         # The workload (who to call), whichever way the scrape wrote it; none for an idle GPU.
         owners = {(r["instance"], r["gpu"]): r.get("pod", "") for r in query(url, names.GPU_INFO + dcgm)}
         assert owners == {("10.42.1.17:9400", "0"): "vllm-7c9f6d5b8-x2x4q", ("10.42.1.17:9400", "1"): "",

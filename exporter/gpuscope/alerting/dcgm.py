@@ -23,6 +23,7 @@ break a join if the normalised series kept it:
 from __future__ import annotations
 
 from gpuscope.alerting import upstream as up
+from gpuscope.alerting import workload
 from gpuscope.alerting.rules import by, sel
 
 #: MIG labels (folded into ``gpu``).
@@ -30,7 +31,7 @@ MIG = up.DCGM_MIG_LABELS
 #: The XID field's per-code labels (3.3.6+).
 XID_CODE = up.DCGM_XID_LABELS
 #: The workload's labels under a ServiceMonitor with ``honorLabels: false``.
-EXPORTED_KUBERNETES = tuple(f"exported_{label}" for label in up.DCGM_KUBERNETES_LABELS)
+EXPORTED_KUBERNETES = workload.EXPORTED
 #: Temporary labels: the MIG fold builds ``gpu`` from the first, the info series its parent from the second.
 _FOLD, _PARENT = "gpuscope_gi", "gpuscope_parent"
 #: What a normalised dcgm-exporter series aggregates away: its identity (on ``gpuscope:gpu:info``), MIG
@@ -53,28 +54,15 @@ def normalised(expr: str, aggregation: str = "max") -> str:
     return f"{aggregation} without ({by(DROP)}) (\n  {fold_mig(expr)}\n)"
 
 
-def _workload(expr: str) -> str:
-    """The workload's labels as ``pod`` / ``namespace`` / ``container``, however the scrape wrote them."""
-    for label in up.DCGM_KUBERNETES_LABELS:
-        expr = f'label_replace({expr}, "{label}", "$1", "exported_{label}", "(.+)")'
-    return expr
-
-
 def info(s: str, metric: str = "DCGM_FI_DEV_FB_USED") -> str:
     """``gpuscope:gpu:info``: value 1 per GPU or MIG instance, with uuid, name, mig_parent and mig_profile,
-    and the workload's pod, namespace and container where the exporter maps one.
-
-    With ``honorLabels: false`` a GPU without a workload carries the exporter's own pod labels: those
-    are the ones ``up`` of the same target has, and they are removed (the GPU keeps its identity)."""
+    and the workload's pod, namespace and container where the exporter maps one (``workload.per_gpu``)."""
     parent = f'label_join({sel(metric, s)}, "{_PARENT}", ";", "GPU_I_ID", "gpu")'
     expr = f'label_replace({parent}, "mig_parent", "$1", "{_PARENT}", "[^;]+;(.*)")'
     for canonical, own in INFO_RENAMES.items():
         expr = f'label_replace({expr}, "{canonical}", "$1", "{own}", "(.+)")'
-    drop = (*(label for label in DROP if label not in ("gpu", *up.DCGM_KUBERNETES_LABELS)), _PARENT)
-    mapped = f"group without ({by(drop)}) (\n  {_workload(fold_mig(expr))}\n)"
-    kube = by(up.DCGM_KUBERNETES_LABELS)
-    return (f"(\n{mapped}\n) unless on (job, instance, {kube}) up{{{s}}}\n"
-            f"or on (job, instance, gpu)\ngroup without ({kube}) (\n{mapped}\n)")
+    drop = (*(label for label in DROP if label not in ("gpu", *workload.DROP)), _PARENT)
+    return workload.per_gpu(fold_mig(expr), s, drop)
 
 
 def gpus(s: str, metric: str = "DCGM_FI_DEV_FB_USED") -> str:

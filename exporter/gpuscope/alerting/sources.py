@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuscope import catalogue as m
-from gpuscope.alerting import dcgm, memory, names, slo
+from gpuscope.alerting import dcgm, memory, names, slo, workload
 from gpuscope.alerting import upstream as up
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record, by, duration, sel
@@ -187,11 +187,11 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
     growth, growth_fast, headroom, headroom_fast = records
     used_sel, total_expr = used.selector(selector), total.selector(selector)
     wrap = (lambda e: used.normalise(e, "max")) if used.drop or used.scale != 1 else (lambda e: e)
-    if used.prepare is not None:
-        # The source's own series split one memory (dcgm-exporter: per workload pod, whose old series
-        # lingers in the range windows after a replacement) or share a join key (MIG instances share
-        # ``gpu``): the joins below would match many-to-many. Read the normalised series recorded
-        # above instead, one per canonical key, already in bytes.
+    if used.drop or used.prepare is not None:
+        # The source's own series split one memory (per workload pod, whose old series lingers in
+        # the range windows after a replacement: workload.py) or share a join key (dcgm-exporter's
+        # MIG instances share ``gpu``): the joins below would match many-to-many. Read the
+        # normalised series recorded above instead, one per canonical key, already in bytes.
         used_sel, total_expr = sel(GAUGES[used_key][0], selector), sel(GAUGES[total_key][0], selector)
         wrap = lambda e: e  # noqa: E731
     w = p.windows
@@ -272,27 +272,43 @@ GPUSCOPE_SERVER = Source(
 
 def _gpuscope_xid(p: Profile, s: str) -> str:
     w = p.windows.xid
-    return (f"group without () (\n  increase({sel(m.GPU_XID_ERRORS.name, s)}[{duration(w)}]) > 0\n  or\n"
-            f"  time() - {sel(m.GPU_XID_LAST.name, s)} < {w}\n)")
+    errors, last = sel(m.GPU_XID_ERRORS.name, s), sel(m.GPU_XID_LAST.name, s)
+    return (f"group without ({by(workload.DROP)}) (\n  increase({errors}[{duration(w)}]) > 0\n  or\n"
+            f"  time() - {last} < {w}\n)")
+
+
+def _gpuscope_info(p: Profile, s: str) -> str:
+    """The exporter's GPU identity, with the workload its pod attribution puts on the per-GPU series."""
+    workloads = workload.per_gpu(sel(m.GPU_MEMORY_USED.name, s), s)
+    return workload.with_workload(sel(m.GPU_INFO.name, s), workloads)
+
+
+#: Per-GPU series of the bundle's exporter: with pod attribution on, each carries the workload's labels
+#: (workload.py), which the normalised series drop.
+_PER_GPU = {"drop": workload.DROP}
 
 
 GPUSCOPE_EXPORTER = Source(
     name="gpuscope-exporter", role="gpu", title="gpuscope exporter",
     upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="exporter",
-    raw={**{key: Raw(metric.name) for key, metric in {
-        "gpu_info": m.GPU_INFO, "gpu_utilization": m.GPU_UTILIZATION,
+    raw={**{key: Raw(metric.name, **_PER_GPU) for key, metric in {
+        "gpu_utilization": m.GPU_UTILIZATION,
         "gpu_memory_utilization": m.GPU_MEMORY_UTILIZATION, "gpu_memory_used": m.GPU_MEMORY_USED,
         "gpu_memory_total": m.GPU_MEMORY_TOTAL, "gpu_temperature": m.GPU_TEMPERATURE,
         "gpu_memory_temperature": m.GPU_MEMORY_TEMPERATURE, "gpu_power": m.GPU_POWER,
         "gpu_power_limit": m.GPU_POWER_LIMIT, "gpu_sm_clock": m.GPU_SM_CLOCK,
         "gpu_memory_clock": m.GPU_MEMORY_CLOCK, "gpu_pstate": m.GPU_PSTATE, "gpu_energy": m.GPU_ENERGY,
-        "gpu_ecc": m.GPU_ECC_ERRORS, "gpu_pcie_replay": m.GPU_PCIE_REPLAY, "exporter_gpus": m.EXPORTER_GPUS,
+        "gpu_ecc": m.GPU_ECC_ERRORS, "gpu_pcie_replay": m.GPU_PCIE_REPLAY,
+    }.items()}, **{key: Raw(metric.name) for key, metric in {
+        "gpu_info": m.GPU_INFO, "exporter_gpus": m.EXPORTER_GPUS,
         "exporter_gpu_up": m.EXPORTER_GPU_UP, "exporter_staleness": m.EXPORTER_STALENESS,
         "exporter_collection": m.EXPORTER_COLLECTION_SECONDS, "exporter_errors": m.EXPORTER_ERRORS,
     }.items()}, "exporter_init_errors": Raw(m.EXPORTER_ERRORS.name, matchers=('call="nvmlInit"',))},
     custom={
-        "clock_event": lambda p, s: (f"rate({sel(m.GPU_CLOCK_EVENT_SECONDS.name, s)}"
-                                     f"[{duration(p.windows.throttle)}])"),
+        "gpu_info": _gpuscope_info,
+        "clock_event": lambda p, s: (
+            f"sum without ({by(workload.DROP)}) (\n  rate({sel(m.GPU_CLOCK_EVENT_SECONDS.name, s)}"
+            f"[{duration(p.windows.throttle)}])\n)"),
         "xid": _gpuscope_xid,
         "gpus_lost": lambda p, s: (f"increase({sel(m.EXPORTER_GPUS_LOST.name, s)}"
                                    f"[{duration(p.windows.xid)}])"),
