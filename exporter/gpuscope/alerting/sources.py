@@ -313,6 +313,11 @@ GPUSCOPE_EXPORTER = Source(
         "gpus_lost": lambda p, s: (f"increase({sel(m.EXPORTER_GPUS_LOST.name, s)}"
                                    f"[{duration(p.windows.xid)}])"),
     },
+    notes=(
+        "With pod attribution (Kubernetes), the workload's `pod`, `namespace` and `container` on every "
+        "`gpuscope_gpu_*` series are aggregated away (they change when the pod is replaced), and kept on "
+        "`gpuscope:gpu:info`, from which GPU alerts join them.",
+    ),
 )
 
 # vLLM (V1 engine). Every series carries model_name (the served model) and engine (the data-parallel

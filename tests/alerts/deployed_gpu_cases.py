@@ -1,8 +1,9 @@
-"""dcgm-exporter as deployed, as promtool unit tests for both alert profiles.
+"""The GPU sources as deployed (dcgm-exporter; the bundle's exporter with pod attribution), as promtool
+unit tests for both alert profiles.
 
-``python -m tests.alerts.dcgm_cases`` rewrites ``alerts/tests/sources/dcgm-deployed.test.yml``
-(production) and ``alerts/tests/sources/test-profile/dcgm-deployed.test.yml`` (time compressed 15×:
-scrape interval and evaluation times; values unchanged); ``tests/alerts/test_dcgm_cases.py`` fails
+``python -m tests.alerts.deployed_gpu_cases`` rewrites ``alerts/tests/sources/gpu-deployed.test.yml``
+(production) and ``alerts/tests/sources/test-profile/gpu-deployed.test.yml`` (time compressed 15×:
+scrape interval and evaluation times; values unchanged); ``tests/alerts/test_deployed_gpu_cases.py`` fails
 when either is stale and runs both with promtool. Series are written as dcgm-exporter writes them
 (NVIDIA/dcgm-exporter ``internal/pkg/collector/gpu_collector.go`` and
 ``internal/pkg/transformation/kubernetes.go``, 3.3 / 4.x: label order, MIG labels, ``err_code`` /
@@ -22,7 +23,10 @@ evaluation error, so every case also proves its joins hold:
   series and pages with the operator's labels (uuid, name, pod, namespace, container); an
   application XID (13), an XID from before the rules ran, and the same XID carried into a replacement
   pod's series stay silent;
-- ``xid gauge``: before 3.3.6, the last-code gauge: a change to 48 pages, for the XID window only.
+- ``xid gauge``: before 3.3.6, the last-code gauge: a change to 48 pages, for the XID window only;
+- ``own exporter pod replaced``: the bundle's exporter with pod attribution
+  (``gpuscope.nvml.collectors.PodLabelled``: the workload's labels on every ``gpuscope_gpu_*``
+  sample): a leak carries on through a pod replacement and pages with the new pod's labels.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ from gpuscope.alerting.config import PRODUCTION, TEST, TEST_COMPRESSION, Profile
 from gpuscope.alerting.rules import duration
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = {"production": "alerts/tests/sources/dcgm-deployed.test.yml",
-         "test": "alerts/tests/sources/test-profile/dcgm-deployed.test.yml"}
+PATHS = {"production": "alerts/tests/sources/gpu-deployed.test.yml",
+         "test": "alerts/tests/sources/test-profile/gpu-deployed.test.yml"}
 RULES = {"production": "../..", "test": "../../.."}
 JOB = "dcgm-exporter"
+#: Both GPU sources' layers, as a fleet running both loads them.
+SOURCES = (JOB, "gpuscope-exporter")
 MODEL = "NVIDIA H100 80GB HBM3"
 RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
 FLEET = "http://localhost:3000/d/gpuscope-fleet"
@@ -200,16 +206,20 @@ def pod_replaced() -> Case:
     return case
 
 
-def _slow_annotations(instance: str) -> Callable[[Profile], dict[str, str]]:
-    read = {"production": ("70GiB", "4.267MiB/s", "38m 35s"), "test": ("70GiB", "64MiB/s", "2m 34s")}
+Read = dict[str, tuple[str, str, str]]  # profile → (held, growth, time left) as an annotation prints them
+
+
+def _slow_annotations(instance: str, capacity: str = "79.65GiB",
+                      read: Read | None = None) -> Callable[[Profile], dict[str, str]]:
+    read = read or {"production": ("70GiB", "4.267MiB/s", "38m 35s"), "test": ("70GiB", "64MiB/s", "2m 34s")}
 
     def at(p: Profile) -> dict[str, str]:
         holds, growth, left = read[p.name]
         w = p.windows
         return {"summary": f"GPU 0 on {instance} fills its memory",
-                "description": f"GPU 0 on {instance} holds {holds} of 79.65GiB. Its floor (lowest value over "
-                               f"{duration(w.leak_floor)}) grew in every {duration(w.leak_step)} of the last "
-                               f"{duration(w.leak - w.leak_floor)}, in the last "
+                "description": f"GPU 0 on {instance} holds {holds} of {capacity}. Its floor (lowest value "
+                               f"over {duration(w.leak_floor)}) grew in every {duration(w.leak_step)} of the "
+                               f"last {duration(w.leak - w.leak_floor)}, in the last "
                                f"{duration(w.leak - w.leak_floor - w.leak_step)} by at least {growth}; "
                                f"at that rate the memory runs out in {left}.",
                 "runbook_url": f"{RUNBOOK}#gpuframebufferfillingup",
@@ -297,7 +307,33 @@ def xid_gauge() -> Case:
     return case
 
 
-CASES = (mig, pod_replaced, xid_per_code, xid_gauge)
+def own_exporter_pod_replaced() -> Case:
+    case = Case("own exporter pod replaced: a leak carries on through a pod replacement", 130)
+    instance, scrape = "gpu-node-4:9835", {"job": "gpuscope-exporter", "instance": "gpu-node-4:9835"}
+    gib = 1 << 30
+    old, new = _pod("vllm-0-6b8d9f7c4-pq2ls"), _pod("vllm-0-6b8d9f7c4-t7xvn")
+    for workload, alive in ((old, lambda t: t < 100), (new, lambda t: t >= 100)):
+        labels = {**scrape, "gpu": "0", **workload}
+        case.series += [
+            ("gpuscope_gpu_memory_used_bytes", labels,
+             lambda t, a=alive: (40 * gib + 15 * gib * t / 60) if a(t) else None),
+            ("gpuscope_gpu_memory_total_bytes", labels, lambda t, a=alive: 80 * gib if a(t) else None)]
+    case.series += [("gpuscope_gpu_info", {**scrape, "gpu": "0", "uuid": "GPU-1", "name": MODEL}, _flat(1)),
+                    ("up", scrape, _flat(1))]
+    labels = {"severity": "warning", "service": "gpuscope-exporter", **scrape, "gpu": "0"}
+    case.checks += [
+        Check(90, "GPUFramebufferFillingUp"),
+        Check(120, "GPUFramebufferFillingUp", ((labels, _own_annotations(instance)),)),
+    ]
+    return case
+
+
+def _own_annotations(instance: str) -> Callable[[Profile], dict[str, str]]:
+    return _slow_annotations(instance, "80GiB", {"production": ("70GiB", "4.267MiB/s", "40m 0s"),
+                                                 "test": ("70GiB", "64MiB/s", "2m 40s")})
+
+
+CASES = (mig, pod_replaced, xid_per_code, xid_gauge, own_exporter_pod_replaced)
 
 
 def _values(fn: Values, minutes: int) -> str:
@@ -322,9 +358,10 @@ def _series_text(name: str, labels: dict[str, str]) -> str:
 def render(p: Profile) -> str:
     rules = RULES[p.name]
     doc: dict = {
-        "rule_files": [f"{rules}/{generate.source_rules_path(p, JOB).removeprefix('alerts/')}",
-                       f"{rules}/{generate.prometheus_rules_path(p).removeprefix('alerts/')}"],
-        "group_eval_order": generate.group_order(p, (JOB,)),
+        "rule_files": [f"{rules}/{path.removeprefix('alerts/')}" for path in
+                       (*(generate.source_rules_path(p, s) for s in SOURCES),
+                        generate.prometheus_rules_path(p))],
+        "group_eval_order": generate.group_order(p, SOURCES),
         "evaluation_interval": f"{p.evaluation_interval}s",
         "tests": [],
     }
@@ -347,8 +384,8 @@ def render(p: Profile) -> str:
                                   "value": float(s["value"])} for s in samples]}
                 for minute, expr, samples in case.exprs]
         doc["tests"].append(test)
-    header = (f"# Generated by `python -m tests.alerts.dcgm_cases` ({p.name} profile); do not edit.\n"
-              "# What each case is and why: tests/alerts/dcgm_cases.py.\n")
+    header = (f"# Generated by `python -m tests.alerts.deployed_gpu_cases` ({p.name} profile); do not edit.\n"
+              "# What each case is and why: tests/alerts/deployed_gpu_cases.py.\n")
     return header + yaml.safe_dump(doc, sort_keys=False, width=200)
 
 
