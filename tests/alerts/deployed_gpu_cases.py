@@ -20,7 +20,8 @@ evaluation error, so every case also proves its joins hold:
   error for 15 minutes); the GPU count per target holds through the replacement and falls when a GPU
   leaves enumeration;
 - ``xid per code``: 3.3.6+ per-code series in Kubernetes mode: XID 79 appears as a new ``err_code``
-  series and pages with the operator's labels (uuid, name, pod, namespace, container); an
+  series and pages with the operator's labels (uuid, name, pod, namespace, container); XID 94 from a
+  series whose value is 1 rather than the code pages too (the code read from ``err_code``); an
   application XID (13), an XID from before the rules ran, and the same XID carried into a replacement
   pod's series stay silent;
 - ``xid gauge``: before 3.3.6, the last-code gauge: a change to 48 pages, for the XID window only;
@@ -253,15 +254,17 @@ def _xid_annotations(gpu: str, instance: str, xid: str, workload: str) -> Callab
 def xid_per_code() -> Case:
     case = Case("xid per code: a new err_code series pages with whose workload it is", 40)
     node, instance, exporter = "gpu-node-2", "10.42.2.23:9400", "nvidia-dcgm-exporter-q9w4m"
-    gpus = [Gpu(i, f"GPU-604c7a18-e7d0-02e0-723a-7578be84065{i}") for i in range(3)]
+    gpus = [Gpu(i, f"GPU-604c7a18-e7d0-02e0-723a-7578be84065{i}") for i in range(4)]
     old, new = _pod("vllm-59b7f4c6d9-w8p3n"), _pod("vllm-59b7f4c6d9-zr6kc")
     messages = {0: "No Error", 13: "Graphics Engine Exception", 48: "DBE (Double Bit Error) ECC Error",
-                79: "GPU has fallen off the bus"}
+                79: "GPU has fallen off the bus", 94: "Contained ECC error"}
 
-    def xid(gpu: Gpu, workload: dict[str, str], code: int, alive: Callable[[int], bool]) -> None:
+    def xid(gpu: Gpu, workload: dict[str, str], code: int, alive: Callable[[int], bool],
+            value: float | None = None) -> None:
         labels = {**_scrape(instance, True, workload, exporter), **gpu.labels(node), "err_code": str(code),
                   "err_msg": messages[code]}
-        case.series.append(("DCGM_FI_DEV_XID_ERRORS", labels, lambda t: code if alive(t) else None))
+        written = code if value is None else value
+        case.series.append(("DCGM_FI_DEV_XID_ERRORS", labels, lambda t: written if alive(t) else None))
 
     # GPU 0: no error, then XID 79 at minute 10 (a new series: err_code="79", value 79); its pod is
     # replaced at minute 20 and the new pod's series carries the same last XID.
@@ -275,14 +278,21 @@ def xid_per_code() -> Case:
     xid(gpus[1], _pod("batch-7f9c6d5b8-lm2pq"), 0, lambda t: t < 10)
     xid(gpus[1], _pod("batch-7f9c6d5b8-lm2pq"), 13, lambda t: t >= 10)
     xid(gpus[2], _pod("vllm-59b7f4c6d9-b5t9x"), 48, lambda t: True)
+    # GPU 3: XID 94 at minute 10 from a build that writes 1 for a new code rather than the code (as the
+    # format is sometimes described): the code is read from err_code. No info series: no operator labels.
+    xid(gpus[3], {}, 0, lambda t: t < 10)
+    xid(gpus[3], {}, 94, lambda t: t >= 10, value=1)
     case.series.append(("up", {"job": JOB, "instance": instance, **OPERATOR, "pod": exporter}, _flat(1)))
     labels = {"severity": "critical", "service": "gpuscope-exporter", "job": JOB, "instance": instance,
               "endpoint": "gpu-metrics", "gpu": "0", "xid": "79", "uuid": gpus[0].uuid, "name": MODEL,
               **old}
     workload = f" (workload inference/{old['pod']}, container vllm)"
+    bare = {"severity": "critical", "service": "gpuscope-exporter", "job": JOB, "instance": instance,
+            "endpoint": "gpu-metrics", "gpu": "3", "xid": "94"}
     case.checks += [
         Check(9, "GPUXidCritical"),
-        Check(12, "GPUXidCritical", ((labels, _xid_annotations("0", instance, "79", workload)),)),
+        Check(12, "GPUXidCritical", ((labels, _xid_annotations("0", instance, "79", workload)),
+                                     (bare, _xid_annotations("3", instance, "94", "")))),
         Check(27, "GPUXidCritical"),
     ]
     return case

@@ -73,7 +73,12 @@ def gpus(s: str, metric: str = "DCGM_FI_DEV_FB_USED") -> str:
             f"or\n0 * group without ({kube}) (up{{{s}}})")
 
 
-def xid_code(s: str) -> str:
-    """The last XID code per GPU, from either format (the per-code series' value is the code too)."""
-    return normalised(sel("DCGM_FI_DEV_XID_ERRORS", s))
+def xid_code(s: str, codes: tuple[int, ...]) -> str:
+    """The last XID code per GPU, from either format. The per-code series' value is the code too
+    (gpu_collector.go writes the field's value); for ``codes`` (the ones alerts page on) the code is
+    taken from ``err_code`` regardless, so a build that writes another value there is read right."""
+    xid = "DCGM_FI_DEV_XID_ERRORS"
+    named = [f'{sel(xid, s, f"err_code={chr(34)}{c}{chr(34)}")} * 0 + {c}' for c in codes]
+    parts = [sel(xid, s, 'err_code=""'), *named, sel(xid, s, 'err_code!=""')]
+    return normalised("\n  or ".join(parts))
 

@@ -424,7 +424,7 @@ DCGM_EXPORTER = Source(
         "gpu_info": lambda p, s: dcgm.info(s),
         "exporter_gpus": lambda p, s: dcgm.gpus(s),
         "clock_event": _dcgm_clock_events,
-        "xid_code": lambda p, s: dcgm.xid_code(s),
+        "xid_code": lambda p, s: dcgm.xid_code(s, p.thresholds.xid_critical),
         "xid": _dcgm_xid,
     },
     notes=(
@@ -433,7 +433,8 @@ DCGM_EXPORTER = Source(
         "Utilization is `DCGM_FI_PROF_GR_ENGINE_ACTIVE` where the profiling fields are enabled, else "
         "`DCGM_FI_DEV_GPU_UTIL`.",
         "XID: the GPU's last code (`gpuscope:gpu_xid:last_code`) is read from the last-value gauge "
-        "before 3.3.6 and from the per-code series (`err_code`, `err_msg`; value the code) since; a "
+        "before 3.3.6 and from the per-code series (`err_code`, `err_msg`; value the code) since, the "
+        "critical codes from `err_code` whatever the value; a "
         "change to a non-zero code within the XID window counts as one XID of that code. The same code "
         "twice in a row, or two codes within one scrape, show as one; a code already there when the "
         "rules first ran is not reported.",
