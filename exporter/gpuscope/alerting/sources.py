@@ -53,6 +53,9 @@ class Raw:
     #: Rewrite the source's series before the labels are renamed and aggregated (dcgm-exporter: each
     #: MIG instance its own ``gpu``).
     prepare: Callable[[str], str] | None = None
+    #: How a counter's rates over the dropped labels combine, where not summed (copies of one device
+    #: counter, which must not add up).
+    combine: str = ""
 
     def selector(self, selector: str, suffix: str = "", *matchers: str, name: str = "") -> str:
         """The source's series (``name`` or ``metric + suffix``, plus ``plus``) under its job selector;
@@ -218,7 +221,8 @@ def records(src: Source, p: Profile) -> list[Record]:
             out.append(Record(names.rate(metric, suffix), expr))
     for key, (record, window, suffix) in COUNTERS.items():
         if (raw := src.raw.get(key)) is not None:
-            out.append(Record(record, _windowed(raw, "rate", suffix, getattr(w, window), s, "sum")))
+            rates = _windowed(raw, "rate", suffix, getattr(w, window), s, raw.combine or "sum")
+            out.append(Record(record, rates))
     for key, (record, aggregation) in GAUGES.items():
         if key in src.custom:
             out.append(Record(record, src.custom[key](p, s)))
@@ -414,8 +418,10 @@ DCGM_EXPORTER = Source(
         "gpu_power_limit": _dcgm("DCGM_FI_DEV_POWER_MGMT_LIMIT"),
         "gpu_sm_clock": _dcgm("DCGM_FI_DEV_SM_CLOCK", scale=1e6),
         "gpu_memory_clock": _dcgm("DCGM_FI_DEV_MEM_CLOCK", scale=1e6),
-        "gpu_energy": _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", scale=0.001),
-        "gpu_pcie_replay": _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER"),
+        # A GPU time-sliced between pods is written once per pod (the same device counter each time):
+        # its copies are one counter, not a sum.
+        "gpu_energy": _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", scale=0.001, combine="max"),
+        "gpu_pcie_replay": _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", combine="max"),
     },
     custom={
         # GR_ENGINE_ACTIVE is a ratio; GPU_UTIL, where the profiling fields are off, a percentage.
@@ -429,7 +435,9 @@ DCGM_EXPORTER = Source(
     },
     notes=(
         "Units converted to base units: framebuffer MiB → bytes (capacity = used + free), clocks MHz → "
-        "Hz, energy mJ → J, utilization % → ratio; power is already in W.",
+        "Hz, energy mJ → J, utilization % → ratio; power is already in W. A GPU time-sliced between "
+        "pods is written once per pod: its copies are taken once (max), never summed; while a pod is "
+        "replaced the energy and PCIe replay rates read low for one rate window.",
         "Utilization is `DCGM_FI_PROF_GR_ENGINE_ACTIVE` where the profiling fields are enabled, else "
         "`DCGM_FI_DEV_GPU_UTIL`.",
         "XID: the GPU's last code (`gpuscope:gpu_xid:last_code`) is read from the last-value gauge "
