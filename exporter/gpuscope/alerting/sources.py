@@ -453,7 +453,8 @@ DCGM_EXPORTER = Source(
         "`exported_*` names a ServiceMonitor with `honorLabels: false` gives them, where `pod`, "
         "`namespace`, `container` are the exporter's own), so a replaced pod continues the same series "
         "and the GPUs of a target are counted once in either mode; the framebuffer records read the "
-        "normalised series.",
+        "normalised series, so their history (and the fast alert's age guard) starts when the rules "
+        "are first loaded, and a replaced pod's warm-up is not a new series.",
         "Throttling needs `DCGM_FI_DEV_CLOCK_THROTTLE_REASONS` (or its newer name "
         "`DCGM_FI_DEV_CLOCKS_EVENT_REASONS`) in the counters file; its bits are sampled at the rule "
         "evaluation interval.",
