@@ -14,12 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuscope import catalogue
-from gpuscope.alerting import sources, upstream
+from gpuscope.alerting import dcgm, sources, upstream
 from gpuscope.alerting.config import PROFILES
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sources"
 FIXTURES_OF = {"vllm": ("vllm-0.12.prom", "vllm-0.10.prom"),
-               "dcgm-exporter": ("dcgm-exporter-3.3.prom", "dcgm-exporter-4.x.prom")}
+               "dcgm-exporter": ("dcgm-exporter-3.3.prom", "dcgm-exporter-4.x.prom",
+                                 "dcgm-exporter-4.x-mig.prom")}
 #: The exposition of the current version of each source (what a fresh install exposes).
 CURRENT = {"vllm": "vllm-0.12.prom", "dcgm-exporter": "dcgm-exporter-4.x.prom"}
 SELECTOR = re.compile(r'(?<![\w:])([A-Za-z_][\w:]*)(?=\{)|__name__=~"([^"]+)"')
@@ -44,13 +45,16 @@ def samples(name: str) -> dict[str, list[dict[str, str]]]:
 
 
 def read_by(source: sources.Source) -> set[str]:
-    """Every series name the source's layers (both profiles) select, ``up`` aside."""
+    """Every series name the source's layers (both profiles) select, ``up`` and the layer's own records
+    (a later rule may read an earlier one's normalised series) aside."""
     names: set[str] = set()
+    recorded: set[str] = set()
     for profile in PROFILES.values():
         for record in sources.records(source, profile):
+            recorded.add(record.record)
             for plain, alternatives in SELECTOR.findall(record.expr):
                 names |= {plain} if plain else set(alternatives.split("|"))
-    return names - {"up", ""}
+    return names - recorded - {"up", ""}
 
 
 def test_every_fixture_names_its_upstream_file_and_version():
@@ -86,10 +90,15 @@ def test_the_labels_a_layer_renames_or_drops_are_on_the_series(source):
     on_series = {label for f in FIXTURES_OF[source] for sets in samples(f).values()
                  for s in sets for label in s}
     for key, raw in src.raw.items():
-        needed = {*raw.labels.values(), *raw.drop}
+        # exported_*: Prometheus' names for the exporter's pod labels under honorLabels false.
+        needed = {*raw.labels.values(), *raw.drop} - {*dcgm.EXPORTED_KUBERNETES, "gpuscope_gi"}
         assert needed <= on_series | set(upstream.DCGM_KUBERNETES_LABELS), (key, needed - on_series)
     if source == "dcgm-exporter":
-        assert set(sources.DCGM_IDENTITY) <= on_series
+        scrape = {*dcgm.EXPORTED_KUBERNETES, "gpuscope_gi"}
+        assert set(sources.DCGM_IDENTITY) - scrape <= on_series
+        mig = samples("dcgm-exporter-4.x-mig.prom")
+        assert all(set(upstream.DCGM_MIG_LABELS) <= set(s) for s in mig["DCGM_FI_DEV_FB_USED"][:2])
+        assert all(set(upstream.DCGM_XID_LABELS) <= set(s) for s in mig["DCGM_FI_DEV_XID_ERRORS"])
         kube = samples("dcgm-exporter-4.x.prom")["DCGM_FI_DEV_FB_USED"]
         assert all(set(upstream.DCGM_KUBERNETES_LABELS) <= set(s) for s in kube)
 

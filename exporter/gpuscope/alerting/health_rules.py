@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuscope.alerting import names
+from gpuscope.alerting import names, operator_labels
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
 from gpuscope.dashboards import uids
@@ -13,12 +13,15 @@ def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:
     window = duration(w.throttle)
     clock = sel(names.GPU_CLOCK_EVENT_RATIO, f'reason=~"{reasons}"')
     return Alert(
-        name=name, expr=f"max by (job, instance, gpu) ({clock}) > {num(t.throttle_ratio)}",
+        name=name,
+        expr=operator_labels.joined(f"max by (job, instance, gpu) ({clock}) > {num(t.throttle_ratio)}"),
         for_s=w.throttle_for, severity="warning", service=p.selectors.exporter_service,
         dashboard=uids.FLEET, dashboard_vars=("instance", "gpu"),
         summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} is {cause} throttled",
-        description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} ran with its clocks held back "
-                     f"for {cause} reasons {{{{ $value | humanizePercentage }}}} of the last {window}."),
+        description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}}{operator_labels.WORKLOAD} "
+                     f"ran with its clocks held back for {cause} reasons "
+                     f"{{{{ $value | humanizePercentage }}}} of the "
+                     f"last {window}."),
         doc=Doc(what=f"Clocks held back for {cause} reasons (clock event reasons matching `{reasons}`)",
                 threshold=f"> {num(t.throttle_ratio * 100)}% of the time",
                 window=f"{window}, for {duration(w.throttle_for)}",
@@ -125,11 +128,13 @@ def groups(p: Profile) -> list[Group]:
                       window=f"for {duration(w.exporter_stale_for)}",
                       why="Scrapes never wait on NVML, so a hung NVML call shows up as age, not as a "
                           "failed scrape.")),
-        Alert(name="GPULost", expr=f"{names.EXPORTER_GPU_UP} == 0", for_s=w.gpu_lost_for,
+        Alert(name="GPULost", expr=operator_labels.joined(f"{names.EXPORTER_GPU_UP} == 0"),
+              for_s=w.gpu_lost_for,
               severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} stopped answering",
-              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} has not answered "
-                           f"NVML for {duration(w.gpu_lost_for)} (lost from the bus or failing)."),
+              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}}"
+                           f"{operator_labels.WORKLOAD} has not answered NVML for {duration(w.gpu_lost_for)} "
+                           f"(lost from the bus or failing)."),
               doc=Doc(what="A GPU does not answer NVML", threshold="gpu_up == 0",
                       window=f"for {duration(w.gpu_lost_for)}",
                       why="Work on that GPU has stopped; usually needs a reset or a node drain.")),
@@ -142,18 +147,20 @@ def groups(p: Profile) -> list[Group]:
               doc=Doc(what="NVML reported GPU_IS_LOST", threshold="any", window=xid_w,
                       why="Fires even when the GPU is gone from the exporter's list (no gpu_up left).")),
         Alert(name="GPUXidCritical",
-              expr=sel(names.GPU_XID_RECENT, f'xid=~"{xids}"'),
+              expr=operator_labels.joined(sel(names.GPU_XID_RECENT, f'xid=~"{xids}"')),
               for_s=0, severity="critical", service=exp, dashboard=uids.FLEET, dashboard_vars=gpu_vars,
               summary=("GPU {{ $labels.gpu }} on {{ $labels.instance }} reported critical XID "
                        "{{ $labels.xid }}"),
-              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} reported XID "
-                           f"{{{{ $labels.xid }}}} in the last {xid_w}; this code means a hardware, memory "
-                           f"or driver fault, not an application bug."),
+              description=(f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}}"
+                           f"{operator_labels.WORKLOAD} reported XID {{{{ $labels.xid }}}} in the last "
+                           f"{xid_w}; this code means a hardware, memory or driver fault, not an "
+                           f"application bug."),
               doc=Doc(what="An XID error with a hardware/driver code", threshold=f"XID in {xids}",
                       window=f"{xid_w} after the error",
                       why="Recorded per code by the GPU source (gpuscope exporter: the error counter or "
                           "its last-timestamp gauge, which also catches a series' first error; "
-                          "dcgm-exporter: a change of its last-XID gauge).")),
+                          "dcgm-exporter: a change of the GPU's last XID code, from its last-XID gauge "
+                          "or, since 3.3.6, its per-code series).")),
         _throttle(p, "GPUThermalThrottling", "thermal", t.throttle_thermal_reasons),
         _throttle(p, "GPUPowerThrottling", "power", t.throttle_power_reasons),
         Alert(name="GPUTimerDroppingSamples",

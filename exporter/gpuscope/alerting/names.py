@@ -151,6 +151,8 @@ GPU_PCIE_REPLAY_RATE = rate(m.GPU_PCIE_REPLAY)
 GPU_CLOCK_EVENT_RATIO = gauge(m.GPU_CLOCK_EVENT_ACTIVE, "ratio")
 #: Value 1 while an XID of that code was reported within the XID window. {gpu, xid}
 GPU_XID_RECENT = "gpuscope:gpu_xid:recent"
+#: The last XID code a GPU reported (0: none), where the source keeps only the last one (dcgm-exporter).
+GPU_XID_CODE = "gpuscope:gpu_xid:last_code"
 #: GPUs the exporter sees (no gpu label).
 EXPORTER_GPUS = gauge(m.EXPORTER_GPUS, "count")
 EXPORTER_GPU_UP = gauge(m.EXPORTER_GPU_UP, "min")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuscope import catalogue as m
-from gpuscope.alerting import memory, names, slo
+from gpuscope.alerting import dcgm, memory, names, slo, workload
 from gpuscope.alerting import upstream as up
 from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record, by, duration, sel
@@ -50,6 +50,12 @@ class Raw:
     matchers: tuple[str, ...] = ()
     #: A series added to ``metric`` (dcgm-exporter's capacity: free + used).
     plus: str = ""
+    #: Rewrite the source's series before the labels are renamed and aggregated (dcgm-exporter: each
+    #: MIG instance its own ``gpu``).
+    prepare: Callable[[str], str] | None = None
+    #: How a counter's rates over the dropped labels combine, where not summed (copies of one device
+    #: counter, which must not add up).
+    combine: str = ""
 
     def selector(self, selector: str, suffix: str = "", *matchers: str, name: str = "") -> str:
         """The source's series (``name`` or ``metric + suffix``, plus ``plus``) under its job selector;
@@ -60,6 +66,8 @@ class Raw:
 
     def normalise(self, expr: str, aggregation: str) -> str:
         """Rename labels, aggregate away what the canonical series does not keep, scale to base units."""
+        if self.prepare is not None:
+            expr = self.prepare(expr)
         for canonical, own in self.labels.items():
             expr = f'label_replace({expr}, "{canonical}", "$1", "{own}", "(.*)")'
         drop = (*self.drop, *self.labels.values())
@@ -182,6 +190,13 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
     growth, growth_fast, headroom, headroom_fast = records
     used_sel, total_expr = used.selector(selector), total.selector(selector)
     wrap = (lambda e: used.normalise(e, "max")) if used.drop or used.scale != 1 else (lambda e: e)
+    if used.drop or used.prepare is not None:
+        # The source's own series split one memory (per workload pod, whose old series lingers in
+        # the range windows after a replacement: workload.py) or share a join key (dcgm-exporter's
+        # MIG instances share ``gpu``): the joins below would match many-to-many. Read the
+        # normalised series recorded above instead, one per canonical key, already in bytes.
+        used_sel, total_expr = sel(GAUGES[used_key][0], selector), sel(GAUGES[total_key][0], selector)
+        wrap = lambda e: e  # noqa: E731
     w = p.windows
     return [
         Record(growth, wrap(memory.growth_rate_record(used_sel, labels, p))),
@@ -206,7 +221,8 @@ def records(src: Source, p: Profile) -> list[Record]:
             out.append(Record(names.rate(metric, suffix), expr))
     for key, (record, window, suffix) in COUNTERS.items():
         if (raw := src.raw.get(key)) is not None:
-            out.append(Record(record, _windowed(raw, "rate", suffix, getattr(w, window), s, "sum")))
+            rates = _windowed(raw, "rate", suffix, getattr(w, window), s, raw.combine or "sum")
+            out.append(Record(record, rates))
     for key, (record, aggregation) in GAUGES.items():
         if key in src.custom:
             out.append(Record(record, src.custom[key](p, s)))
@@ -217,10 +233,10 @@ def records(src: Source, p: Profile) -> list[Record]:
         out.append(Record(names.TENANT_BACKLOG, backlog))
     if (devices := src.raw.get("devices")) is not None:
         out.append(Record(names.SERVER_DEVICE, _instant(devices, s, "group")))
-    for key in ("clock_event", "xid", "gpus_lost"):
+    for key in ("clock_event", "xid_code", "xid", "gpus_lost"):
         if key in src.custom:
-            record = {"clock_event": names.GPU_CLOCK_EVENT_RATIO, "xid": names.GPU_XID_RECENT,
-                      "gpus_lost": names.EXPORTER_GPUS_LOST}[key]
+            record = {"clock_event": names.GPU_CLOCK_EVENT_RATIO, "xid_code": names.GPU_XID_CODE,
+                      "xid": names.GPU_XID_RECENT, "gpus_lost": names.EXPORTER_GPUS_LOST}[key]
             out.append(Record(record, src.custom[key](p, s)))
     out += _memory_records(src, p, s)
     if (ttft := src.raw.get("ttft")) is not None and (requests := src.raw.get("requests")) is not None:
@@ -260,31 +276,52 @@ GPUSCOPE_SERVER = Source(
 
 def _gpuscope_xid(p: Profile, s: str) -> str:
     w = p.windows.xid
-    return (f"group without () (\n  increase({sel(m.GPU_XID_ERRORS.name, s)}[{duration(w)}]) > 0\n  or\n"
-            f"  time() - {sel(m.GPU_XID_LAST.name, s)} < {w}\n)")
+    errors, last = sel(m.GPU_XID_ERRORS.name, s), sel(m.GPU_XID_LAST.name, s)
+    return (f"group without ({by(workload.DROP)}) (\n  increase({errors}[{duration(w)}]) > 0\n  or\n"
+            f"  time() - {last} < {w}\n)")
+
+
+def _gpuscope_info(p: Profile, s: str) -> str:
+    """The exporter's GPU identity, with the workload its pod attribution puts on the per-GPU series."""
+    workloads = workload.per_gpu(sel(m.GPU_MEMORY_USED.name, s), s)
+    return workload.with_workload(sel(m.GPU_INFO.name, s), workloads)
+
+
+#: Per-GPU series of the bundle's exporter: with pod attribution on, each carries the workload's labels
+#: (workload.py), which the normalised series drop.
+_PER_GPU = {"drop": workload.DROP}
 
 
 GPUSCOPE_EXPORTER = Source(
     name="gpuscope-exporter", role="gpu", title="gpuscope exporter",
     upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="exporter",
-    raw={**{key: Raw(metric.name) for key, metric in {
-        "gpu_info": m.GPU_INFO, "gpu_utilization": m.GPU_UTILIZATION,
+    raw={**{key: Raw(metric.name, **_PER_GPU) for key, metric in {
+        "gpu_utilization": m.GPU_UTILIZATION,
         "gpu_memory_utilization": m.GPU_MEMORY_UTILIZATION, "gpu_memory_used": m.GPU_MEMORY_USED,
         "gpu_memory_total": m.GPU_MEMORY_TOTAL, "gpu_temperature": m.GPU_TEMPERATURE,
         "gpu_memory_temperature": m.GPU_MEMORY_TEMPERATURE, "gpu_power": m.GPU_POWER,
         "gpu_power_limit": m.GPU_POWER_LIMIT, "gpu_sm_clock": m.GPU_SM_CLOCK,
         "gpu_memory_clock": m.GPU_MEMORY_CLOCK, "gpu_pstate": m.GPU_PSTATE, "gpu_energy": m.GPU_ENERGY,
-        "gpu_ecc": m.GPU_ECC_ERRORS, "gpu_pcie_replay": m.GPU_PCIE_REPLAY, "exporter_gpus": m.EXPORTER_GPUS,
+        "gpu_ecc": m.GPU_ECC_ERRORS, "gpu_pcie_replay": m.GPU_PCIE_REPLAY,
+    }.items()}, **{key: Raw(metric.name) for key, metric in {
+        "gpu_info": m.GPU_INFO, "exporter_gpus": m.EXPORTER_GPUS,
         "exporter_gpu_up": m.EXPORTER_GPU_UP, "exporter_staleness": m.EXPORTER_STALENESS,
         "exporter_collection": m.EXPORTER_COLLECTION_SECONDS, "exporter_errors": m.EXPORTER_ERRORS,
     }.items()}, "exporter_init_errors": Raw(m.EXPORTER_ERRORS.name, matchers=('call="nvmlInit"',))},
     custom={
-        "clock_event": lambda p, s: (f"rate({sel(m.GPU_CLOCK_EVENT_SECONDS.name, s)}"
-                                     f"[{duration(p.windows.throttle)}])"),
+        "gpu_info": _gpuscope_info,
+        "clock_event": lambda p, s: (
+            f"sum without ({by(workload.DROP)}) (\n  rate({sel(m.GPU_CLOCK_EVENT_SECONDS.name, s)}"
+            f"[{duration(p.windows.throttle)}])\n)"),
         "xid": _gpuscope_xid,
         "gpus_lost": lambda p, s: (f"increase({sel(m.EXPORTER_GPUS_LOST.name, s)}"
                                    f"[{duration(p.windows.xid)}])"),
     },
+    notes=(
+        "With pod attribution (Kubernetes), the workload's `pod`, `namespace` and `container` on every "
+        "`gpuscope_gpu_*` series are aggregated away (they change when the pod is replaced), and kept on "
+        "`gpuscope:gpu:info`, from which GPU alerts join them.",
+    ),
 )
 
 # vLLM (V1 engine). Every series carries model_name (the served model) and engine (the data-parallel
@@ -335,10 +372,9 @@ VLLM = Source(
     ),
 )
 
-#: dcgm-exporter's identity labels, aggregated away (gpu, and the scrape's own labels, stay); its
-#: Kubernetes labels (pod, namespace, container) stay on gpuscope:gpu:info only.
-DCGM_IDENTITY = (*(label for label in up.DCGM_LABELS if label != "gpu"), *up.DCGM_KUBERNETES_LABELS)
-_DCGM = {"drop": DCGM_IDENTITY}
+#: dcgm-exporter's labels its normalised series aggregate away (dcgm.py says why each would break a join).
+DCGM_IDENTITY = dcgm.DROP
+_DCGM = {"drop": DCGM_IDENTITY, "prepare": dcgm.fold_mig}
 #: NVML's clock event (throttle) reason bits that hold clocks back, named as gpuscope exporter names them.
 DCGM_CLOCK_EVENT_BITS = (("sw_power_cap", 0x4), ("hw_slowdown", 0x8), ("sync_boost", 0x10),
                          ("sw_thermal_slowdown", 0x20), ("hw_thermal_slowdown", 0x40),
@@ -356,14 +392,16 @@ def _dcgm_clock_events(p: Profile, s: str) -> str:
     w = duration(p.windows.throttle)
     parts = [f'label_replace(avg_over_time((floor({mask} / {bit}) % 2)[{w}:]), "reason", "{reason}", "", "")'
              for reason, bit in DCGM_CLOCK_EVENT_BITS]
-    return f"max without ({by(DCGM_IDENTITY)}) (\n  " + "\n  or\n  ".join(parts) + "\n)"
+    return dcgm.normalised("\n  or\n  ".join(parts))
 
 
 def _dcgm_xid(p: Profile, s: str) -> str:
-    """The last XID is a gauge: a change to a non-zero code within the window is an XID of that code."""
-    xid = sel("DCGM_FI_DEV_XID_ERRORS", s)
-    return (f'count_values without ({by(DCGM_IDENTITY)}) ("xid",\n  {xid} > 0\n  unless\n'
-            f"  changes({xid}[{duration(p.windows.xid)}]) == 0\n)")
+    """A change of the GPU's last XID code to a non-zero one within the window is an XID of that code.
+    Read from the stable per-GPU code (``GPU_XID_CODE``): a new per-code series (3.3.6+) or a new pod's
+    series is not a change, a new code is."""
+    code = sel(names.GPU_XID_CODE, s)
+    window = duration(p.windows.xid)
+    return f'count_values without () ("xid",\n  {code} > 0\n  unless\n  changes({code}[{window}]) == 0\n)'
 
 
 DCGM_EXPORTER = Source(
@@ -380,39 +418,53 @@ DCGM_EXPORTER = Source(
         "gpu_power_limit": _dcgm("DCGM_FI_DEV_POWER_MGMT_LIMIT"),
         "gpu_sm_clock": _dcgm("DCGM_FI_DEV_SM_CLOCK", scale=1e6),
         "gpu_memory_clock": _dcgm("DCGM_FI_DEV_MEM_CLOCK", scale=1e6),
-        "gpu_energy": _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", scale=0.001),
-        "gpu_pcie_replay": _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER"),
+        # A GPU time-sliced between pods is written once per pod (the same device counter each time):
+        # its copies are one counter, not a sum.
+        "gpu_energy": _dcgm("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", scale=0.001, combine="max"),
+        "gpu_pcie_replay": _dcgm("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", combine="max"),
     },
     custom={
         # GR_ENGINE_ACTIVE is a ratio; GPU_UTIL, where the profiling fields are off, a percentage.
-        "gpu_utilization": lambda p, s: (
-            f"max without ({by(DCGM_IDENTITY)}) (\n  {sel('DCGM_FI_PROF_GR_ENGINE_ACTIVE', s)}\n  or\n"
-            f"  {sel('DCGM_FI_DEV_GPU_UTIL', s)} / 100\n)"),
-        "gpu_info": lambda p, s: (
-            "group without (Hostname, pci_bus_id, device, DCGM_FI_DRIVER_VERSION, UUID, modelName) (\n"
-            f'  label_replace(label_replace({sel("DCGM_FI_DEV_FB_USED", s)}, "uuid", "$1", "UUID", "(.*)"),'
-            ' "name", "$1", "modelName", "(.*)")\n)'),
-        "exporter_gpus": lambda p, s: (
-            f"count without (gpu, {by(DCGM_IDENTITY)}) ({sel('DCGM_FI_DEV_FB_USED', s)})\n"
-            f"or\n0 * up{{{s}}}"),
+        "gpu_utilization": lambda p, s: dcgm.normalised(
+            f"{sel('DCGM_FI_PROF_GR_ENGINE_ACTIVE', s)}\n  or\n  {sel('DCGM_FI_DEV_GPU_UTIL', s)} / 100"),
+        "gpu_info": lambda p, s: dcgm.info(s),
+        "exporter_gpus": lambda p, s: dcgm.gpus(s),
         "clock_event": _dcgm_clock_events,
+        "xid_code": lambda p, s: dcgm.xid_code(s, p.thresholds.xid_critical),
         "xid": _dcgm_xid,
     },
     notes=(
         "Units converted to base units: framebuffer MiB → bytes (capacity = used + free), clocks MHz → "
-        "Hz, energy mJ → J, utilization % → ratio; power is already in W.",
+        "Hz, energy mJ → J, utilization % → ratio; power is already in W. A GPU time-sliced between "
+        "pods is written once per pod: its copies are taken once (max), never summed; while a pod is "
+        "replaced the energy and PCIe replay rates read low for one rate window.",
         "Utilization is `DCGM_FI_PROF_GR_ENGINE_ACTIVE` where the profiling fields are enabled, else "
         "`DCGM_FI_DEV_GPU_UTIL`.",
-        "XID is a last-value gauge: a change to a non-zero code within the XID window counts as one "
-        "XID of that code; the same code twice in a row, or two codes within one scrape, show as one.",
+        "XID: the GPU's last code (`gpuscope:gpu_xid:last_code`) is read from the last-value gauge "
+        "before 3.3.6 and from the per-code series (`err_code`, `err_msg`; value the code) since, the "
+        "critical codes from `err_code` whatever the value; a "
+        "change to a non-zero code within the XID window counts as one XID of that code. The same code "
+        "twice in a row, or two codes within one scrape, show as one; a code already there when the "
+        "rules first ran is not reported.",
+        "MIG: each GPU instance is its own `gpu`, `\"<gpu>/gi<GPU_I_ID>\"` (the bundle's exporter names "
+        "them `\"<gpu>/gi<n>/ci<m>\"`), so every GPU alert, route and panel is per instance; "
+        "`gpuscope:gpu:info` has its `mig_parent` and `mig_profile` (`GPU_I_PROFILE`).",
+        "Kubernetes: normalised series drop the workload's `pod`, `namespace`, `container` (and the "
+        "`exported_*` names a ServiceMonitor with `honorLabels: false` gives them, where `pod`, "
+        "`namespace`, `container` are the exporter's own), so a replaced pod continues the same series "
+        "and the GPUs of a target are counted once in either mode; the framebuffer records read the "
+        "normalised series, so their history (and the fast alert's age guard) starts when the rules "
+        "are first loaded, and a replaced pod's warm-up is not a new series.",
         "Throttling needs `DCGM_FI_DEV_CLOCK_THROTTLE_REASONS` (or its newer name "
         "`DCGM_FI_DEV_CLOCKS_EVENT_REASONS`) in the counters file; its bits are sampled at the rule "
         "evaluation interval.",
         "No NVML health of its own (GPUs answering, cached-value age, NVML errors, GPUs lost): "
         "GPULost, GPUFellOffBus and GPUExporterStale have nothing to read; GPUs missing counts the GPUs "
         "it reports.",
-        "Identity labels (UUID, modelName, Hostname, pci_bus_id, device, driver) are kept on "
-        "`gpuscope:gpu:info` only, with pod, namespace and container in Kubernetes mode.",
+        "Identity labels are kept on `gpuscope:gpu:info` only (`uuid` ← `UUID`, `name` ← `modelName`), "
+        "with the workload's `pod`, `namespace` and `container` in Kubernetes mode (from `exported_*` "
+        "under `honorLabels: false`; none on a GPU without a workload); GPU alerts join `uuid`, `name`, "
+        "`pod`, `namespace`, `container` from it.",
     ),
 )
 

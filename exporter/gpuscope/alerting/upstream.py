@@ -66,9 +66,15 @@ VLLM_METRICS = (VLLM_TTFT, VLLM_ITL, VLLM_TPOT, VLLM_E2E, VLLM_QUEUE, VLLM_PREFI
 # NVIDIA/dcgm-exporter, etc/default-counters.csv (3.3 / 4.x) and the fields it documents as optional
 # (profiling, clock events): all gauges except the counters marked so, in DCGM's units. Labels: gpu,
 # UUID, pci_bus_id, device, modelName, Hostname, the driver version field, and pod, namespace and
-# container in Kubernetes mode.
+# container in Kubernetes mode (internal/pkg/transformation/kubernetes.go; empty on a GPU without a
+# workload). With MIG, each GPU instance is its own entity with its parent's gpu and UUID plus
+# GPU_I_PROFILE and GPU_I_ID (internal/pkg/collector/gpu_collector.go: MigProfile, GPUInstanceID).
+# Since 3.3.6 DCGM_FI_DEV_XID_ERRORS carries err_code and err_msg, its value still the code
+# (gpu_collector.go, toMetric), so each code is a series of its own.
 DCGM_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
 DCGM_KUBERNETES_LABELS = ("container", "namespace", "pod")
+DCGM_MIG_LABELS = ("GPU_I_PROFILE", "GPU_I_ID")
+DCGM_XID_LABELS = ("err_code", "err_msg")
 DCGM = {
     # name: (type, unit as DCGM reports it)
     "DCGM_FI_DEV_SM_CLOCK": ("gauge", "MHz"),
