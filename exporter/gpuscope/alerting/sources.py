@@ -188,7 +188,8 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
         Record(growth_fast, wrap(memory.fast_rate_record(used_sel, p))),
         Record(headroom, wrap(memory.headroom(used_sel, total_expr, w.leak_floor, labels))),
         Record(headroom_fast, wrap(memory.headroom(used_sel, total_expr, w.leak_fast_floor, labels,
-                                                   min_age=w.leak_fast_min_age))),
+                                                   min_age=w.leak_fast_min_age,
+                                                   restart_ratio=p.thresholds.leak_restart_ratio))),
     ]
 
 
