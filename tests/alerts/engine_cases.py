@@ -2,7 +2,7 @@
 
 ``python -m tests.alerts.engine_cases`` rewrites ``alerts/tests/sources/vllm-engines.test.yml``
 (production) and ``alerts/tests/sources/test-profile/vllm-engines.test.yml`` (the same series and
-checks, time compressed 15×); ``tests/alerts/test_engine_cases.py`` keeps both current and runs the
+checks, time compressed 15×); ``tests/alerts/test_source_cases.py`` keeps both current and runs the
 test-profile one.
 
 Series as vLLM writes them (vllm-project/vllm ``vllm/v1/metrics/loggers.py``, PrometheusStatLogger,
