@@ -54,10 +54,13 @@ told apart by their ``trigger`` label:
 
 - ``near_full``: at any age, memory is at least ``leak_near_full_ratio`` of capacity, tops every
   earlier peak as above, and grew since the last evaluation at a rate that exhausts it within
-  ``leak_near_full_horizon``, for ``leak_near_full_for``. A warm-up plateaus, so
-  its growth stops within a step of its plateau; a leak from the process's first minute keeps
-  climbing through 90% and pages with minutes left, which the warm-up guard would otherwise hide
-  for its whole life. A cache that cycles up to 95% returns to its earlier peak and stays silent.
+  ``leak_near_full_horizon``, for ``leak_near_full_for``. A warm-up plateaus, so its growth stops
+  within an evaluation of its plateau; a leak from the process's first minute keeps climbing
+  through 90%, which the warm-up guard would otherwise hide for its whole life. It pages late by
+  nature (a leak that exhausts memory in 30 minutes, with about a minute left): its page means
+  "out of memory now". A cache that cycles up to 95% returns to its earlier peak and stays silent.
+  The growth is the slope between the last two records of the normalised series, so the source
+  must be sampled at least once per evaluation interval (a slower one reads as flat half the time).
 """
 
 from __future__ import annotations
