@@ -18,7 +18,7 @@ Cases (production minutes):
 
 - ``hpa_scale_down``: the HPA takes the server Deployment from 3 replicas to 1 at 20m (the pods leave
   at 21m and 22m) and a GPU node is removed at 30m (the exporter DaemonSet wants 1 instead of 2):
-  silent throughout;
+  silent throughout, with two kube-state-metrics replicas reporting the Deployment;
 - ``lost_with_ksm``: the Deployment still wants 3, one pod's target leaves at 20m: fires;
 - ``scale_down_without_ksm``: no kube-state-metrics, a target that answered until it left: silent
   (one that failed first fires: ``health.test.yml``);
@@ -42,6 +42,8 @@ EXPORTER_POD = ('up{{job="gpuscope-exporter",instance="{ip}:9400",namespace="gpu
 KSM = 'job="kube-state-metrics",instance="10.0.9.9:8080",namespace="gpuscope"'
 DEPLOYMENT = f'kube_deployment_spec_replicas{{{KSM},deployment="gpuscope-server"}}'
 DAEMONSET = f'kube_daemonset_status_desired_number_scheduled{{{KSM},daemonset="gpuscope-exporter"}}'
+#: A second kube-state-metrics replica (run for availability): the same objects, its own instance.
+DEPLOYMENT_HA = DEPLOYMENT.replace("10.0.9.9:8080", "10.0.9.10:8080")
 RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
 MISSING = 'ALERTS{alertname=~"GPU(Server|Exporter)TargetMissing"}'
 
@@ -103,10 +105,11 @@ def cases() -> list[Case]:
     return [
         Case("hpa_scale_down",
              "The HPA scales the server Deployment 3 -> 1 at 20m (pods gone at 21m, 22m); a GPU node is\n"
-             "removed at 30m (exporter DaemonSet 2 -> 1, its pod gone at 31m). Deliberate: silent.",
+             "removed at 30m (exporter DaemonSet 2 -> 1, its pod gone at 31m). Deliberate: silent.\n"
+             "Two kube-state-metrics replicas report the Deployment: counted once.",
              60, {server["a"]: "1+0x50", server["b"]: "1+0x20 stale", server["c"]: "1+0x21 stale",
                   exporter["n1"]: "1+0x50", exporter["n2"]: "1+0x30 stale",
-                  DEPLOYMENT: "3+0x19 1+0x31", DAEMONSET: "2+0x29 1+0x21"},
+                  DEPLOYMENT: "3+0x19 1+0x31", DEPLOYMENT_HA: "3+0x19 1+0x31", DAEMONSET: "2+0x29 1+0x21"},
              _silent(21, 23, 25, 30, 33, 36, 40, 45)),
         Case("lost_with_ksm",
              "The Deployment still wants 3; one pod's target leaves at 20m (its node is gone, the pod\n"

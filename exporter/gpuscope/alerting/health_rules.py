@@ -64,7 +64,9 @@ def _targets_missing(p: Profile, name: str, role: str, service: str, what: str,
             f'{{{{ if $i }}}}, {{{{ end }}}}'
             f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
     count = f"count by (job) ({up})"
-    wanted = f"on () group_left () sum({desired})"
+    # One count per namespace of the named workload: several kube-state-metrics replicas (HA) expose
+    # the same series, which a plain sum would count twice.
+    wanted = f"on () group_left () sum(max by (namespace) ({desired}))"
     failed_first = f"count by (job) (min_over_time({up}[{ago}]) == 0 unless on (job, instance) {up})"
     common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": uids.FLEET,
               "dashboard_vars": ()}
