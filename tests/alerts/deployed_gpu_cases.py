@@ -122,17 +122,28 @@ def _gpu_series(case: Case, node: str, gpu: Gpu, scrape: dict[str, str], used: V
                     ("DCGM_FI_DEV_FB_FREE", labels, only(lambda t: total - used(t)))]
 
 
+def _operator(uuid: str, workload: dict[str, str]) -> dict[str, str]:
+    """The labels a GPU alert carries from ``gpuscope:gpu:info``: the board, its model, whose workload."""
+    return {"uuid": uuid, "name": MODEL, **workload}
+
+
+def _workload(workload: dict[str, str]) -> str:
+    """How a GPU alert's description names the workload on the GPU."""
+    return f" (workload {workload['namespace']}/{workload['pod']}, container {workload['container']})"
+
+
 def _fb_annotations(gpu: str, instance: str, of: str, read: dict[str, tuple[str, str, str]],
-                    ) -> Callable[[Profile], dict[str, str]]:
+                    workload: str = "") -> Callable[[Profile], dict[str, str]]:
     """The framebuffer page's annotations; ``read``: profile → (held, growth, time left) as printed
     (the test profile's growth is 15× faster in real time, its horizon 15× shorter)."""
     def at(p: Profile) -> dict[str, str]:
         holds, growth, left = read[p.name]
         return {"summary": f"GPU {gpu} on {instance} runs out of memory within "
                            f"{duration(p.windows.leak_fast_horizon)}",
-                "description": f"GPU {gpu} on {instance} holds {holds} of {of} and grew {growth} over the "
-                               f"last {duration(p.windows.leak_fast_step)}; at that rate the memory runs out "
-                               f"in {left}.",
+                "description": f"GPU {gpu} on {instance}{workload} holds {holds} of {of}, above every peak "
+                               f"of the {duration(p.windows.leak_fast_history)} before, and grew {growth} "
+                               f"over the last {duration(p.windows.leak_fast_step)}; at that rate the memory "
+                               f"runs out in {left}.",
                 "runbook_url": f"{RUNBOOK}#gpuframebufferrunningout",
                 "dashboard_url": f"{FLEET}?var-instance={instance}&var-gpu={gpu}"}
     return at
@@ -154,14 +165,15 @@ def mig() -> Case:
                 81559)
     case.series.append(("up", {"job": JOB, "instance": instance, **OPERATOR, "pod": pod},
                         _flat(1)))
+    embed = _pod("embed-6d8f9c7b5-2mzqf", "embed")
     labels = {"severity": "critical", "service": "gpuscope-exporter", "job": JOB, "instance": instance,
-              "gpu": "0/gi1"}
+              "gpu": "0/gi1", "trigger": "sustained", **_operator(gpu0, embed)}
     case.checks += [
         Check(45, "GPUFramebufferRunningOut"),
         Check(72, "GPUFramebufferRunningOut", ((labels, _fb_annotations(
             "0/gi1", instance, "39.25GiB",
             {"production": ("35.16GiB", "8.333MiB/s", "8m 23s"),
-             "test": ("34.67GiB", "100MiB/s", "46.92s")})),)),
+             "test": ("34.67GiB", "100MiB/s", "46.92s")}, _workload(embed))),)),
         Check(72, "GPUExporterGPUsMissing"),
     ]
     gpus = "gpuscope:exporter_gpus:count{job=\"dcgm-exporter\"}"
@@ -196,11 +208,12 @@ def pod_replaced() -> Case:
                 lambda t: t < 122)
     case.series.append(("up", {"job": JOB, "instance": instance, **OPERATOR, "pod": exporter}, _flat(1)))
     leak_labels = {"severity": "warning", "service": "gpuscope-exporter", "job": JOB, "instance": instance,
-                   "gpu": "0"}
+                   "gpu": "0", **_operator(gpu0.uuid, new)}
     gpus_labels = {"severity": "warning", "service": "gpuscope-exporter", "job": JOB, "instance": instance}
     case.checks += [
         Check(90, "GPUFramebufferFillingUp"),
-        Check(120, "GPUFramebufferFillingUp", ((leak_labels, _slow_annotations(instance)),)),
+        Check(120, "GPUFramebufferFillingUp",
+              ((leak_labels, _slow_annotations(instance, workload=_workload(new))),)),
         Check(120, "GPUExporterGPUsMissing"),
         Check(130, "GPUExporterGPUsMissing", ((gpus_labels, _gpus_annotations(instance)),)),
     ]
@@ -210,17 +223,18 @@ def pod_replaced() -> Case:
 Read = dict[str, tuple[str, str, str]]  # profile → (held, growth, time left) as an annotation prints them
 
 
-def _slow_annotations(instance: str, capacity: str = "79.65GiB",
-                      read: Read | None = None) -> Callable[[Profile], dict[str, str]]:
+def _slow_annotations(instance: str, capacity: str = "79.65GiB", read: Read | None = None,
+                      workload: str = "") -> Callable[[Profile], dict[str, str]]:
     read = read or {"production": ("70GiB", "4.267MiB/s", "38m 35s"), "test": ("70GiB", "64MiB/s", "2m 34s")}
 
     def at(p: Profile) -> dict[str, str]:
         holds, growth, left = read[p.name]
         w = p.windows
         return {"summary": f"GPU 0 on {instance} fills its memory",
-                "description": f"GPU 0 on {instance} holds {holds} of {capacity}. Its floor (lowest value "
-                               f"over {duration(w.leak_floor)}) grew in every {duration(w.leak_step)} of the "
-                               f"last {duration(w.leak - w.leak_floor)}, in the last "
+                "description": f"GPU 0 on {instance}{workload} holds {holds} of {capacity}. Its floor "
+                               f"(lowest value over {duration(w.leak_floor)}) grew in every "
+                               f"{duration(w.leak_step)} of the last {duration(w.leak - w.leak_floor)}, "
+                               f"in the last "
                                f"{duration(w.leak - w.leak_floor - w.leak_step)} by at least {growth}; "
                                f"at that rate the memory runs out in {left}.",
                 "runbook_url": f"{RUNBOOK}#gpuframebufferfillingup",
@@ -330,17 +344,18 @@ def own_exporter_pod_replaced() -> Case:
             ("gpuscope_gpu_memory_total_bytes", labels, lambda t, a=alive: 80 * gib if a(t) else None)]
     case.series += [("gpuscope_gpu_info", {**scrape, "gpu": "0", "uuid": "GPU-1", "name": MODEL}, _flat(1)),
                     ("up", scrape, _flat(1))]
-    labels = {"severity": "warning", "service": "gpuscope-exporter", **scrape, "gpu": "0"}
+    labels = {"severity": "warning", "service": "gpuscope-exporter", **scrape, "gpu": "0",
+              **_operator("GPU-1", new)}
     case.checks += [
         Check(90, "GPUFramebufferFillingUp"),
-        Check(120, "GPUFramebufferFillingUp", ((labels, _own_annotations(instance)),)),
+        Check(120, "GPUFramebufferFillingUp", ((labels, _own_annotations(instance, _workload(new))),)),
     ]
     return case
 
 
-def _own_annotations(instance: str) -> Callable[[Profile], dict[str, str]]:
+def _own_annotations(instance: str, workload: str) -> Callable[[Profile], dict[str, str]]:
     return _slow_annotations(instance, "80GiB", {"production": ("70GiB", "4.267MiB/s", "40m 0s"),
-                                                 "test": ("70GiB", "64MiB/s", "2m 40s")})
+                                                 "test": ("70GiB", "64MiB/s", "2m 40s")}, workload)
 
 
 CASES = (mig, pod_replaced, xid_per_code, xid_gauge, own_exporter_pod_replaced)

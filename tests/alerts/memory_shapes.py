@@ -15,7 +15,10 @@ Leaks must fire (checked silent just before, firing with full labels and annotat
 - ``cycles``: 10-minute allocate/free cycles (+25% in 3 min, held 5, freed in 2) whose floor rises
   1.5% a cycle from 60m (their peaks reach capacity at ~233m);
 - ``noisy``: 50%, then +10%/h from 60m, with ±1% allocation noise on 30-second scrapes (360m);
-- ``fast``: 40% for an hour, then +3% a minute (out of memory at 80m): GPUMemoryRunningOut.
+- ``fast``: 40% for an hour, then +3% a minute (out of memory at 80m): GPUMemoryRunningOut;
+- ``early``: a leak from the process's first minute, 0 → 100% in 30 minutes: GPUMemoryRunningOut
+  (``trigger="near_full"``) with about a minute left, though the process is younger than the warm-up
+  guard.
 
 Healthy shapes must stay silent at every check (every 5 minutes for 6 hours, all four alerts):
 
@@ -25,7 +28,19 @@ Healthy shapes must stay silent at every check (every 5 minutes for 6 hours, all
 - ``warm95``: warm-up to 95% in 10 minutes, then +1 MiB a minute (68 hours to exhaustion);
 - ``saw60``: a 60-minute allocate/free sawtooth 30% → 70% with constant peaks;
 - ``plateau``: 90% with ±1% noise on 30-second scrapes;
-- ``surge``: a traffic peak, 40% → 80% in 5 minutes at 60m, held 20 minutes, back in 5.
+- ``surge``: a traffic peak, 40% → 80% in 5 minutes at 60m, held 20 minutes, back in 5;
+- ``cycles15``: 15-minute allocate/free cycles from the start, 20% → 88% in 14 minutes, flushed in 1:
+  every climb would exhaust memory within minutes, but returns to the same peak;
+- ``cycles60``: hourly cycles, 30% → 88% in 25 minutes, held 25, freed in 10;
+- ``cache95``: 15-minute cycles of a cache that fills up to 95% (40% → 95% in 10 minutes, held 2,
+  freed in 3): through 90% every time, never above its first peak;
+- ``restart``: the ``warmup`` working set, the process killed at 120m (two missed scrapes), then
+  the same warm-up again under the same labels;
+- ``redeploy``: 40% for two hours, a restart (one missed scrape) and a warm-up to 88% in 15 minutes,
+  above every earlier peak: the restart starts the warm-up guard again.
+
+A restart's missed scrapes end the series (a staleness marker, as Prometheus writes when a scrape
+fails) until the new process answers.
 """
 
 from __future__ import annotations
@@ -107,6 +122,10 @@ def fast(t: float) -> float:
     return 0.40 if t < 60 else min(0.40 + 0.03 * (t - 60), 1.0)
 
 
+def early(t: float) -> float:
+    return min(t / 30, 1.0)
+
+
 def warmup(t: float) -> float:
     return (2e9 + 2.5e9 * min(t, 20)) / CAPACITY
 
@@ -139,6 +158,43 @@ def surge(t: float) -> float:
     return 0.80 if t < 85 else 0.80 - 0.40 * (t - 85) / 5
 
 
+def _cycle(t: float, period: float, low: float, high: float, up: float, hold: float) -> float:
+    """``low → high`` over ``up`` minutes, held ``hold``, freed back to ``low`` by the period's end."""
+    phase = t % period
+    if phase < up:
+        return low + (high - low) * phase / up
+    if phase < up + hold:
+        return high
+    return high - (high - low) * (phase - up - hold) / (period - up - hold)
+
+
+def cycles15(t: float) -> float:
+    # Shifted 3 minutes so that the 5-minute checks fall on each climb's last minutes.
+    return _cycle(t + 3, 15, 0.20, 0.88, 14, 0)
+
+
+def cycles60(t: float) -> float:
+    return _cycle(t, 60, 0.30, 0.88, 25, 25)
+
+
+def cache95(t: float) -> float:
+    return _cycle(t, 15, 0.40, 0.95, 10, 2)
+
+
+def restart(t: float) -> float | None:
+    if 120 <= t < 121.5:
+        return None  # killed: two scrapes fail
+    return warmup(t - 121.5 if t >= 120 else t)
+
+
+def redeploy(t: float) -> float | None:
+    if t < 120:
+        return 0.40
+    if t < 121:
+        return None
+    return (2e9 + (0.88 * CAPACITY - 2e9) * min(t - 121, 15) / 15) / CAPACITY
+
+
 # --- cases ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -148,6 +204,8 @@ class Firing:
     alertname: str
     labels: dict[str, str]
     description: dict[str, str]
+    #: GPUMemoryRunningOut's two rules: "sustained" or "near_full".
+    trigger: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,16 +228,18 @@ class Case:
 
 ALERTS = ("GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp", "GPUFramebufferRunningOut")
 HEALTHY = {"warmup": warmup, "sawtooth": sawtooth, "creep": creep, "warm95": warm95, "saw60": saw60,
-           "plateau": plateau, "surge": surge}
+           "plateau": plateau, "surge": surge, "cycles15": cycles15, "cycles60": cycles60, "cache95": cache95,
+           "restart": restart, "redeploy": redeploy}
 
 
-def _server(instance: str, alertname: str, description: dict[str, str]) -> Firing:
+def _server(instance: str, alertname: str, description: dict[str, str], trigger: str = "") -> Firing:
     labels = {"job": "gpuscope-server", "instance": instance, "device": "cuda:0"}
-    return Firing(alertname, labels, description)
+    return Firing(alertname, labels, description, trigger)
 
 
-def _gpu(gpu: str, alertname: str, description: dict[str, str]) -> Firing:
-    return Firing(alertname, {"job": "gpuscope-exporter", "instance": GPU_HOST, "gpu": gpu}, description)
+def _gpu(gpu: str, alertname: str, description: dict[str, str], trigger: str = "") -> Firing:
+    labels = {"job": "gpuscope-exporter", "instance": GPU_HOST, "gpu": gpu}
+    return Firing(alertname, labels, description, trigger)
 
 
 def _both(text: str) -> dict[str, str]:
@@ -193,8 +253,13 @@ def _slow(where: str, now: str, rate: str, left: str) -> str:
 
 
 def _fast(where: str, now: str, rate: str, left: str) -> str:
-    return (f"{where} holds {now} of 80GiB and grew {rate}/s over the last {{fast_step}}; at that rate "
-            f"the memory runs out in {left}.")
+    return (f"{where} holds {now} of 80GiB, above every peak of the {{history}} before, and grew {rate}/s "
+            f"over the last {{fast_step}}; at that rate the memory runs out in {left}.")
+
+
+def _near_full(where: str, now: str, left: str) -> str:
+    return (f"{where} holds {now} of 80GiB (at least 90%, above every earlier peak) and is still climbing: "
+            f"at its growth since the last evaluation the memory runs out in {left}.")
 
 
 def cases() -> list[Case]:
@@ -219,7 +284,7 @@ def cases() -> list[Case]:
                  Check(110, "GPUMemoryRunningOut"),
                  Check(150, "GPUMemoryRunningOut", (_server("leak:8000", "GPUMemoryRunningOut", {
                      "production": _fast(s.format(i="leak"), "77.5GiB", "4.267MiB", "10m 0s"),
-                     "test": _fast(s.format(i="leak"), "77.5GiB", "76.8MiB", "33.33s")}),)),
+                     "test": _fast(s.format(i="leak"), "77.5GiB", "76.8MiB", "33.33s")}, "sustained"),)),
              ]),
         Case("steps", "steps: 70%, then +1% of capacity every 10 minutes from 60m; runs out at 360m.\n"
                       "The floor grows 2% in every 20m: fires ~85m after the leak starts.",
@@ -258,11 +323,24 @@ def cases() -> list[Case]:
                  Check(72, "GPUMemoryRunningOut"), Check(72, "GPUFramebufferRunningOut"),
                  Check(75, "GPUMemoryRunningOut", (_server("fast:8000", "GPUMemoryRunningOut", {
                      "production": _fast(s.format(i="fast"), "68GiB", "40.96MiB", "5m 0s"),
-                     "test": _fast(s.format(i="fast"), "68GiB", "614.4MiB", "20s")}),)),
+                     "test": _fast(s.format(i="fast"), "68GiB", "614.4MiB", "20s")}, "sustained"),)),
                  Check(75, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
                      "production": _fast("GPU 0 on gpu-host:9400", "68GiB", "40.96MiB", "5m 0s"),
-                     "test": _fast("GPU 0 on gpu-host:9400", "68GiB", "614.4MiB", "20s")}),)),
+                     "test": _fast("GPU 0 on gpu-host:9400", "68GiB", "614.4MiB", "20s")}, "sustained"),)),
                  Check(75, "GPUMemoryLeak"),
+             ]),
+        Case("early", "early: a leak from the process's first minute, 0 -> 100% in 30m; GPU 0 the same.\n"
+                      "Younger than the warm-up guard, so only the near-full rule can page: at 90% (27m)\n"
+                      "and still climbing, for one more minute.",
+             minutes=30, step_s=30, server={"early": early}, gpus={"0": early},
+             checks=[
+                 Check(26, "GPUMemoryRunningOut"), Check(26, "GPUFramebufferRunningOut"),
+                 Check(29.5, "GPUMemoryRunningOut", (_server("early:8000", "GPUMemoryRunningOut", {
+                     "production": _near_full(s.format(i="early"), "78.67GiB", "30s"),
+                     "test": _near_full(s.format(i="early"), "76GiB", "7.5s")}, "near_full"),)),
+                 Check(29.5, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _near_full("GPU 0 on gpu-host:9400", "78.67GiB", "30s"),
+                     "test": _near_full("GPU 0 on gpu-host:9400", "76GiB", "7.5s")}, "near_full"),)),
              ]),
     ]
 
@@ -273,10 +351,16 @@ def _seconds(minutes: float, p: Profile) -> str:
     return f"{minutes * 60 / p.compression:g}s"
 
 
-def _values(fn: Callable[[float], float], case: Case) -> str:
-    n = case.minutes * 60 // case.step_s
-    return " ".join(str(round(max(0.0, min(fn(i * case.step_s / 60), 1.0)) * CAPACITY))
-                    for i in range(n + 1))
+def _values(fn: Callable[[float], float | None], case: Case) -> str:
+    """promtool's values; a shape's None is a failed scrape: a staleness marker, then nothing."""
+    out: list[str] = []
+    for i in range(case.minutes * 60 // case.step_s + 1):
+        value = fn(i * case.step_s / 60)
+        if value is None:
+            out.append("stale" if out and out[-1] not in ("stale", "_") else "_")
+        else:
+            out.append(str(round(max(0.0, min(value, 1.0)) * CAPACITY)))
+    return " ".join(out)
 
 
 def _windows(p: Profile) -> dict[str, str]:
@@ -286,7 +370,8 @@ def _windows(p: Profile) -> dict[str, str]:
     w = ALERT_PROFILES[p.name].windows
     span = w.leak - w.leak_floor
     return {"floor": duration(w.leak_floor), "step": duration(w.leak_step), "span": duration(span),
-            "rate_span": duration(span - w.leak_step), "fast_step": duration(w.leak_fast_step)}
+            "rate_span": duration(span - w.leak_step), "fast_step": duration(w.leak_fast_step),
+            "history": duration(w.leak_fast_history)}
 
 
 def _annotations(f: Firing, p: Profile) -> list[str]:
@@ -298,7 +383,8 @@ def _annotations(f: Firing, p: Profile) -> list[str]:
     from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
 
-    horizon = duration(ALERT_PROFILES[p.name].windows.leak_fast_horizon)
+    w = ALERT_PROFILES[p.name].windows
+    horizon = duration(w.leak_near_full_horizon if f.trigger == "near_full" else w.leak_fast_horizon)
     summary = alert.format(i=f.labels["instance"], d=f.labels.get("device"), g=f.labels.get("gpu"), h=horizon)
     url = f"{GRAFANA}?var-instance={f.labels['instance']}" + ("" if server else f"&var-gpu={f.labels['gpu']}")
     description = f.description[p.name].format(**_windows(p))
@@ -348,6 +434,8 @@ def render(p: Profile) -> str:
                 out += ["          - exp_labels:", f"              severity: {severity}",
                         f"              service: {service}"]
                 out += [f"              {k}: {v}" for k, v in f.labels.items()]
+                if f.trigger:
+                    out.append(f"              trigger: {f.trigger}")
                 out.append("            exp_annotations:")
                 out += [f"              {line}" for line in _annotations(f, p)]
     return "\n".join(out) + "\n"

@@ -137,3 +137,53 @@ def test_stopping_the_drills_load_keeps_locusts_reports(paced_server, tmp_path):
     assert (tmp_path / "locust.html").stat().st_size > 0, locust.tail()
     samples = json.loads((tmp_path / "samples.json").read_text())
     assert len(samples["requests"]) >= 4
+
+
+class _FakeServer:
+    """The parts of procs.Child the drill's restart uses, recording the order of calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def stop(self, stop_signal=None, grace_s=None):
+        self.calls.append(("stop", stop_signal))
+
+    def poll(self):
+        return -9
+
+    def start(self):
+        self.calls.append(("start",))
+        return self
+
+    def wait_ready(self, timeout_s):
+        self.calls.append(("wait_ready",))
+
+
+def test_restart_kills_the_server_and_waits_until_it_answers_again():
+    import signal
+
+    server = _FakeServer()
+    out = io.StringIO()
+    result = alerts.restart_server(server, out)
+    assert server.calls == [("stop", signal.SIGKILL), ("start",), ("wait_ready",)]
+    assert result["down_s"] >= 0 and "ready again" in out.getvalue()
+
+
+def test_the_restart_falls_in_the_middle_of_the_steady_window():
+    import time
+
+    started = time.monotonic()
+    at: list[float] = []
+    result = alerts.steady_window(0.4, lambda: at.append(time.monotonic() - started) or {"down_s": 0.0},
+                                  io.StringIO())
+    assert result == {"down_s": 0.0} and len(at) == 1
+    assert 0.2 <= at[0] < 0.4 and time.monotonic() - started >= 0.4
+    assert alerts.steady_window(0.05, None, io.StringIO()) is None
+
+
+def test_the_alerts_a_restart_may_raise_are_the_server_down_alert_of_the_rules():
+    from gpuscope.alerting.config import TEST
+    from gpuscope.alerting.generate import all_alerts
+
+    down = {a.name for a in all_alerts(TEST) if a.expr.endswith("== 0") and a.name.startswith("GPUServer")}
+    assert down == alerts.RESTART_ALERTS

@@ -36,6 +36,12 @@ class Selectors:
     node: str = 'job="node"'
     #: Loki stream selector of the server's logs (its only stream labels are service and instance).
     server_logs: str = 'service="gpuscope-server"'
+    #: kube-state-metrics' desired replica count of the workload behind each role's targets (the shipped
+    #: manifests' Deployment and DaemonSet, deploy/kubernetes/base; kube-state-metrics
+    #: internal/store/deployment.go and daemonset.go, v2). Where the series exist, targets that left
+    #: together with the desired count (an HPA scale-down, a GPU node removed) are not missing.
+    server_desired: str = 'kube_deployment_spec_replicas{deployment="gpuscope-server"}'
+    exporter_desired: str = 'kube_daemonset_status_desired_number_scheduled{daemonset="gpuscope-exporter"}'
     #: Value of the ``service`` label every alert carries, which the Alertmanager routes match on: the
     #: role (inference server, GPU exporter), whichever source plays it.
     server_service: str = "gpuscope-server"
@@ -74,6 +80,14 @@ class Thresholds:
     #: GPUMemoryLeak: the floor's latest growth is at least this fraction of its growth a span earlier.
     #: Caches that fill up grow ever slower (a warm-up's tail, a creep towards a ceiling); leaks do not.
     leak_min_growth_ratio: float = 0.5
+    #: GPUMemoryRunningOut: a climb pages only above every earlier peak of leak_fast_history by this
+    #: fraction of capacity (a leak makes new highs; a flushed cache returns to the same peak).
+    leak_new_high_ratio: float = 0.02
+    #: Memory falling below this fraction of its peak is a restart (or a full flush): the warm-up
+    #: guard (leak_fast_min_age) starts again from there.
+    leak_restart_ratio: float = 0.25
+    #: GPUMemoryRunningOut at any age: memory at least this full and still climbing fast.
+    leak_near_full_ratio: float = 0.9
 
     #: GPUKVCacheExhausted (servers without a memory floor, vLLM): KV cache at least this full while
     #: requests are preempted for lack of it. vLLM runs its cache near full by design; preemption is
@@ -137,11 +151,26 @@ class Windows:
     leak_fast_floor: int = field(default=60, metadata={"test_min_s": 10})
     leak_fast_step: int = field(default=2 * 60, metadata={"test_min_s": 10})
     leak_fast_for: int = 10 * 60            # > a surge's climb + floor + step; < the exhaustion time
-    leak_fast_min_age: int = 30 * 60        # the series is older than a warm-up (a new process ramps up)
+    #: The process has run this long since its last start (the series' age, and no fall to
+    #: leak_restart_ratio of its peak within it: a restart keeps the labels): a warm-up is over.
+    leak_fast_min_age: int = 30 * 60
+    #: History whose highest peak a climb must top by leak_new_high_ratio (peaks before the last
+    #: leak_fast_for): longer than the slowest allocate/free cycle (hourly), and across a restart.
+    leak_fast_history: int = 3 * 3600
+    # Near full (GPUMemoryRunningOut, trigger="near_full"): at any age, memory ≥ leak_near_full_ratio
+    # and the growth since the last evaluation exhausts it within leak_near_full_horizon, for
+    # leak_near_full_for. A warm-up that plateaus below capacity stops growing within one evaluation;
+    # a leak from the first minute does not.
+    leak_near_full_horizon: int = 10 * 60
+    leak_near_full_for: int = field(default=60, metadata={"test_min_s": 5})
     starvation: int = 5 * 60                # backlog throughout, and no tokens, over this window
     starvation_for: int = 5 * 60
     scrape_down_for: int = 2 * 60
     target_missing: int = 15 * 60           # fewer targets than this long ago: one left discovery
+    #: "No target at all" waits until the rules have run this long (a start takes 30 s on one host,
+    #: 60-90 s in a fleet, against the 2-minute for): no pending state while targets come up. A start
+    #: is not faster in the test profile, so it keeps two minutes there.
+    target_start_grace: int = field(default=5 * 60, metadata={"test_min_s": 120})
     gpus_missing: int = 24 * 3600           # fewer GPUs than the exporter saw within this window
     exporter_stale_for: int = 2 * 60
     gpu_lost_for: int = 60

@@ -73,6 +73,13 @@ stale files and re-run every promtool test against the new rules.
   `leak_step`; allocate/free cycles longer than `leak_floor` need a longer `leak_floor` (both delay
   detection). GPUMemoryRunningOut paging on traffic surges: lengthen `leak_fast_for`, keeping
   `leak_fast_floor + leak_fast_step + leak_fast_for` well under `leak_fast_horizon` (a test checks).
+  It paging on allocate/free cycles whose peaks wander: raise `leak_new_high_ratio`; on cycles
+  slower than `leak_fast_history`: lengthen it; on warm-ups longer than `leak_fast_min_age`:
+  lengthen it (a fall below `leak_restart_ratio` of the peak restarts that guard). Its near-full
+  rule: `leak_near_full_ratio`, `leak_near_full_horizon`, `leak_near_full_for`.
+- Targets: `Selectors.server_desired` / `exporter_desired` name the kube-state-metrics series of
+  your server Deployment and exporter DaemonSet (a scale-down there is not a missing target);
+  `target_start_grace` is how long a start may take before "no target at all" can go pending.
 - Starvation too eager: lengthen `starvation` (the queue must stay non-empty that long) or lower
   `underserved_share_fraction`.
 - vLLM: `kv_cache_full_ratio` (how full the KV cache must be while preempting). A vLLM job named

@@ -42,42 +42,65 @@ def _scrape_down(p: Profile, name: str, up: str, severity: Severity, service: st
 
 
 def _targets_missing(p: Profile, name: str, role: str, service: str, what: str,
-                     none_severity: Severity) -> list[Alert]:
+                     none_severity: Severity, desired: str) -> list[Alert]:
     """``up == 0`` covers only targets still listed: these cover the ones service discovery dropped.
 
     None at all (``absent``: it keeps firing however long ago they went), and fewer than
-    ``target_missing`` ago (one of several left; resolves that long after, or when it is back).
+    ``target_missing`` ago (one of several left; resolves that long after, or when it is back). A
+    drop is deliberate, and stays quiet, when kube-state-metrics' desired count (``desired``) fell
+    with it (an HPA scale-down, a node removed); without kube-state-metrics, when every target that
+    left answered its scrapes until it left (a pod stopped by a scale-down leaves discovery as it
+    terminates; a lost one fails first). "None at all" waits until the rules have run for
+    ``target_start_grace``, so a start, while targets come up, leaves no pending state; "fewer" needs
+    a count from ``target_missing`` ago, which a fresh start does not have.
     """
     w = p.windows
     up, absent = names.TARGETS[role]
     ago, down_for = duration(w.target_missing), duration(w.scrape_down_for)
+    # The rules have run for the grace: one of the two records existed that long ago (the up record
+    # while a target is listed, the absent one while none is), so a fresh start has neither.
+    before = f"offset {duration(w.target_start_grace)}"
+    running = f"on (job) ({absent} {before} or count by (job) ({up} {before}))"
     now = query_value(f"count({up}{{job='%s'}})", ("job",), "humanize")
     gone = (f'{{{{ range $i, $s := printf "{up}{{job=\'%s\'}} offset {ago} unless on (instance) '
             f'{up}{{job=\'%s\'}}" $labels.job $labels.job | query | sortByLabel "instance" }}}}'
             f'{{{{ if $i }}}}, {{{{ end }}}}'
             f'{{{{ $s.Labels.instance }}}}{{{{ end }}}}')
+    count = f"count by (job) ({up})"
+    # One count per namespace of the named workload: several kube-state-metrics replicas (HA) expose
+    # the same series, which a plain sum would count twice.
+    wanted = f"on () group_left () sum(max by (namespace) ({desired}))"
+    failed_first = f"count by (job) (min_over_time({up}[{ago}]) == 0 unless on (job, instance) {up})"
     common = {"name": name, "for_s": w.scrape_down_for, "service": service, "dashboard": uids.FLEET,
               "dashboard_vars": ()}
     return [
-        Alert(**common, expr=absent, severity=none_severity, labels={"missing": "all"},
+        Alert(**common, expr=f"{absent}\nand {running}", severity=none_severity, labels={"missing": "all"},
               summary=f"No {what} target is scraped ({{{{ $labels.job }}}})",
               description=(f"Prometheus has had no target of job {{{{ $labels.job }}}} for {down_for}: "
                            f"the {what} left service discovery or the scrape configuration, so none of "
                            f"its alerts can fire (up == 0 needs a listed target)."),
               doc=Doc(what=f"No {what} target at all", threshold="absent(up) for its job",
-                      window=f"for {down_for}",
+                      window=f"for {down_for}, once the rules have run for "
+                             f"{duration(w.target_start_grace)}",
                       why="A target that service discovery drops has no up series, so the down alert "
                           "stays silent; absent() keeps firing however long ago it went.")),
         Alert(**common, severity="warning", labels={"missing": "some"},
-              expr=f"count by (job) ({up} offset {ago})\n> on (job)\ncount by (job) ({up})",
+              expr=(f"(\n  count by (job) ({up} offset {ago})\n  > on (job)\n  {count}\n"
+                    f"  unless on (job)\n  {count} >= {wanted}\n)\n"
+                    f"and on (job)\n(\n  {count} < {wanted}\n  or\n  {failed_first}\n)"),
               summary=f"Fewer {what} targets than {ago} ago ({{{{ $labels.job }}}})",
               description=(f"Job {{{{ $labels.job }}}} has {now} target(s); it had {{{{ $value }}}} {ago} "
                            f"ago. Gone from discovery: {gone}."),
-              doc=Doc(what=f"Fewer {what} targets than before: some left service discovery",
-                      threshold=f"count(up) < count(up offset {ago})",
-                      window=f"for {down_for}; resolves {ago} after a deliberate scale-down",
+              doc=Doc(what=f"Fewer {what} targets than before: some left service discovery, and not "
+                           f"because fewer were wanted",
+                      threshold=(f"count(up) < count(up offset {ago}), and below kube-state-metrics' "
+                                 f"desired count (`{desired}`), or, without it, a target that left had "
+                                 f"failed scrapes first"),
+                      window=f"for {down_for}; resolves {ago} after it left",
                       why="One of several targets dropped by discovery raises no up == 0; counting "
-                          "targets catches it and leaves a restart under a new instance name alone.")),
+                          "targets catches it and leaves a restart under a new instance name alone. "
+                          "A scale-down lowers the desired count with the targets (or its pods answer "
+                          "until they go), so it stays quiet.")),
     ]
 
 
@@ -102,8 +125,10 @@ def groups(p: Profile) -> list[Group]:
         _scrape_down(p, "GPUExporterDown", names.GPU_EXPORTER_UP, "warning", exp, "GPU exporter",
                      "GPU health on that host is unknown", "Exporter not scraped",
                      "The GPUs keep serving; only their visibility is lost, so a warning."),
-        *_targets_missing(p, "GPUServerTargetMissing", "server", srv, "inference server", "critical"),
-        *_targets_missing(p, "GPUExporterTargetMissing", "gpu", exp, "GPU exporter", "warning"),
+        *_targets_missing(p, "GPUServerTargetMissing", "server", srv, "inference server", "critical",
+                          s.server_desired),
+        *_targets_missing(p, "GPUExporterTargetMissing", "gpu", exp, "GPU exporter", "warning",
+                          s.exporter_desired),
         Alert(name="GPUExporterGPUsMissing",
               expr=(f"{gpus}\n< on (job, instance)\nmax_over_time({gpus}[{gpus_w}])"),
               for_s=w.scrape_down_for, severity="warning", service=exp, dashboard=uids.FLEET,

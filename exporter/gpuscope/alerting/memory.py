@@ -32,18 +32,41 @@ top of it, noise and sawtooth peaks leave it, and only memory that is never give
   The alert's value is that time to exhaustion, which the annotation prints (never a projection of
   bytes far past capacity).
 
-``GPUMemoryRunningOut`` (critical) catches leaks faster than that evidence: the floor over
-``leak_fast_floor`` grew over ``leak_fast_step`` at a rate that exhausts memory within
-``leak_fast_horizon``, for ``leak_fast_for`` (shorter than the exhaustion times it exists for). A
-warm-up has the same shape, and a new process warms up: the series must be ``leak_fast_min_age``
-old. A climb that would exhaust memory this fast for longer than ``leak_fast_for`` fires whatever
-its cause; a traffic surge that lifts memory for a few minutes and levels off does not.
+``GPUMemoryRunningOut`` (critical) catches leaks faster than that evidence, in two rules of one name
+told apart by their ``trigger`` label:
+
+- ``sustained``: the floor over ``leak_fast_floor`` grew over ``leak_fast_step`` at a rate that
+  exhausts memory within ``leak_fast_horizon``, for ``leak_fast_for`` (shorter than the exhaustion
+  times it exists for; longer than a traffic surge's climb), and only where two healthy shapes are
+  ruled out:
+
+  - a *warm-up*: the process has run ``leak_fast_min_age`` since its last start. A restart keeps the
+    series and its labels, so the series' age alone does not tell; a new process starts with next
+    to nothing allocated, so memory falling below ``leak_restart_ratio`` of its peak within that
+    time counts as a start too (a cache flushed to almost nothing is treated the same). The server
+    here has no ``process_start_time_seconds`` (its registry is its own), and a GPU's framebuffer
+    outlives the processes on it, so the memory series itself is the one signal both roles have;
+  - *allocate/free cycles*: the climb must top every peak of the ``leak_fast_history`` before the
+    last ``leak_fast_for`` by ``leak_new_high_ratio`` of capacity. A leak makes new highs; a cache
+    that is flushed climbs back to the same peak, however fast, and a restarted server warms up to
+    the working set it had (the history spans the restart). A series younger than ``leak_fast_for``
+    has no earlier peak: its climb is new (the warm-up guard holds it).
+
+- ``near_full``: at any age, memory is at least ``leak_near_full_ratio`` of capacity, tops every
+  earlier peak as above, and grew since the last evaluation at a rate that exhausts it within
+  ``leak_near_full_horizon``, for ``leak_near_full_for``. A warm-up plateaus, so its growth stops
+  within an evaluation of its plateau; a leak from the process's first minute keeps climbing
+  through 90%, which the warm-up guard would otherwise hide for its whole life. It pages late by
+  nature (a leak that exhausts memory in 30 minutes, with about a minute left): its page means
+  "out of memory now". A cache that cycles up to 95% returns to its earlier peak and stays silent.
+  The growth is the slope between the last two records of the normalised series, so the source
+  must be sampled at least once per evaluation interval (a slower one reads as flat half the time).
 """
 
 from __future__ import annotations
 
-from gpuscope.alerting import names
-from gpuscope.alerting.config import Profile
+from gpuscope.alerting import names, operator_labels
+from gpuscope.alerting.config import Profile, Thresholds
 from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, query_value
 from gpuscope.dashboards import uids
 
@@ -85,12 +108,47 @@ def fast_rate_record(used: str, p: Profile) -> str:
     return f"({_growth(used, w.leak_fast_floor, w.leak_fast_step)}) / {w.leak_fast_step}"
 
 
-def headroom(used: str, total: str, peak_window: int, labels: tuple[str, ...], min_age: int = 0) -> str:
+def headroom(used: str, total: str, peak_window: int, labels: tuple[str, ...], min_age: int = 0,
+             restart_ratio: float = 0.0) -> str:
     """Bytes left: capacity minus the highest value over ``peak_window`` (where a sawtooth's next peak
-    would hit capacity); with ``min_age``, only for series at least that old (a new process warms up)."""
+    would hit capacity); with ``min_age``, only for a process settled that long: the series is that
+    old and has not fallen below ``restart_ratio`` of its peak within it (a restart keeps the labels
+    and starts from next to nothing; leak_restart_ratio where the caller gives none)."""
     on = _on(labels)
     expr = f"clamp_min({total} - {on} max_over_time({used}[{duration(peak_window)}]), 0)"
-    return f"{expr}\nand {on}\n{used} offset {duration(min_age)}" if min_age else expr
+    if not min_age:
+        return expr
+    ratio = restart_ratio or Thresholds().leak_restart_ratio
+    age = duration(min_age)
+    return (f"{expr}\nand {on}\n{used} offset {age}\nand {on}\n"
+            f"min_over_time({used}[{age}]) >= {num(ratio)} * max_over_time({used}[{age}])")
+
+
+def new_high(used: str, total: str, labels: tuple[str, ...], p: Profile) -> str:
+    """Memory over the last ``leak_fast_floor`` tops every peak of the ``leak_fast_history`` before the
+    last ``leak_fast_for`` by ``leak_new_high_ratio`` of capacity; or the series has no such history."""
+    w, on = p.windows, _on(labels)
+    before = f"max_over_time({used}[{duration(w.leak_fast_history)}] offset {duration(w.leak_fast_for)})"
+    return (f"(\n  max_over_time({used}[{duration(w.leak_fast_floor)}])\n  > {on}\n"
+            f"  ({before} + {on} {num(p.thresholds.leak_new_high_ratio)} * {total})\n"
+            f"  or\n  {used} unless {on} {before}\n)")
+
+
+def near_full_window(p: Profile) -> int:
+    """Seconds of the range whose slope is the growth since the last evaluation (1.5 intervals)."""
+    return p.evaluation_interval * 3 // 2
+
+
+def near_full_condition(used: str, total: str, labels: tuple[str, ...], p: Profile) -> str:
+    """Seconds to exhaustion at the growth since the last evaluation, where memory is near full and at
+    a new high, below ``leak_near_full_horizon``."""
+    w, on = p.windows, _on(labels)
+    # The normalised series is recorded once per evaluation: a window of 1.5 intervals holds the last
+    # two records whether the range's start is inclusive (Prometheus 2) or not (Prometheus 3).
+    growth = f"deriv({used}[{duration(near_full_window(p))}])"
+    return (f"({total} - {on} {used})\n/ {on}\n({growth} > 0)\n< {w.leak_near_full_horizon}\n"
+            f"and {on}\n{used} >= {on} {num(p.thresholds.leak_near_full_ratio)} * {total}\n"
+            f"and {on}\n{new_high(used, total, labels, p)}")
 
 
 def _exhaustion(head: str, rate: str, labels: tuple[str, ...], horizon: int) -> str:
@@ -105,14 +163,25 @@ def kv_exhausted_condition(p: Profile) -> str:
             f"sum by (job, instance) ({names.PREEMPTIONS_RATE}) > 0\nunless {on}\n{names.MEMORY_HEADROOM}")
 
 
+def sustained_condition(used: str, total: str, head: str, rate: str, labels: tuple[str, ...],
+                        p: Profile) -> str:
+    """Seconds to exhaustion at the recent floor growth, below ``leak_fast_horizon``, where the climb
+    makes a new high (``head`` is only recorded for a settled process)."""
+    fast = _exhaustion(head, rate, labels, p.windows.leak_fast_horizon)
+    return f"{fast}\nand {_on(labels)}\n{new_high(used, total, labels, p)}"
+
+
 def leak_condition(p: Profile) -> str:
     """The memory dimension of the composite: the leak alerts' conditions on the server's memory, or
     on a server without one (vLLM) its KV cache exhausted."""
+    used, total = names.DEVICE_MEMORY_ALLOCATED, names.DEVICE_MEMORY_TOTAL
     slow = _exhaustion(names.MEMORY_HEADROOM, names.MEMORY_GROWTH_RATE, SERVER_LABELS,
                        p.thresholds.leak_horizon_s)
-    fast = _exhaustion(names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST, SERVER_LABELS,
-                       p.windows.leak_fast_horizon)
-    return f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{kv_exhausted_condition(p)}\n)"
+    fast = sustained_condition(used, total, names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST,
+                               SERVER_LABELS, p)
+    near_full = near_full_condition(used, total, SERVER_LABELS, p)
+    return (f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{near_full}\n)\n"
+            f"or\n(\n{kv_exhausted_condition(p)}\n)")
 
 
 def _query(expr: str, labels: tuple[str, ...], humanizer: str) -> str:
@@ -141,9 +210,16 @@ def _fast_description(used: str, total: str, rate: str, labels: tuple[str, ...],
                       p: Profile) -> str:
     w = p.windows
     growth = _query(rate + "{}", labels, "humanize1024")
-    return (f"{_holds(used, total, labels, where)} and grew {growth}B/s over the last "
-            f"{duration(w.leak_fast_step)}; at that rate the memory runs out in "
-            f"{{{{ $value | humanizeDuration }}}}.")
+    return (f"{_holds(used, total, labels, where)}, above every peak of the {duration(w.leak_fast_history)} "
+            f"before, and grew {growth}B/s over the last {duration(w.leak_fast_step)}; at that rate the "
+            f"memory runs out in {{{{ $value | humanizeDuration }}}}.")
+
+
+def _near_full_description(used: str, total: str, labels: tuple[str, ...], where: str, p: Profile) -> str:
+    return (f"{_holds(used, total, labels, where)} (at least "
+            f"{num(p.thresholds.leak_near_full_ratio * 100)}%, above every earlier peak) and is still "
+            f"climbing: at its growth since the last evaluation the memory runs out "
+            f"in {{{{ $value | humanizeDuration }}}}.")
 
 
 def groups(p: Profile) -> list[Group]:
@@ -158,30 +234,55 @@ def groups(p: Profile) -> list[Group]:
                 "filling up towards a ceiling do not keep raising it. Fires on steps, rising-floor "
                 "cycles and noisy leaks that a five-minute derivative misses.")
     fast_window = (f"floor = min over {duration(w.leak_fast_floor)}, growth over "
-                   f"{duration(w.leak_fast_step)}; for {duration(w.leak_fast_for)}; series "
-                   f"≥ {duration(w.leak_fast_min_age)} old")
+                   f"{duration(w.leak_fast_step)}; for {duration(w.leak_fast_for)}; process running "
+                   f"≥ {duration(w.leak_fast_min_age)} since its last start; above the peaks of "
+                   f"{duration(w.leak_fast_history)}")
+    fast_threshold = (f"runs out within {fast_horizon} at the recent growth, ≥ "
+                      f"{num(t.leak_new_high_ratio * 100)}% of capacity above every earlier peak")
     fast_why = (f"The slow rule needs {duration(w.leak)} of evidence; a leak that exhausts memory "
-                f"sooner pages while there is time to act. A climb this fast that lasts longer than "
-                f"{duration(w.leak_fast_for)} pages whatever its cause; a new process's warm-up does not.")
+                f"sooner pages while there is time to act. A warm-up (after every restart: memory "
+                f"below {num(t.leak_restart_ratio * 100)}% of its peak starts the guard again) and "
+                f"allocate/free cycles that climb back to the same peak do not.")
+    near_full_window = (f"growth since the last evaluation ({p.evaluation_interval}s); for "
+                        f"{duration(w.leak_near_full_for)}; any age")
+    near_full_threshold = (f"≥ {num(t.leak_near_full_ratio * 100)}% of capacity, above every earlier "
+                           f"peak, runs out within {duration(w.leak_near_full_horizon)}")
+    near_full_why = ("A leak from the process's first minute looks like a warm-up until the warm-up "
+                     "guard ends; a warm-up plateaus, so memory this full and still climbing this fast "
+                     "pages at any age.")
     server_where = "The server {{ $labels.instance }} on {{ $labels.device }}"
-    gpu_where = "GPU {{ $labels.gpu }} on {{ $labels.instance }}"
+    gpu_where = "GPU {{ $labels.gpu }} on {{ $labels.instance }}" + operator_labels.WORKLOAD
     srv = {"dashboard": uids.FLEET, "service": p.selectors.server_service}
     exp = {"dashboard": uids.FLEET, "service": p.selectors.exporter_service,
            "dashboard_vars": ("instance", "gpu")}
     server = (names.DEVICE_MEMORY_ALLOCATED, names.DEVICE_MEMORY_TOTAL, SERVER_LABELS, server_where)
     gpu = (names.GPU_MEMORY_USED, names.GPU_MEMORY_TOTAL, GPU_LABELS, gpu_where)
 
+    def labelled(target: tuple, expr: str) -> str:
+        # A GPU's alert names the board and the workload on it; the server's already has its instance.
+        return operator_labels.joined(expr) if target is gpu else expr
+
     def slow(target: tuple, head: str, rate: str) -> dict:
         return {"for_s": w.leak_for, "severity": "warning", "evidence_s": w.leak,
-                "expr": _exhaustion(head, rate, target[2], t.leak_horizon_s),
+                "expr": labelled(target, _exhaustion(head, rate, target[2], t.leak_horizon_s)),
                 "description": _slow_description(target[0], target[1], rate, target[2], target[3], p)}
 
     def fast(target: tuple, head: str, rate: str) -> dict:
-        return {"for_s": w.leak_fast_for, "severity": "critical",
+        return {"for_s": w.leak_fast_for, "severity": "critical", "labels": {"trigger": "sustained"},
                 "evidence_s": w.leak_fast_floor + w.leak_fast_step,
-                "expr": _exhaustion(head, rate, target[2], w.leak_fast_horizon),
+                "expr": labelled(target, sustained_condition(target[0], target[1], head, rate, target[2], p)),
                 "description": _fast_description(target[0], target[1], rate, target[2], target[3], p)}
 
+    def near_full(target: tuple) -> dict:
+        return {"for_s": w.leak_near_full_for, "severity": "critical", "labels": {"trigger": "near_full"},
+                "evidence_s": p.evaluation_interval,
+                "expr": labelled(target, near_full_condition(target[0], target[1], target[2], p)),
+                "description": _near_full_description(target[0], target[1], target[2], target[3], p)}
+
+    server_summary = "Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
+    gpu_summary = "GPU {{ $labels.gpu }} on {{ $labels.instance }} runs out of memory within "
+    server_what = "The server's memory grows fast enough to run out soon (composite dimension: memory leak)"
+    gpu_what = "A GPU's framebuffer (all processes) grows fast enough to run out soon"
     alerts = [
         Alert(name="GPUMemoryLeak", **srv, **slow(server, names.MEMORY_HEADROOM, names.MEMORY_GROWTH_RATE),
               summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) leaks towards exhaustion",
@@ -190,12 +291,12 @@ def groups(p: Profile) -> list[Group]:
                       threshold=slow_threshold, window=slow_window, why=slow_why)),
         Alert(name="GPUMemoryRunningOut", **srv,
               **fast(server, names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST),
-              summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
-                      f"{fast_horizon}",
-              doc=Doc(what="The server's memory grows fast enough to run out soon (composite dimension: "
-                           "memory leak)",
-                      threshold=f"runs out within {fast_horizon} at the recent growth",
-                      window=fast_window, why=fast_why)),
+              summary=server_summary + fast_horizon,
+              doc=Doc(what=server_what, threshold=fast_threshold, window=fast_window, why=fast_why)),
+        Alert(name="GPUMemoryRunningOut", **srv, **near_full(server),
+              summary=server_summary + duration(w.leak_near_full_horizon),
+              doc=Doc(what=server_what + ", near full at any age", threshold=near_full_threshold,
+                      window=near_full_window, why=near_full_why)),
         Alert(name="GPUFramebufferFillingUp", **exp,
               **slow(gpu, names.GPU_MEMORY_HEADROOM, names.GPU_MEMORY_GROWTH_RATE),
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} fills its memory",
@@ -204,11 +305,12 @@ def groups(p: Profile) -> list[Group]:
                       why=slow_why + " Catches processes other than the server.")),
         Alert(name="GPUFramebufferRunningOut", **exp,
               **fast(gpu, names.GPU_MEMORY_HEADROOM_FAST, names.GPU_MEMORY_GROWTH_RATE_FAST),
-              summary=f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.instance }}}} runs out of memory within "
-                      f"{fast_horizon}",
-              doc=Doc(what="A GPU's framebuffer (all processes) grows fast enough to run out soon",
-                      threshold=f"runs out within {fast_horizon} at the recent growth",
-                      window=fast_window, why=fast_why)),
+              summary=gpu_summary + fast_horizon,
+              doc=Doc(what=gpu_what, threshold=fast_threshold, window=fast_window, why=fast_why)),
+        Alert(name="GPUFramebufferRunningOut", **exp, **near_full(gpu),
+              summary=gpu_summary + duration(w.leak_near_full_horizon),
+              doc=Doc(what=gpu_what + ", near full at any age", threshold=near_full_threshold,
+                      window=near_full_window, why=near_full_why)),
     ]
     alerts.append(Alert(
         name="GPUKVCacheExhausted", expr=kv_exhausted_condition(p), for_s=w.latency_for,

@@ -1,5 +1,11 @@
 """Scheduling starvation: a tenant with queued work that gets no service, or far less than its share.
 
+Starvation is judged per queue: per tenant, and per data-parallel engine where the source has
+engines (vLLM's ``engine`` label, kept by its normalisation layer on waiting requests and generated
+tokens): each engine schedules its own requests, so one that stalls while another serves is
+starving its queue, which a sum over engines would hide. Sources without engines match on an empty
+``engine``.
+
 "Backlog" is ``min_over_time(queue depth)`` > 0: the tenant's queue never emptied during the window,
 so a tenant that is idle by choice (empty queue) can never match. Progress is generated tokens,
 service is the tenant's share of GPU time against its configured quota (0 in FCFS mode, where the
@@ -16,14 +22,18 @@ from gpuscope.dashboards import uids
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"
+#: A starved queue: one tenant's on one engine (``engine`` is empty where a source has none).
+QUEUE = "job, instance, tenant, engine"
+#: " (engine N)" where the alert carries an engine.
+ENGINE = "{{ if $labels.engine }} (engine {{ $labels.engine }}){{ end }}"
 
 
 BACKLOG = f"{names.TENANT_BACKLOG} > 0"
 
 
 def starved_condition(p: Profile) -> str:
-    return (f"{BACKLOG}\nunless {ON}\n"
-            f"sum by (job, instance, tenant) ({names.GENERATION_TOKENS_RATE}) > 0")
+    return (f"{BACKLOG}\nunless on ({QUEUE})\n"
+            f"sum by ({QUEUE}) ({names.GENERATION_TOKENS_RATE}) > 0")
 
 
 def underserved_condition(p: Profile) -> str:
@@ -56,15 +66,17 @@ def groups(p: Profile) -> list[Group]:
         Alert(name="GPUTenantStarved", expr=starved_condition(p), for_s=w.starvation_for,
               evidence_s=w.starvation,
               severity="warning", **common,
-              summary="Tenant {{ $labels.tenant }} gets no service on {{ $labels.instance }}",
-              description=(f"Tenant {{{{ $labels.tenant }}}} on {{{{ $labels.instance }}}} has had at least "
-                           f"{{{{ $value | humanize }}}} requests queued for {window} and no token "
+              summary="Tenant {{ $labels.tenant }} gets no service on {{ $labels.instance }}" + ENGINE,
+              description=(f"Tenant {{{{ $labels.tenant }}}} on {{{{ $labels.instance }}}}{ENGINE} has had "
+                           f"at least {{{{ $value | humanize }}}} requests queued for {window} and no token "
                            f"generated in that time."),
               doc=Doc(what="A tenant with queued work makes no progress (composite dimension: starvation)",
                       threshold="queue never empty and zero tokens generated",
                       window=f"{window}, for {duration(w.starvation_for)}",
                       why="Queued work and no tokens is starvation whatever the load; an idle tenant "
-                          "has an empty queue and cannot match.")),
+                          "has an empty queue and cannot match. Judged per data-parallel engine where "
+                          "the source has engines (vLLM), so a stalled engine is not hidden by one "
+                          "that serves.")),
         Alert(name="GPUTenantUnderServed", expr=underserved_condition(p), for_s=w.starvation_for,
               evidence_s=w.starvation,
               severity="warning", **common,

@@ -203,7 +203,8 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
         Record(growth_fast, wrap(memory.fast_rate_record(used_sel, p))),
         Record(headroom, wrap(memory.headroom(used_sel, total_expr, w.leak_floor, labels))),
         Record(headroom_fast, wrap(memory.headroom(used_sel, total_expr, w.leak_fast_floor, labels,
-                                                   min_age=w.leak_fast_min_age))),
+                                                   min_age=w.leak_fast_min_age,
+                                                   restart_ratio=p.thresholds.leak_restart_ratio))),
     ]
 
 
@@ -345,15 +346,18 @@ VLLM = Source(
         "requests": _vllm(up.VLLM_REQUEST_SUCCESS.name,
                           labels={"tenant": "model_name", "outcome": "finished_reason"}),
         "prompt_tokens": _vllm(up.VLLM_PROMPT_TOKENS.name),
-        "generation_tokens": _vllm(up.VLLM_GENERATION_TOKENS.name),
+        # Per engine (kept, not summed): starvation is judged per data-parallel engine (scheduling.py).
+        "generation_tokens": _vllm(up.VLLM_GENERATION_TOKENS.name, drop=()),
         "preemptions": _vllm(up.VLLM_PREEMPTIONS.name),
-        "queue_depth": _vllm(up.VLLM_WAITING.name), "running": _vllm(up.VLLM_RUNNING.name),
+        "queue_depth": _vllm(up.VLLM_WAITING.name, drop=()), "running": _vllm(up.VLLM_RUNNING.name),
         "devices": Raw(up.VLLM_RUNNING.name, drop=up.VLLM_LABELS),
         "kv_cache": Raw(up.VLLM_KV_CACHE.name, fallback=up.VLLM_KV_CACHE_BEFORE_0_9, drop=up.VLLM_LABELS),
     },
     notes=(
         "`tenant` is vLLM's `model_name`: one queue per served model, so a starved tenant is a stalled "
-        "model (requests waiting, no token generated); data-parallel engines (`engine`) are summed.",
+        "model (requests waiting, no token generated). Data-parallel engines (`engine`) are summed, "
+        "except waiting requests and generated tokens: starvation is judged per engine, so an engine "
+        "that stalls is not hidden behind one that serves (the alert carries `engine`).",
         "No kernel timing: the latency dimension of the composite is the inter-token latency "
         "(GPUStepLatencySpike), the engine's step time as requests see it, which queueing cannot raise.",
         "No memory of the serving process (vLLM preallocates GPU memory for its KV cache): the leak "

@@ -196,8 +196,9 @@ twice, and the rules would still compute the same rates on the copies. Instead e
   records, the spike alerts, the queue-wait alert and every latency panel read them;
 - counters: rates over the window of the alert that reads them (tokens over the starvation window,
   clock-event seconds over the throttle window), SLO inputs per burn-rate window;
-- gauges: one series per canonical label set (for gpuscope a copy; for vLLM summed over engines; for
-  dcgm-exporter maxed over its identity labels and scaled to base units);
+- gauges: one series per canonical label set (for gpuscope a copy; for vLLM summed over engines, but
+  waiting requests kept per engine for starvation; for dcgm-exporter maxed over its identity labels
+  and scaled to base units);
 - memory: the floor growth and headroom the leak alerts compare, computed on the raw gauge so the floors
   see every scrape.
 
