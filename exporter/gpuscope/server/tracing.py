@@ -557,8 +557,10 @@ class RequestTracing:
             attributes["error.type"] = "engine_error"
         if req.scheduled_at is not None:
             attributes[QUEUE_MS] = _ms(req.scheduled_at - req.arrival)
-        if req.first_token_at is not None:
-            attributes[TTFT_MS] = _ms(req.first_token_at - req.arrival)
+        # TTFT as the client saw it (the engine's when no text was sent)
+        first = req.first_text_at if req.first_text_at is not None else req.first_token_at
+        if first is not None:
+            attributes[TTFT_MS] = _ms(first - req.arrival)
         summary = self._summary(rt.steps)
         attributes[STEPS] = summary[STEPS]
         for key in (GPU_SECONDS, STEP_GPU_SECONDS):
