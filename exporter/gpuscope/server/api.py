@@ -28,6 +28,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -322,6 +323,14 @@ class Handlers:
                 await write(sse(chunk))
             while True:
                 event = await req.channel.get()
+                if isinstance(event, Token) and shape.merges_last and not req.channel.empty():
+                    after = req.channel.get_nowait()  # the same step's events arrive together
+                    if isinstance(after, Done):  # the last token's text goes in the finish chunk, as vLLM's
+                        event = replace(after, text_tail=event.text + after.text_tail)
+                    else:
+                        await write(sse(shape.text(event.text)))
+                        self._sent_text(req)
+                        event = after
                 if isinstance(event, Token):
                     await write(sse(shape.text(event.text)))
                     self._sent_text(req)

@@ -4,8 +4,9 @@ One dedicated thread owns the model (so the HTTP event loop stays responsive).
 Each iteration it applies faults, drops cancelled requests, admits waiting
 requests into free batch slots (or, under share scheduling, preempts a
 lower-priority one), runs one batched prefill for the newcomers and one
-batched decode step for everyone else, then hands the iteration's events to
-``deliver`` in one call. With nothing running, a batch forms for at most
+batched decode step for everyone else, handing each step's events to ``deliver``
+in one call (the prefill's before the decode step runs, so a newcomer's first
+token does not wait for it). With nothing running, a batch forms for at most
 ``max_wait_s`` before its prefill starts.
 
 Each step is timed with ``timer.start(op, on_elapsed=...)``; its measured GPU
@@ -212,6 +213,9 @@ class Engine:
         old = [r for r in self._running if r not in new]
         if new:
             self._prefill(new, events)
+            if old:  # newcomers' first tokens go out now, not one decode step later
+                self._send(events)
+                events = []
         if old:
             self._decode(old, events)
         self._kv_usage = sum(r.cached for r in self._running) / (self.batch_size * self._context)

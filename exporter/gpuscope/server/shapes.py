@@ -36,6 +36,9 @@ class CompletionShape:
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
+    #: Whether the last token's text rides in the finish chunk (vLLM's chat stream: one chunk per
+    #: step) rather than in its own chunk before a closing summary that carries ``usage``.
+    merges_last = False
 
     def __init__(self, model: str, include_usage: bool = False) -> None:
         self.include_usage = include_usage
@@ -69,6 +72,7 @@ class ChatShape(CompletionShape):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    merges_last = True
 
     def opening(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
