@@ -111,7 +111,9 @@ TOOL_ENV = {"guidellm": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}, "a
 
 
 def run_tool(name: str, command: list[str], server: ServerProcess, workdir: Path, summarize,
-             timeout_s: float) -> dict[str, Any]:
+             timeout_s: float, expected: int) -> dict[str, Any]:
+    """Run one tool; ok when it exits 0 and the server finished all ``expected`` requests, none failed
+    (a request the server refuses with a 4xx never reaches its counts: a tool exiting 0 over 400s fails)."""
     workdir.mkdir(parents=True, exist_ok=True)
     before = server_counts(server.url)
     started = time.perf_counter()
@@ -131,7 +133,7 @@ def run_tool(name: str, command: list[str], server: ServerProcess, workdir: Path
         result["output_tail"] = tail
     served = result["server"].get("stop", 0) + result["server"].get("length", 0)
     failed = sum(result["server"].get(k, 0) for k in ("abort", "error", "rejected"))
-    result["ok"] = rc == 0 and served > 0 and failed == 0 and "error" not in result["tool"]
+    result["ok"] = rc == 0 and served == expected and failed == 0 and "error" not in result["tool"]
     if not result["ok"]:
         result.setdefault("output_tail", tail)
     print(f"{name}: exit {rc}, server finished {served} (failed {failed}), ok={result['ok']}",
@@ -155,11 +157,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.guidellm:
                 command = guidellm_command(args.guidellm, server.url, folder, args.requests)
                 report["tools"]["guidellm"] = run_tool("guidellm", command, server, Path(tmp) / "guidellm",
-                                                       guidellm_summary, args.timeout)
+                                                       guidellm_summary, args.timeout, args.requests)
             if args.aiperf:
                 command = aiperf_command(args.aiperf, server.url, folder, folder.name, args.requests)
                 report["tools"]["aiperf"] = run_tool("aiperf", command, server, Path(tmp) / "aiperf",
-                                                     aiperf_summary, args.timeout)
+                                                     aiperf_summary, args.timeout, args.requests)
     for tool in ("guidellm", "aiperf"):
         binary = getattr(args, tool)
         if binary:
