@@ -211,7 +211,7 @@ class Handlers:
         """``handler`` inside the request's server span (the routes when tracing is on)."""
         tracing = self.tracing
         assert tracing is not None
-        rt = tracing.begin(request.headers)
+        rt = tracing.begin(request.headers, request.match_info.route.resource.canonical)
         response = None
         try:
             response = await handler(request, rt)

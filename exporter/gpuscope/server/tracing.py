@@ -3,7 +3,8 @@
 ``gpuscope serve --tracing.endpoint URL`` (or ``OTEL_EXPORTER_OTLP_ENDPOINT``) turns it on; without
 it the API never imports this module. One trace per request::
 
-    POST /v1/completions     (server span: the HTTP request, tenant, tokens, outcome, TTFT, GPU seconds)
+    POST /v1/completions     (server span: the HTTP request, tenant, tokens, outcome, TTFT, GPU seconds;
+                              POST /v1/chat/completions for chat, gen_ai.operation.name "chat")
     ├── queue                (arrival → first scheduled)
     ├── prefill              (scheduled → first token; its step events)
     ├── decode               (first token → last token; step events, then a summary)
@@ -58,6 +59,8 @@ log = logging.getLogger("gpuscope.server.tracing")
 #: server's Loki stream, so a trace and its logs share the name.
 SERVICE_NAME = "gpuscope-server"
 ROOT_SPAN = "POST /v1/completions"
+#: The generation routes and their GenAI operation names (OpenTelemetry's gen_ai.operation.name).
+OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
 #: How long the builder waits, after a response, for the timer to measure the request's last steps.
 GPU_WAIT_S = 1.0
 #: Finished requests waiting to become spans; beyond it a request's trace is dropped (backlog_full).
@@ -274,9 +277,10 @@ class RequestTracing:
         self._tracer = self.provider.get_tracer("gpuscope.server")
         self._propagator = TraceContextTextMapPropagator()
         self._root_attributes = {
-            "http.request.method": "POST", "http.route": "/v1/completions", "url.path": "/v1/completions",
-            "url.scheme": "http", "gen_ai.operation.name": "text_completion",
-            "gen_ai.request.model": config.model_name}
+            route: {"http.request.method": "POST", "http.route": route, "url.path": route,
+                    "url.scheme": "http", "gen_ai.operation.name": operation,
+                    "gen_ai.request.model": config.model_name}
+            for route, operation in OPERATIONS.items()}
         self._live: dict[Any, RequestTrace] = {}  # engine Request → its trace, while the engine may step it
         self._backlog: deque[RequestTrace] = deque()
         self._wake = threading.Event()
@@ -314,8 +318,9 @@ class RequestTracing:
         self._engine = None
 
     # --- the event loop ----------------------------------------------------------------------
-    def begin(self, headers: Mapping[str, str]) -> RequestTrace:
-        """Start the request's server span (a child of a valid incoming ``traceparent``)."""
+    def begin(self, headers: Mapping[str, str], route: str = "/v1/completions") -> RequestTrace:
+        """Start the request's server span (a child of a valid incoming ``traceparent``); ``route`` is
+        one of ``OPERATIONS`` and names the span (``POST /v1/chat/completions``)."""
         ns0, perf0 = time.time_ns(), time.perf_counter()
         context = None
         header = headers.get("traceparent")
@@ -326,8 +331,8 @@ class RequestTracing:
             if state:
                 carrier["tracestate"] = state
             context = self._propagator.extract(carrier)
-        span = self._tracer.start_span(ROOT_SPAN, context=context, kind=SpanKind.SERVER, start_time=ns0,
-                                       attributes=self._root_attributes)
+        span = self._tracer.start_span(f"POST {route}", context=context, kind=SpanKind.SERVER,
+                                       start_time=ns0, attributes=self._root_attributes[route])
         return RequestTrace(span, ns0, perf0)
 
     def track(self, rt: RequestTrace, req, tenant: str) -> None:
