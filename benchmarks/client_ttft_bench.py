@@ -20,6 +20,7 @@ client's, per round.
 
     python benchmarks/client_ttft_bench.py --out benchmarks/results/client-ttft-h200-DATE.json   # GPU
     python benchmarks/client_ttft_bench.py --quick --streams 4 --duration 5 --out /tmp/ttft.json  # CPU
+    ... --client-processes 4   # also the openai client over 4 processes (its own load apart)
 
 Needs torch, transformers, tokenizers, aiohttp, prometheus-client and openai.
 """
@@ -52,6 +53,8 @@ from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
 log = logger("client_ttft_bench")
 CLIENTS = ("openai", "raw")
+#: With --client-processes N > 1, a third client: the openai client's streams spread over N processes.
+SPLIT = "openai-split"
 SERIES = {"ttft": "gpuscope_request_ttft_seconds", "engine_ttft": "gpuscope_request_engine_ttft_seconds",
           "loop_lag": "gpuscope_event_loop_lag_seconds", "delivery": "gpuscope_event_delivery_seconds"}
 SLOW_S = 0.005
@@ -188,6 +191,31 @@ async def raw_round(url: str, model: str, args: argparse.Namespace, seed: int) -
     return [*results, {"client_loop_lag": lag.summary()}]
 
 
+def _openai_part(url: str, model: str, args: argparse.Namespace, seed: int) -> list[dict]:
+    return asyncio.run(openai_round(url, model, args, seed))
+
+
+def split_round(url: str, model: str, args: argparse.Namespace, seed: int) -> list[dict]:
+    """The openai client's streams over ``--client-processes`` processes (same prompts, same duration):
+    how much of its gap is one process's own load."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = args.client_processes
+    shares = [args.streams // n + (1 if i < args.streams % n else 0) for i in range(n)]
+    with ProcessPoolExecutor(n) as pool:
+        futures = [pool.submit(_openai_part, url, model,
+                               argparse.Namespace(**{**vars(args), "streams": share}), seed + 10007 * first)
+                   for share, first in zip(shares, [sum(shares[:i]) for i in range(n)], strict=True) if share]
+        parts = [f.result() for f in futures]
+    lags = [part.pop()["client_loop_lag"] for part in parts]
+    merged = [r for part in parts for r in part]
+    means = [lag["mean_ms"] for lag in lags if lag["mean_ms"] is not None]
+    lag = {"samples": sum(lag["samples"] for lag in lags), "processes": len(parts),
+           "mean_ms": rnd(statistics.fmean(means), 2) if means else None,
+           "p99_ms": max((lag["p99_ms"] for lag in lags), default=None)}
+    return [*merged, {"client_loop_lag": lag}]
+
+
 def summary(results: list[dict]) -> dict[str, Any]:
     lag = results.pop()["client_loop_lag"]
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
@@ -232,10 +260,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             asyncio.run(openai_round(server.url, model, warm, 7))  # the client's imports and first parses
             rounds = []
             for r in range(args.rounds):
-                for name in (CLIENTS if r % 2 == 0 else CLIENTS[::-1]):
+                clients = (*CLIENTS, SPLIT) if args.client_processes > 1 else CLIENTS
+                for name in (clients if r % 2 == 0 else clients[::-1]):
                     before = scrape(server.url)
-                    fn = openai_round if name == "openai" else raw_round
-                    results = asyncio.run(fn(server.url, model, args, seed=1000 * r))
+                    if name == SPLIT:
+                        results = split_round(server.url, model, args, seed=1000 * r)
+                    else:
+                        fn = openai_round if name == "openai" else raw_round
+                        results = asyncio.run(fn(server.url, model, args, seed=1000 * r))
                     after = scrape(server.url)
                     row = {"round": r, "client": name, **summary(results), "server": delta(before, after)}
                     row.update(verdict(row["ttft_mean_ms"], row["server"]["ttft"]["mean_ms"]))
@@ -248,16 +280,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.stop()
     report["target"] = "server TTFT mean within 10% (or 5 ms) of the openai client's, every openai round"
+    report["client_processes"] = args.client_processes
     report["target_met"] = all(r["met"] for r in report["rounds"] if r["client"] == "openai")
     return report
 
 
 def table(report: dict) -> str:
-    lines = [f"{'round':>5} {'client':>7} {'reqs':>5} {'client ms':>10} {'server ms':>10} {'engine ms':>10} "
+    lines = [f"{'round':>5} {'client':>12} {'reqs':>5} {'client ms':>10} {'server ms':>10} {'engine ms':>10} "
              f"{'gap ms':>7} {'gap %':>6} {'lag ms':>7} {'deliv ms':>8} {'cl lag':>7} met"]
     for r in report["rounds"]:
         s = r["server"]
-        lines.append(f"{r['round']:>5} {r['client']:>7} {r['requests']:>5} {r['ttft_mean_ms']!s:>10} "
+        lines.append(f"{r['round']:>5} {r['client']:>12} {r['requests']:>5} {r['ttft_mean_ms']!s:>10} "
                      f"{s['ttft']['mean_ms']!s:>10} {s['engine_ttft']['mean_ms']!s:>10} {r['gap_ms']!s:>7} "
                      f"{rnd((r['gap_share'] or 0) * 100, 1)!s:>6} {s['loop_lag']['mean_ms']!s:>7} "
                      f"{s['delivery']['mean_ms']!s:>8} {r['client_loop_lag']['mean_ms']!s:>7} {r['met']}")
@@ -273,10 +306,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="paired rounds (openai and raw each)")
     p.add_argument("--prompt-chars", type=int, default=127, help="prompt bytes (one token each, plus BOS)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="also run the openai client's streams spread over this many processes")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    if args.streams < 1 or args.duration <= 0 or args.rounds < 1:
-        p.error("--streams, --duration and --rounds must be positive")
+    if args.streams < 1 or args.duration <= 0 or args.rounds < 1 or args.client_processes < 1:
+        p.error("--streams, --duration, --rounds and --client-processes must be positive")
     return args
 
 
