@@ -3,6 +3,8 @@ requests already running in the same iteration (which would delay it by a whole 
 
 from __future__ import annotations
 
+from gpuscope.server.engine import Request
+from gpuscope.server.model import encode
 from tests.conftest import wait_for
 from tests.server.test_engine import Rig
 
@@ -31,9 +33,14 @@ def test_prefill_tokens_are_delivered_before_the_decode_step():
             deliver(events)
 
         rig.engine._deliver = recording
-        running = rig.submit(tokens=60)
-        wait_for(lambda: len(running.generated) >= 3, what="the first request decoding")
+        # Held between two steps while the first request runs (it cannot end early: ignore_eos), the
+        # newcomer joins at the next iteration: a prefill for it, then a decode step for the first.
+        running = Request("a", encode("hi"), 200, 0.0, trace_id="t", ignore_eos=True)
+        rig.pause_after(lambda: len(running.generated) >= 3)
+        rig.engine.submit(running)
+        assert rig.paused.wait(60), "the first request never decoded"
         newcomer = rig.submit(tokens=4)
+        rig.resume()
         wait_for(lambda: newcomer.outcome and running.outcome, timeout=60, what="both requests done")
         at = next(i for i, (op, ids) in enumerate(steps) if op == "prefill" and id(newcomer) in ids)
         assert steps[at + 1][0] == "decode" and id(running) in steps[at + 1][1]  # the same iteration's
