@@ -32,6 +32,8 @@ MetricType = Literal["counter", "gauge", "histogram", "info"]
 REGION_SECONDS_BUCKETS = (*(round(m * 10.0**e, 12) for e in range(-6, 1) for m in (1.0, 2.5, 5.0)), 10.0)
 
 #: vLLM's time-to-first-token buckets.
+#: Event-loop lag and engine-to-loop delivery: sub-millisecond when idle, tens of ms when the GIL is busy.
+LOOP_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 VLLM_TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -274,8 +276,13 @@ EXPORTER_HTTP_CONNECTIONS_CLOSED = _m(
 SERVER = "Reference inference server (`gpuscope serve`)"
 _T = ("tenant",)
 REQUEST_TTFT = _m("gpuscope_request_ttft_seconds", "histogram",
-                  "Time to first token, from arrival (vLLM's definition and buckets).",
+                  "Time to first token as the client sees it: arrival to the first non-empty text written "
+                  "to the client (not streamed: to the first text ready); vLLM's buckets.",
                   "seconds", _T, VLLM_TTFT_BUCKETS, area=SERVER)
+REQUEST_ENGINE_TTFT = _m("gpuscope_request_engine_ttft_seconds", "histogram",
+                         "Time to first token inside the engine: arrival to the step that sampled it "
+                         "(vLLM's own TTFT; before detokenizing and delivery); vLLM's buckets.",
+                         "seconds", _T, VLLM_TTFT_BUCKETS, area=SERVER)
 REQUEST_ITL = _m("gpuscope_request_inter_token_seconds", "histogram",
                  "Gap between consecutive output tokens of a request (vLLM's buckets).",
                  "seconds", _T, VLLM_ITL_BUCKETS, area=SERVER)
@@ -348,6 +355,14 @@ SHUTDOWN_REQUESTS = _m("gpuscope_shutdown_requests_total", "counter",
                        "aborted_queued (had not started), aborted_running (still running at the end of "
                        "--shutdown.grace; error chunk and [DONE] for streams).", "requests", ("outcome",),
                        area=SERVER)
+EVENT_LOOP_LAG = _m("gpuscope_event_loop_lag_seconds", "histogram",
+                    "How late the HTTP event loop ran a timer due now (sampled every 25 ms): the time any "
+                    "ready stream write waits, e.g. while the engine thread holds the GIL.",
+                    "seconds", (), LOOP_LAG_BUCKETS, area=SERVER)
+EVENT_DELIVERY = _m("gpuscope_event_delivery_seconds", "histogram",
+                    "From the engine handing a step's tokens to the HTTP event loop to the loop running "
+                    "them (one sample per step that produced events).",
+                    "seconds", (), LOOP_LAG_BUCKETS, area=SERVER)
 
 # --- Loki log shipping (gpuscope.loki_push) -----------------------------------------
 LOGS = "Loki log shipping (`gpuscope.loki_push`)"

@@ -21,6 +21,8 @@ from tests.conftest import usage_error
     ("vllm-0.9=http://gpu-1:8000/v1/#meta-llama/Llama-3.1-8B-Instruct",
      Target("vllm-0.9", "http://gpu-1:8000", "meta-llama/Llama-3.1-8B-Instruct")),
     ("gw=https://gateway.internal/llm/", Target("gw", "https://gateway.internal/llm")),
+    ("c=http://h:8000/v1/chat/completions#m", Target("c", "http://h:8000", "m", "chat")),
+    ("p=http://h:8000/v1/completions/", Target("p", "http://h:8000", "", "completions")),
 ])
 def test_target_specs(spec, target):
     assert parse_target(spec) == target
@@ -69,6 +71,18 @@ def test_each_repetition_has_its_own_seed_and_the_model_is_passed_to_locust(tmp_
     assert command[command.index("--seed") + 1] == "42"
     assert command[command.index("--model") + 1] == "m"
     assert command[command.index("--ignore-eos") + 1] == "false"
+
+
+def test_the_api_is_the_one_a_target_url_names_unless_load_api_says(tmp_path):
+    chat_url = "c=http://127.0.0.1:1/v1/chat/completions"
+    settings = compare.parse_settings(["--sets", "timing", "--target", chat_url, "--target", "p=http://127.0.0.1:2"])
+    assert [settings.api_of(c) for c in settings.configs] == ["completions"] * 3 + ["chat", "completions"]
+    chat = settings.configs[3]
+    command = compare.locust_command(settings, chat.url, tmp_path, "m", api=settings.api_of(chat))
+    assert command[command.index("--api") + 1] == "chat" and chat.url == "http://127.0.0.1:1"
+    forced = compare.parse_settings(["--target", "c=http://127.0.0.1:1/v1/chat/completions",
+                                     "--load.api", "completions"])
+    assert forced.api_of(forced.configs[0]) == "completions"
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -122,8 +122,10 @@ def test_requests_carry_what_vllm_reads_and_gpuscope_serve_accepts():
     assert body["stream_options"] == {"include_usage": True}
     assert set(body) == {"model", "prompt", "max_tokens", "temperature", "stream", "stream_options",
                          "ignore_eos"}
-    # gpuscope serve takes the same body (it ignores ignore_eos and stream_options).
-    completion = parse_completion(body, ServerConfig().validate())
+    # gpuscope serve takes the same body when it names the served model (as vLLM, it answers 404 for
+    # another; the users ask GET /v1/models for the name).
+    config = ServerConfig().validate()
+    completion = parse_completion({**body, "model": config.model_name}, config)
     assert completion.stream and completion.max_tokens == 5
 
     class Plain:

@@ -373,6 +373,13 @@ VLLM = Source(
         "`vllm:time_per_output_token_seconds` (the inter-token latency's name before 0.11) is read where "
         "`vllm:inter_token_latency_seconds` is absent, and `vllm:gpu_cache_usage_perc` where "
         "`vllm:kv_cache_usage_perc` is.",
+        "TTFT is vLLM's engine-side one: arrival to the step that produced the first token, before "
+        "detokenizing and the HTTP write. gpuscope serve's `gpuscope_request_ttft_seconds` is taken when "
+        "the first non-empty text is written to the client, as clients measure it (its engine-side TTFT "
+        "is `gpuscope_request_engine_ttft_seconds`, and is what it exposes as "
+        "`vllm:time_to_first_token_seconds` under `--metrics.names vllm`): on the same load the "
+        "TTFT alerts and panels read a little lower on the vllm source, by the detokenizer's hold-back "
+        "and the delivery to the HTTP loop.",
     ),
 )
 

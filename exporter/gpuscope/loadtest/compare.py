@@ -41,7 +41,7 @@ from gpuscope.flags import FlagParser
 from gpuscope.loadtest import configs as config_sets
 from gpuscope.loadtest.configs import Config
 from gpuscope.loadtest.distributions import parse_distribution
-from gpuscope.loadtest.options import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
+from gpuscope.loadtest.options import APIS, DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
 from gpuscope.loadtest.recorder import load_samples
 from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
 from gpuscope.loadtest.runtools import (
@@ -109,6 +109,9 @@ def build_parser() -> FlagParser:
     p.add_flag("--load.seed", type=int, default=DEFAULT_SEED, help="seed of every run's requests")
     p.add_flag("--load.prompt-tokens", default=DEFAULT_PROMPT_TOKENS, help="prompt length distribution")
     p.add_flag("--load.output-tokens", default=DEFAULT_OUTPUT_TOKENS, help="max_tokens distribution")
+    p.add_flag("--load.api", default="", choices=["", *APIS],
+               help="the API every configuration is driven through, completions or chat; default: the "
+                    "one a target's URL names (…/v1/chat/completions), else completions")
     p.add_toggle("load.ignore-eos", True,
                  "send ignore_eos: true, so vLLM and gpuscope serve generate max_tokens tokens")
     p.add_flag("--batch.sizes", type=_int_list, default=[4, 8, 16], help="batch sizes of the batching set")
@@ -142,6 +145,11 @@ class Settings:
     label: str
     keep_samples: bool = False
     ignore_eos: bool = True
+    #: --load.api: "" = each configuration's own (a target's URL may name one), else completions.
+    api: str = ""
+
+    def api_of(self, config: Config) -> str:
+        return self.api or config.api or "completions"
 
     def seed_of(self, rep: int) -> int:
         """Seed of repetition ``rep`` (from 1): the same for every configuration within it."""
@@ -188,7 +196,7 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     try:
         targets = _targets(ns["target"])
         configs = config_sets.build(_sets(ns["sets"], bool(targets)), ns["batch.sizes"])
-        configs += config_sets.for_targets([(t.name, t.url, t.model) for t in targets])
+        configs += config_sets.for_targets([(t.name, t.url, t.model, t.api) for t in targets])
         for flag in ("load.prompt_tokens", "load.output_tokens"):
             parse_distribution(ns[flag])
         server_args = shlex.split(ns["server.args"])
@@ -211,7 +219,8 @@ def parse_settings(argv: Sequence[str]) -> Settings:
         seed=ns["load.seed"], prompt_tokens=ns["load.prompt_tokens"], output_tokens=ns["load.output_tokens"],
         server_args=server_args, out_dir=out_dir, name=name,
         runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
-        label=ns["output.label"], keep_samples=ns["output.keep_samples"], ignore_eos=ns["load.ignore_eos"])
+        label=ns["output.label"], keep_samples=ns["output.keep_samples"], ignore_eos=ns["load.ignore_eos"],
+        api=ns["load.api"])
 
 
 def resolve_targets(settings: Settings) -> Settings:
@@ -229,14 +238,15 @@ def resolve_targets(settings: Settings) -> Settings:
     return replace(settings, configs=configs)
 
 
-def locust_command(settings: Settings, host: str, run_dir: Path, model: str = "", rep: int = 1) -> list[str]:
+def locust_command(settings: Settings, host: str, run_dir: Path, model: str = "", rep: int = 1,
+                   api: str = "completions") -> list[str]:
     command = [
         *locust_prefix(), "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "--host", host, "-u", str(settings.users), "-r", str(settings.spawn_rate),
         "-t", f"{settings.warmup_s + settings.duration_s:g}s",
         "--seed", str(settings.seed_of(rep)), "--prompt-tokens", settings.prompt_tokens,
         "--output-tokens", settings.output_tokens,
-        "--ignore-eos", "true" if settings.ignore_eos else "false",
+        "--ignore-eos", "true" if settings.ignore_eos else "false", "--api", api,
         "--html", str(run_dir / "locust.html"), "--samples-file", str(run_dir / "samples.json"),
     ]
     if model:
@@ -296,7 +306,8 @@ def _run_locust(settings: Settings, config: Config, rep: int, host: str, model: 
     so a Ctrl-C at the terminal reaches this command only, which then stops Locust once."""
     (run_dir / "locust.log").unlink(missing_ok=True)  # a run's log holds that run only
     env = {**os.environ, "GPUSCOPE_LOAD_TENANTS": config.load_tenants, "PYTHONUNBUFFERED": "1"}
-    locust = procs.Child(locust_command(settings, host, run_dir, model, rep), name="Locust", env=env,
+    command = locust_command(settings, host, run_dir, model, rep, settings.api_of(config))
+    locust = procs.Child(command, name="Locust", env=env,
                          log_path=run_dir / "locust.log", stop_signal=signal.SIGINT, grace_s=30.0,
                          new_session=True, die_with_parent=True, signal_again=locust_ignored_ctrl_c)
     with locust:
@@ -335,7 +346,8 @@ def header(settings: Settings, started: dt.datetime, argv: Sequence[str] | None 
         "machine": describe_machine(settings.label),
         "load": (f"{settings.users} streaming users (closed loop), {seeds}, prompts "
                  f"`{settings.prompt_tokens}` characters, max_tokens `{settings.output_tokens}`, "
-                 f"ignore_eos {'on' if settings.ignore_eos else 'off'}, Locust "
+                 f"ignore_eos {'on' if settings.ignore_eos else 'off'}, "
+                 f"{settings.api or 'each target its URL’s (else completions)'} API, Locust "
                  f"{version('locust')} × {settings.processes} process(es)"),
         "runs": (f"{settings.repeats} repetitions × {len(settings.configs)} configurations, interleaved; "
                  f"{settings.warmup_s:g} s warm-up + {settings.duration_s:g} s measured each"

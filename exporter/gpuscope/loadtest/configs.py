@@ -41,6 +41,8 @@ class Config:
     url: str = ""
     #: A target's model (from ``#MODEL`` or its ``/v1/models``); "" for the servers the command starts.
     model: str = ""
+    #: The API a target's URL named ("" = completions unless ``--load.api`` says otherwise).
+    api: str = ""
 
     @property
     def is_target(self) -> bool:
@@ -70,6 +72,7 @@ def build(sets: Sequence[str], batch_sizes: Sequence[int]) -> list[Config]:
     return configs
 
 
-def for_targets(targets: Sequence[tuple[str, str, str]]) -> list[Config]:
-    """One configuration per ``(name, url, model)`` target, in the order given."""
-    return [Config(TARGETS_SET, name, (), url=url, model=model) for name, url, model in targets]
+def for_targets(targets: Sequence[tuple[str, ...]]) -> list[Config]:
+    """One configuration per ``(name, url, model[, api])`` target, in the order given."""
+    return [Config(TARGETS_SET, name, (), url=url, model=model, api=rest[0] if rest else "")
+            for name, url, model, *rest in targets]

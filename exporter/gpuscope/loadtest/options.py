@@ -25,6 +25,9 @@ from gpuscope.tenants import NAME_RULE, valid_tenant_name
 DEFAULT_PROMPT_TOKENS = "lognormal:median=64,sigma=0.5,min=8,max=256"
 DEFAULT_OUTPUT_TOKENS = "uniform:min=16,max=64"
 DEFAULT_SEED = 1234
+#: The OpenAI API the users drive: ``completions`` (``prompt``) or ``chat`` (``messages``).
+APIS = ("completions", "chat")
+DEFAULT_API = "completions"
 #: Tenants and their weights (users of each tenant ∝ weight); ``name:weight,...``. The default
 #: is gpuscope serve's default tenant; name the tenants the server was started with.
 DEFAULT_TENANTS = "default:1"
@@ -49,6 +52,11 @@ def _string_option(check: Callable[[str], object]) -> Callable[[str], str]:
 def _known_shape(name: str) -> None:
     if name not in shape_names():
         raise ValueError(f"unknown shape {name!r} (one of: {', '.join(shape_names())})")
+
+
+def _known_api(name: str) -> None:
+    if name not in APIS:
+        raise ValueError(f"unknown API {name!r} (one of: {', '.join(APIS)})")
 
 
 def _temperature(raw: str) -> None:
@@ -77,6 +85,7 @@ _checked_distribution = _string_option(parse_distribution)
 _checked_shape = _string_option(_known_shape)
 _checked_temperature = _string_option(_temperature)
 _checked_bool = _string_option(parse_bool)
+_checked_api = _string_option(_known_api)
 
 
 def add_locust_arguments(parser: Any) -> None:
@@ -99,6 +108,9 @@ def add_locust_arguments(parser: Any) -> None:
                         env_var="GPUSCOPE_LOAD_IGNORE_EOS",
                         help="send ignore_eos (vLLM generates exactly max_tokens); false for servers "
                              "that reject unknown fields")
+    parser.add_argument("--api", type=_checked_api, default=DEFAULT_API, env_var="GPUSCOPE_LOAD_API",
+                        help="completions (POST /v1/completions, a prompt) or chat (POST "
+                             "/v1/chat/completions, the prompt as one user message)")
     parser.add_argument("--samples-file", default="", env_var="GPUSCOPE_LOAD_SAMPLES_FILE",
                         include_in_web_ui=False,
                         help="write exact per-request figures (JSON) here when Locust quits")
@@ -115,6 +127,7 @@ class Workload:
     #: Model name sent; "" = the first one the host lists (resolved by the user), or none at all.
     model: str = ""
     ignore_eos: bool = True
+    api: str = DEFAULT_API
 
     def request_body(self, rng: random.Random, model: str | None = None) -> dict[str, Any]:
         """The next streaming completion request of a user drawing from ``rng``.
@@ -128,8 +141,12 @@ class Workload:
         name = self.model if model is None else model
         if name:
             body["model"] = name
+        prompt = make_prompt(rng, self.prompt_tokens.draw(rng))
+        if self.api == "chat":  # vLLM's ChatCompletionRequest: the same prompt as one user message
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
         body.update({
-            "prompt": make_prompt(rng, self.prompt_tokens.draw(rng)),
             "max_tokens": self.output_tokens.draw(rng),
             "temperature": self.temperature,
             "stream": True,
@@ -153,6 +170,7 @@ class Workload:
             temperature=float(get("temperature", 0)),
             model=str(get("model", "")).strip(),
             ignore_eos=parse_bool(get("ignore_eos", "true")),
+            api=str(get("api", DEFAULT_API)),
         )
 
 

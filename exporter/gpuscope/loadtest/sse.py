@@ -13,6 +13,10 @@ dialects reach this parser, and one rule covers both:
   with ``finish_reason``, the decoder's flush as ``text`` (usually empty) and
   ``usage`` on the same chunk.
 
+Chat streams (``--api chat``) carry the text in ``choices[0].delta.content``; their opening chunk
+(``delta`` with ``role`` and no content) is sent before any token and is not one. vLLM's and gpuscope
+serve's chat streams both send one chunk per step, the last with ``finish_reason``.
+
 A chunk with a choice is a token arrival, whatever its text, as in vLLM's
 benchmark client: vLLM's last chunk
 is its last step, even when that step's text is empty (the EOS token). The one
@@ -96,8 +100,14 @@ def parse_sse_line(line: bytes | str) -> Chunk | object | None:
         return Chunk("", None, tokens, has_choice=False)
     try:
         choice = choices[0]
-        text = choice.get("text") or ""
         finish = choice.get("finish_reason")
+        delta = choice.get("delta")
+        if isinstance(delta, dict):  # a chat chunk
+            text = delta.get("content") or ""
+            if "role" in delta and not text and finish is None:  # the opening chunk: no token yet
+                return Chunk("", None, tokens, has_choice=False)
+        else:
+            text = choice.get("text") or ""
     except (KeyError, IndexError, TypeError, AttributeError):
         raise StreamError(f"chunk without choices[0].text or usage: {payload[:80]!r}") from None
     if not isinstance(text, str):

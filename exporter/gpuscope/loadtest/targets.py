@@ -1,8 +1,10 @@
 """Endpoints the comparison loads but does not start: ``--target NAME=URL[#MODEL]``.
 
 A target is any server with vLLM's OpenAI-compatible routes: ``GET /v1/models``
-and streaming ``POST /v1/completions``. Its model is the one named after ``#``,
-or else the first one ``/v1/models`` lists (what ``vllm serve MODEL`` serves).
+and streaming ``POST /v1/completions`` or ``/v1/chat/completions``. A URL that names
+one of those endpoints (``http://host:8000/v1/chat/completions``) is loaded through
+it: that is the API its runs drive unless ``--load.api`` says otherwise. Its model is
+the one named after ``#``, or else the first one ``/v1/models`` lists (what ``vllm serve MODEL`` serves).
 Every target is asked for ``/v1/models`` before the first run, so a wrong URL or
 a server that is down ends the command at once with one line, not after the
 configurations that came before it have run.
@@ -39,6 +41,21 @@ class Target:
     name: str
     url: str
     model: str = ""
+    #: The API its URL named (``chat`` or ``completions``); "" when it named none.
+    api: str = ""
+
+
+#: Endpoint paths a target URL may end with, and the API each is.
+ENDPOINTS = (("/chat/completions", "chat"), ("/completions", "completions"))
+
+
+def split_endpoint(url: str) -> tuple[str, str]:
+    """``http://h/v1/chat/completions`` → (``http://h/v1``, ``chat``); naming no endpoint → (url, "")."""
+    stripped = url.strip().rstrip("/")
+    for suffix, api in ENDPOINTS:
+        if stripped.endswith(suffix):
+            return stripped[: -len(suffix)], api
+    return url, ""
 
 
 def base_url(url: str) -> str:
@@ -63,13 +80,14 @@ def parse_target(spec: str) -> Target:
         raise ValueError(f"target name {name!r} must be letters, digits, '_', '.' or '-' (64 at most), "
                          "starting with a letter or digit")
     url, _, model = rest.partition("#")
+    url, api = split_endpoint(url)
     url = base_url(url)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"target {name!r}: {url!r} is not an http:// or https:// URL")
     if parts.query:
         raise ValueError(f"target {name!r}: the URL {url!r} must not have a query")
-    return Target(name, url, model.strip())
+    return Target(name, url, model.strip(), api)
 
 
 def auth_headers() -> dict[str, str]:

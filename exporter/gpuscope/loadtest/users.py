@@ -42,6 +42,7 @@ from gpuscope.loadtest.sse import DONE, Chunk, StreamError, StreamTiming, parse_
 from gpuscope.loadtest.targets import TargetError, auth_headers, list_models
 
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 TENANT_HEADER = "X-Tenant"
 log = logging.getLogger("gpuscope.loadtest")
 
@@ -88,9 +89,10 @@ class CompletionsUser(FastHttpUser):
         self.rng = random.Random(user_seed(self.workload.seed, process, CompletionsUser._started_per_process))
         self.model = self.workload.model or served_model(self.host or "")
         # An OpenAI client's base URL (``http://host:8000/v1``) works as --host too.
-        self.completions_path = COMPLETIONS_PATH
+        path = CHAT_PATH if self.workload.api == "chat" else COMPLETIONS_PATH
+        self.completions_path = path
         if (self.host or "").rstrip("/").endswith("/v1"):
-            self.completions_path = COMPLETIONS_PATH.removeprefix("/v1")
+            self.completions_path = path.removeprefix("/v1")
 
     @task
     def complete(self) -> None:

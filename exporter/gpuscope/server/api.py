@@ -1,4 +1,4 @@
-"""The HTTP API (aiohttp): OpenAI-style completions, metrics, health, and the fault admin routes.
+"""The HTTP API (aiohttp): OpenAI-style completions and chat completions, metrics, health, fault admin.
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx status for anything the client got wrong; the middleware turns
@@ -12,6 +12,10 @@ call per step. With request tracing (``tracing.RequestTracing``, passed to
 ``build_app``) the completions route starts each request's server span, takes the
 request's trace id from it and hands the finished request to the tracer; without
 it the route is the untraced one and nothing of OpenTelemetry is imported.
+
+Both generation routes run ``_generate``; only the parsing (``protocol.parse_completion``,
+``chat.parse_chat``) and the response shapes (``shapes.py``) differ. The TTFT a client sees is
+observed here, when the first non-empty text is written (``_sent_text``); the engine observes its own.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import json
 import logging
 import signal
 import time
-import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +41,15 @@ from prometheus_client.exposition import choose_encoder
 from gpuscope import catalogue as c
 from gpuscope.logsafe import quote
 
+from .chat import ChatTemplate, parse_chat, template_for
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError, FaultInjector
 from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
 from .limits import SUPPORTED as LIMITS_SUPPORTED
+from .loop_lag import LoopMonitor
 from .protocol import (
     BadRequest,
+    Completion,
     new_trace_id,
     parse_completion,
     parse_traceparent,
@@ -51,6 +58,7 @@ from .protocol import (
 )
 from .scheduler import QueueFull
 from .service import Service
+from .shapes import ChatShape, CompletionShape, sse
 from .shutdown import Drain
 
 if TYPE_CHECKING:
@@ -62,6 +70,7 @@ SERVICE = web.AppKey("service", Service)
 TRACING = web.AppKey("tracing", object)
 DRAIN = web.AppKey("drain", Drain)
 CONNECTIONS_CLOSED = web.AppKey("connections_closed", Counter)
+LOOP_MONITOR = web.AppKey("loop_monitor", LoopMonitor)
 CLIENT_ERRORS = web.AppKey("client_errors", Counter)
 CLIENT_ERROR_REASONS = ("malformed", "bad_body", "disconnect")
 
@@ -149,11 +158,6 @@ async def json_errors(request: web.Request, handler):
         return error_response(500, "internal server error", "server_error")
 
 
-def _usage(done: Done) -> dict[str, int]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens}
-
-
 def _dispatch(events: list[tuple[Request, Any]]) -> None:
     for req, event in events:
         if req.channel is not None:
@@ -162,15 +166,19 @@ def _dispatch(events: list[tuple[Request, Any]]) -> None:
 
 async def _on_startup(app: web.Application) -> None:
     loop = asyncio.get_running_loop()
+    monitor = app[LOOP_MONITOR]
+    dispatch = monitor.timed(_dispatch)
 
     def deliver(events):
         if not loop.is_closed():
-            loop.call_soon_threadsafe(_dispatch, events)
+            loop.call_soon_threadsafe(dispatch, events, time.perf_counter())
 
+    monitor.start()
     app[SERVICE].start(deliver)
 
 
 async def _on_cleanup(app: web.Application) -> None:
+    await app[LOOP_MONITOR].stop()
     await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].close)
 
 
@@ -181,6 +189,8 @@ async def _close_tracing(app: web.Application) -> None:
     await close_async(app[TRACING])
 
 
+#: What a generation route makes of a body: the completion, its response shape, add special tokens.
+Parsed = tuple[Completion, CompletionShape, bool]
 FaultHandler = Callable[["Handlers", web.Request, FaultInjector], Awaitable[web.Response]]
 
 
@@ -207,21 +217,44 @@ class Handlers:
         self.service = service
         self.config = service.config
         self.tracing = tracing
+        self.chat_template: ChatTemplate = template_for(service.runner)
 
-    # --- completions -------------------------------------------------------------
-    async def completions_traced(self, request: web.Request) -> web.StreamResponse:
-        """``completions`` inside the request's server span (the route when tracing is on)."""
+    # --- completions and chat completions ---------------------------------------------
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:
+        """``handler`` inside the request's server span (the routes when tracing is on)."""
         tracing = self.tracing
         assert tracing is not None
-        rt = tracing.begin(request.headers)
+        rt = tracing.begin(request.headers, request.match_info.route.resource.canonical)
         response = None
         try:
-            response = await self.completions(request, rt)
+            response = await handler(request, rt)
             return response
         finally:
             tracing.end(rt, response.status if response is not None else None)
 
+    async def completions_traced(self, request: web.Request) -> web.StreamResponse:
+        return await self._traced(request, self.completions)
+
+    async def chat_traced(self, request: web.Request) -> web.StreamResponse:
+        return await self._traced(request, self.chat)
+
     async def completions(self, request: web.Request, rt: RequestTrace | None = None) -> web.StreamResponse:
+        def parse(body: Any) -> Parsed:
+            completion = parse_completion(body, self.config)
+            return completion, CompletionShape(self.config.model_name, completion.include_usage), True
+
+        return await self._generate(request, rt, parse)
+
+    async def chat(self, request: web.Request, rt: RequestTrace | None = None) -> web.StreamResponse:
+        def parse(body: Any) -> Parsed:
+            completion, special = parse_chat(body, self.config, self.chat_template)
+            return completion, ChatShape(self.config.model_name, completion.include_usage), special
+
+        return await self._generate(request, rt, parse)
+
+    async def _generate(self, request: web.Request, rt: RequestTrace | None,
+                        parse: Callable[[Any], Parsed]) -> web.StreamResponse:
+        arrival = time.perf_counter()  # TTFT and e2e count the body's reading and parsing too
         if rt is None:
             trace_id = parse_traceparent(request.headers.get("traceparent")) or new_trace_id()
             headers = {"traceparent": traceparent(trace_id), "X-Trace-Id": trace_id}
@@ -239,11 +272,12 @@ class Handlers:
                 body = json.loads(raw)
             except (ValueError, RecursionError) as exc:
                 raise BadRequest(400, f"request body is not valid JSON: {str(exc)[:120]}") from None
-            completion = parse_completion(body, self.config)
+            completion, shape, special = parse(body)
         except BadRequest as exc:
             return web.json_response(exc.body(), status=exc.status, headers=headers)
         req = Request(tenant, completion.prompt_ids, completion.max_tokens, completion.temperature, trace_id,
-                      channel=asyncio.Queue(), ignore_eos=completion.ignore_eos)
+                      arrival=arrival, channel=asyncio.Queue(), ignore_eos=completion.ignore_eos,
+                      stop=completion.stop, add_special_tokens=special)
         if rt is not None:
             self.tracing.track(rt, req, tenant)
         try:
@@ -253,35 +287,42 @@ class Handlers:
             retry = str(exc.retry_after)
             return error_response(429, f"queue of tenant {tenant!r} is full; retry after {retry}s",
                                   "rate_limit_error", headers={**headers, "Retry-After": retry})
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.config.model_name}
         try:
             if completion.stream:
-                return await self._stream(request, req, meta, headers, rt)
-            return await self._collect(req, meta, headers, rt)
+                return await self._stream(request, req, shape, headers, rt)
+            return await self._collect(req, shape, headers, rt)
         finally:
             if req.outcome is None:
                 self.service.engine.cancel(req)
 
-    async def _collect(self, req: Request, meta: dict, headers: dict,
+    def _sent_text(self, req: Request) -> None:
+        """The request's first non-empty text has gone to the client: its TTFT, as the client sees it."""
+        if req.first_text_at is None:
+            req.first_text_at = now = time.perf_counter()
+            m = self.service.metrics
+            m.observe(m.ttft, req.tenant, now - req.arrival, req.trace_id)
+
+    async def _collect(self, req: Request, shape: CompletionShape, headers: dict,
                        rt: RequestTrace | None = None) -> web.Response:
         parts: list[str] = []
         while True:
             event = await req.channel.get()
             if isinstance(event, Token):
+                # Not streamed: the text is ready when a stream would have sent it.
+                self._sent_text(req)
                 parts.append(event.text)
             elif isinstance(event, Done):
+                if event.text_tail:
+                    self._sent_text(req)
                 parts.append(event.text_tail)
-                choice = {"index": 0, "text": "".join(parts), "finish_reason": event.reason, "logprobs": None}
-                body = {**meta, "choices": [choice], "usage": _usage(event)}
-                return web.json_response(body, headers=headers)
+                return web.json_response(shape.body("".join(parts), event), headers=headers)
             elif isinstance(event, Failed):
                 status = 503 if event.reason == "abort" else 500
                 if rt is not None:
                     rt.error = event.message
                 return error_response(status, event.message, "server_error", headers=headers)
 
-    async def _stream(self, request: web.Request, req: Request, meta: dict, headers: dict,
+    async def _stream(self, request: web.Request, req: Request, shape: CompletionShape, headers: dict,
                       rt: RequestTrace | None = None) -> web.StreamResponse:
         response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -290,25 +331,33 @@ class Handlers:
         if rt is not None:
             rt.stream_start = time.perf_counter()
             write = rt.timed(response.write)
-
-        def chunk(text: str, finish: str | None = None, **extra) -> bytes:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            body = {**meta, "choices": [choice], **extra}
-            return b"data: " + json.dumps(body).encode() + b"\n\n"
-
         try:
+            for chunk in shape.opening():
+                await write(sse(chunk))
             while True:
                 event = await req.channel.get()
+                if isinstance(event, Token) and shape.merges_last and not req.channel.empty():
+                    after = req.channel.get_nowait()  # the same step's events arrive together
+                    if isinstance(after, Done):  # the last token's text goes in the finish chunk, as vLLM's
+                        event = replace(after, text_tail=event.text + after.text_tail)
+                    else:
+                        await write(sse(shape.text(event.text)))
+                        self._sent_text(req)
+                        event = after
                 if isinstance(event, Token):
-                    await write(chunk(event.text))
+                    await write(sse(shape.text(event.text)))
+                    self._sent_text(req)
                     continue
                 if isinstance(event, Done):
-                    await write(chunk(event.text_tail, event.reason, usage=_usage(event)))
+                    for chunk in shape.closing(event):
+                        await write(sse(chunk))
+                    if event.text_tail:
+                        self._sent_text(req)
                 elif isinstance(event, Failed):
                     if rt is not None:
                         rt.error = event.message
                     error = {"error": {"message": event.message, "type": "server_error", "code": 500}}
-                    await write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                    await write(sse(error))
                 await write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 if rt is not None:
@@ -330,6 +379,13 @@ class Handlers:
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """vLLM's ``/health``: 200 with an empty body while the engine runs, else 503 (JSON)."""
+        engine = self.service.engine
+        if engine.ready.is_set() and engine.alive():
+            return web.Response(status=200)
+        return error_response(503, "engine is not ready", "server_error")
 
     async def readyz(self, request: web.Request) -> web.Response:
         engine = self.service.engine
@@ -400,8 +456,11 @@ def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Ap
     for reason in CLIENT_ERROR_REASONS:
         client_errors.labels(reason)
     app[CLIENT_ERRORS] = client_errors
+    app[LOOP_MONITOR] = LoopMonitor(service.registry)
     h = Handlers(service, tracing)
     app.router.add_post("/v1/completions", h.completions if tracing is None else h.completions_traced)
+    app.router.add_post("/v1/chat/completions", h.chat if tracing is None else h.chat_traced)
+    app.router.add_get("/health", h.health)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/healthz", h.healthz)

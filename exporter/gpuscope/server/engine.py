@@ -4,8 +4,9 @@ One dedicated thread owns the model (so the HTTP event loop stays responsive).
 Each iteration it applies faults, drops cancelled requests, admits waiting
 requests into free batch slots (or, under share scheduling, preempts a
 lower-priority one), runs one batched prefill for the newcomers and one
-batched decode step for everyone else, then hands the iteration's events to
-``deliver`` in one call. With nothing running, a batch forms for at most
+batched decode step for everyone else, handing each step's events to ``deliver``
+in one call (the prefill's before the decode step runs, so a newcomer's first
+token does not wait for it). With nothing running, a batch forms for at most
 ``max_wait_s`` before its prefill starts.
 
 Each step is timed with ``timer.start(op, on_elapsed=...)``; its measured GPU
@@ -36,6 +37,7 @@ from .metrics import RequestMetrics
 from .model import Decoder, ModelRunner, StreamDecoder, TinyGPT, TinyRunner, sample
 from .scheduler import Scheduler
 from .step_timing import HostClock, trace_context
+from .stops import StopStrings
 
 log = logging.getLogger("gpuscope.server")
 request_log = logging.getLogger("gpuscope.server.requests")
@@ -54,6 +56,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     text_tail: str = ""
+    stop_reason: str | None = None  # the stop string that ended the request (vLLM's stop_reason)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,16 @@ class Request:
     tokens: list[int] | None = None  # the prompt in the model's tokens, set when first scheduled
     decoder: Decoder = field(default_factory=StreamDecoder)
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens (vLLM's parameter)
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one (never includes it)
+    #: Whether the tokenizer adds its special tokens (BOS) to the prompt; a chat template writes its own.
+    add_special_tokens: bool = True
+    #: When the first non-empty text was sent to the client (set by the API: the TTFT a client sees).
+    first_text_at: float | None = None
+    stops: StopStrings | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop and self.stops is None:
+            self.stops = StopStrings(self.stop)
 
     @property
     def prompt_tokens(self) -> int:
@@ -218,6 +231,9 @@ class Engine:
         old = [r for r in self._running if r not in new]
         if new:
             self._prefill(new, events)
+            if old:  # newcomers' first tokens go out now, not one decode step later
+                self._send(events)
+                events = []
         if old:
             self._decode(old, events)
         self._kv_usage = sum(r.cached for r in self._running) / (self.batch_size * self._context)
@@ -267,7 +283,10 @@ class Engine:
     def _tokenize(self, req: Request) -> str | None:
         """Set the request's model tokens and detokenizer; the error to fail it with, if any."""
         try:
-            req.tokens = self.runner.tokenize(req.prompt)
+            if req.add_special_tokens:
+                req.tokens = self.runner.tokenize(req.prompt)
+            else:
+                req.tokens = self.runner.tokenize(req.prompt, add_special_tokens=False)
         except ValueError as exc:
             req.tokens = []
             return f"cannot tokenize the prompt: {exc}"
@@ -339,7 +358,8 @@ class Engine:
         if req.first_token_at is None:
             req.first_token_at = now
             if m:
-                m.observe(m.ttft, req.tenant, now - req.arrival, req.trace_id)
+                # Engine-side (vLLM's TTFT); the API observes the TTFT clients see when it sends text.
+                m.observe(m.engine_ttft, req.tenant, now - req.arrival, req.trace_id)
                 m.observe(m.prefill, req.tenant, now - (req.scheduled_at or now), req.trace_id)
         elif m and req.last_token_at is not None:
             m.observe(m.itl, req.tenant, now - req.last_token_at, req.trace_id)
@@ -347,6 +367,13 @@ class Engine:
         if m:
             m.generation_tokens.labels(req.tenant).inc()
         text = req.decoder.feed(token)
+        if req.stops is not None and text:
+            text, matched = req.stops.feed(text)
+            if matched is not None:
+                if text:
+                    events.append((req, Token(text)))
+                self._finish(req, "stop", events, stop_reason=matched)
+                return
         if text:
             events.append((req, Token(text)))
         if token in self._eos and not req.ignore_eos:
@@ -354,8 +381,21 @@ class Engine:
         elif len(req.generated) >= req.max_tokens or req.cached + 1 >= self._context:
             self._finish(req, "length", events)
 
+    def _tail(self, req: Request, outcome: str) -> tuple[str, str, str | None]:
+        """(outcome, the text not yet sent, stop reason) of a request ending with ``outcome``."""
+        tail = req.decoder.finish()
+        if req.stops is None:
+            return outcome, tail, None
+        tail, matched = req.stops.feed(tail)
+        if matched is not None:
+            return "stop", tail, matched
+        return outcome, tail + req.stops.flush(), None
+
     def _finish(self, req: Request, outcome: str, events: list, message: str = "",
-                started: bool = True) -> None:
+                started: bool = True, stop_reason: str | None = None) -> None:
+        tail = ""
+        if outcome in ("stop", "length") and stop_reason is None:
+            outcome, tail, stop_reason = self._tail(req, outcome)
         now = time.perf_counter()
         req.outcome, req.finished_at = outcome, now
         if req in self._running:
@@ -365,7 +405,7 @@ class Engine:
             self.scheduler.finished(req)
         m = self.metrics
         if outcome in ("stop", "length"):
-            events.append((req, Done(outcome, req.prompt_tokens, len(req.generated), req.decoder.finish())))
+            events.append((req, Done(outcome, req.prompt_tokens, len(req.generated), tail, stop_reason)))
             if m and req.first_token_at is not None:
                 m.observe(m.e2e, req.tenant, now - req.arrival, req.trace_id)
                 m.observe(m.decode, req.tenant, now - req.first_token_at, req.trace_id)

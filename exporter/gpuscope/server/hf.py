@@ -168,11 +168,11 @@ class HFRunner:
     def allocate(self, slots: int) -> None:
         pass  # DynamicCache grows with the batch
 
-    def tokenize(self, prompt: list[int]) -> list[int]:
+    def tokenize(self, prompt: list[int], add_special_tokens: bool = True) -> list[int]:
         if not prompt or prompt[0] != BOS:
             raise ValueError("prompt ids must be BOS followed by UTF-8 bytes")
         text = bytes(prompt[1:]).decode("utf-8")  # ValueError (UnicodeDecodeError too) on bad ids
-        ids = list(self.tokenizer.encode(text))
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return ids or [self._start_id]
 
     def new_decoder(self, prompt: list[int]) -> HFStreamDecoder:

@@ -31,7 +31,8 @@ class RequestMetrics:
     """Per-tenant request histograms and counters; every tenant's series exist from the start."""
 
     def __init__(self, registry: CollectorRegistry, tenants: Iterable[str]) -> None:
-        self.ttft = c.REQUEST_TTFT.create(registry)
+        self.ttft = c.REQUEST_TTFT.create(registry)  # as the client sees it (observed by the API)
+        self.engine_ttft = c.REQUEST_ENGINE_TTFT.create(registry)  # at the sampling step (the engine)
         self.itl = c.REQUEST_ITL.create(registry)
         self.tpot = c.REQUEST_TPOT.create(registry)
         self.e2e = c.REQUEST_E2E.create(registry)
@@ -43,8 +44,8 @@ class RequestMetrics:
         self.requests = c.REQUESTS.create(registry)
         self.batch_size = c.BATCH_SIZE.create(registry)
         for tenant in tenants:
-            for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
-                           self.decode, self.prompt_tokens, self.generation_tokens):
+            for metric in (self.ttft, self.engine_ttft, self.itl, self.tpot, self.e2e, self.queue,
+                           self.prefill, self.decode, self.prompt_tokens, self.generation_tokens):
                 metric.labels(tenant)
             for outcome in OUTCOMES:
                 self.requests.labels(tenant, outcome)
@@ -93,7 +94,7 @@ class _FinishReasons:
 
 class VllmRequestMetrics:
     """``RequestMetrics`` under vLLM's names, labels (model_name, engine 0) and buckets; no exemplars
-    (vLLM attaches none)."""
+    (vLLM attaches none). The TTFT clients see has no vLLM name: it is not exposed."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         values = (model_name, "0")
@@ -101,7 +102,9 @@ class VllmRequestMetrics:
         def one(metric: c.Metric) -> _One:
             return _One(metric.create(registry).labels(*values))
 
-        self.ttft, self.itl, self.tpot = one(up.VLLM_TTFT), one(up.VLLM_ITL), one(up.VLLM_TPOT)
+        # vLLM's TTFT is taken in its engine, before detokenizing and the HTTP write: the engine's.
+        self.engine_ttft, self.ttft = one(up.VLLM_TTFT), _Discard()
+        self.itl, self.tpot = one(up.VLLM_ITL), one(up.VLLM_TPOT)
         self.e2e, self.queue = one(up.VLLM_E2E), one(up.VLLM_QUEUE)
         self.prefill, self.decode = one(up.VLLM_PREFILL), one(up.VLLM_DECODE)
         self.prompt_tokens = one(up.VLLM_PROMPT_TOKENS)

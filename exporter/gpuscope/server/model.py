@@ -58,8 +58,11 @@ class ModelRunner(Protocol):
     def allocate(self, slots: int) -> None:
         """Make room for ``slots`` concurrent requests; runs once, before the first step."""
 
-    def tokenize(self, prompt: list[int]) -> list[int]:
-        """The API's prompt ids (``encode``'s) → the model's token ids (never empty)."""
+    def tokenize(self, prompt: list[int], add_special_tokens: bool = True) -> list[int]:
+        """The API's prompt ids (``encode``'s) → the model's token ids (never empty).
+
+        ``add_special_tokens=False``: the text already has them (a chat template wrote the BOS).
+        """
 
     def new_decoder(self, prompt: list[int]) -> Decoder:
         """Detokenizer for a request whose (model-token) prompt is ``prompt``."""
@@ -287,8 +290,8 @@ class TinyRunner:
         self._slots = slots
         self.module.allocate_cache(slots + (1 if self._graph_timer is not None else 0))
 
-    def tokenize(self, prompt: list[int]) -> list[int]:
-        return prompt
+    def tokenize(self, prompt: list[int], add_special_tokens: bool = True) -> list[int]:
+        return prompt  # the toy model's tokens are the API's ids: BOS is always there
 
     def new_decoder(self, prompt: list[int]) -> StreamDecoder:
         return StreamDecoder()

@@ -3,7 +3,8 @@
 ``gpuscope serve --tracing.endpoint URL`` (or ``OTEL_EXPORTER_OTLP_ENDPOINT``) turns it on; without
 it the API never imports this module. One trace per request::
 
-    POST /v1/completions     (server span: the HTTP request, tenant, tokens, outcome, TTFT, GPU seconds)
+    POST /v1/completions     (server span: the HTTP request, tenant, tokens, outcome, TTFT, GPU seconds;
+                              POST /v1/chat/completions for chat, gen_ai.operation.name "chat")
     ├── queue                (arrival → first scheduled)
     ├── prefill              (scheduled → first token; its step events)
     ├── decode               (first token → last token; step events, then a summary)
@@ -61,6 +62,8 @@ log = logging.getLogger("gpuscope.server.tracing")
 #: server's Loki stream, so a trace and its logs share the name.
 SERVICE_NAME = "gpuscope-server"
 ROOT_SPAN = "POST /v1/completions"
+#: The generation routes and their GenAI operation names (OpenTelemetry's gen_ai.operation.name).
+OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
 #: How long the builder waits, after a response, for the timer to measure the request's last steps.
 GPU_WAIT_S = 1.0
 #: Finished requests waiting to become spans; beyond it a request's trace is dropped (backlog_full).
@@ -281,9 +284,10 @@ class RequestTracing:
         self._tracer = self.provider.get_tracer("gpuscope.server")
         self._propagator = TraceContextTextMapPropagator()
         self._root_attributes = {
-            "http.request.method": "POST", "http.route": "/v1/completions", "url.path": "/v1/completions",
-            "url.scheme": "http", "gen_ai.operation.name": "text_completion",
-            "gen_ai.request.model": config.model_name}
+            route: {"http.request.method": "POST", "http.route": route, "url.path": route,
+                    "url.scheme": "http", "gen_ai.operation.name": operation,
+                    "gen_ai.request.model": config.model_name}
+            for route, operation in OPERATIONS.items()}
         self._live: dict[Any, RequestTrace] = {}  # engine Request → its trace, while the engine may step it
         self._backlog: deque[RequestTrace] = deque()
         self._wake = threading.Event()
@@ -321,8 +325,9 @@ class RequestTracing:
         self._engine = None
 
     # --- the event loop ----------------------------------------------------------------------
-    def begin(self, headers: Mapping[str, str]) -> RequestTrace:
-        """Start the request's server span (a child of a valid incoming ``traceparent``)."""
+    def begin(self, headers: Mapping[str, str], route: str = "/v1/completions") -> RequestTrace:
+        """Start the request's server span (a child of a valid incoming ``traceparent``); ``route`` is
+        one of ``OPERATIONS`` and names the span (``POST /v1/chat/completions``)."""
         ns0, perf0 = time.time_ns(), time.perf_counter()
         context = None
         header = headers.get("traceparent")
@@ -340,8 +345,8 @@ class RequestTracing:
                 else:  # dropped whole (W3C); never handed to OpenTelemetry, which logs it raw
                     self._ignore("tracestate", state)
             context = self._propagator.extract(carrier)
-        span = self._tracer.start_span(ROOT_SPAN, context=context, kind=SpanKind.SERVER, start_time=ns0,
-                                       attributes=self._root_attributes)
+        span = self._tracer.start_span(f"POST {route}", context=context, kind=SpanKind.SERVER,
+                                       start_time=ns0, attributes=self._root_attributes[route])
         return RequestTrace(span, ns0, perf0)
 
     def _ignore(self, header: str, value: str) -> None:
@@ -577,8 +582,10 @@ class RequestTracing:
             attributes["error.type"] = "engine_error"
         if req.scheduled_at is not None:
             attributes[QUEUE_MS] = _ms(req.scheduled_at - req.arrival)
-        if req.first_token_at is not None:
-            attributes[TTFT_MS] = _ms(req.first_token_at - req.arrival)
+        # TTFT as the client saw it (the engine's when no text was sent)
+        first = req.first_text_at if req.first_text_at is not None else req.first_token_at
+        if first is not None:
+            attributes[TTFT_MS] = _ms(first - req.arrival)
         summary = self._summary(rt.steps)
         attributes[STEPS] = summary[STEPS]
         for key in (GPU_SECONDS, STEP_GPU_SECONDS):
