@@ -19,11 +19,11 @@ MiB, labelled ``gpu``, ``UUID``, ``pci_bus_id``, ``device``, ``modelName``, ``Ho
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
+from tests.alerts import case_files
 from tests.alerts import memory_shapes as shapes
-from tests.alerts.memory_shapes import PROFILES, ROOT, Profile
+from tests.alerts.memory_shapes import PROFILES, Profile
 
 CAPACITY_MIB = 80 * 1024
 PATHS = {"production": "alerts/tests/sources/dcgm-memory.test.yml",
@@ -121,13 +121,7 @@ def outputs() -> dict[str, str]:
 
 
 def main() -> int:
-    for rel, text in outputs().items():
-        path = ROOT / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {rel}", file=sys.stderr)
-    return 0
+    return case_files.write(outputs())
 
 
 if __name__ == "__main__":

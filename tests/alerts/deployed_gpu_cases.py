@@ -32,7 +32,6 @@ evaluation error, so every case also proves its joins hold:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ import yaml
 from gpuscope.alerting import generate
 from gpuscope.alerting.config import PRODUCTION, TEST, TEST_COMPRESSION, Profile
 from gpuscope.alerting.rules import duration
+from tests.alerts import case_files
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = {"production": "alerts/tests/sources/gpu-deployed.test.yml",
@@ -419,13 +419,7 @@ def outputs() -> dict[str, str]:
 
 
 def main() -> int:
-    for rel, text in outputs().items():
-        path = ROOT / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {rel}", file=sys.stderr)
-    return 0
+    return case_files.write(outputs())
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ series per engine: ``vllm:num_requests_waiting`` (gauge) and ``vllm:generation_t
 
 from __future__ import annotations
 
-import sys
-
-from tests.alerts.memory_shapes import PROFILES, ROOT, Profile
+from tests.alerts import case_files
+from tests.alerts.memory_shapes import PROFILES, Profile
 
 MODEL = "llama-3-8b"
 RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
@@ -101,13 +100,7 @@ def outputs() -> dict[str, str]:
 
 
 def main() -> int:
-    for rel, text in outputs().items():
-        path = ROOT / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {rel}", file=sys.stderr)
-    return 0
+    return case_files.write(outputs())
 
 
 if __name__ == "__main__":

@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.alerts import case_files
 
 ROOT = Path(__file__).resolve().parents[2]
 CAPACITY = 80 << 30
@@ -446,13 +447,7 @@ def outputs() -> dict[str, str]:
 
 
 def main() -> int:
-    for rel, text in outputs().items():
-        path = ROOT / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {rel}", file=sys.stderr)
-    return 0
+    return case_files.write(outputs())
 
 
 if __name__ == "__main__":

@@ -30,10 +30,10 @@ Cases (production minutes):
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
-from tests.alerts.memory_shapes import PROFILES, ROOT, Profile
+from tests.alerts import case_files
+from tests.alerts.memory_shapes import PROFILES, Profile
 
 SERVER_POD = ('up{{job="gpuscope-server",instance="{ip}:8000",namespace="gpuscope",'
               'pod="gpuscope-server-{pod}",service="gpuscope-server",endpoint="http",container="server"}}')
@@ -221,12 +221,7 @@ def outputs() -> dict[str, str]:
 
 
 def main() -> int:
-    for rel, text in outputs().items():
-        path = ROOT / rel
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {rel}", file=sys.stderr)
-    return 0
+    return case_files.write(outputs())
 
 
 if __name__ == "__main__":
