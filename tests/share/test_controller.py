@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,6 +17,7 @@ from gpuscope.share.ledger import TenantPolicy, proc_paths
 from gpuscope.share.main import main as share_main
 from gpuscope.share.main import parse_shares
 from gpuscope.share.metrics import ShareCollector
+from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env
 
 LOOP = """
@@ -41,11 +41,7 @@ def tenant(fake, tmp_path, name: str, ledger: str, seconds: float, how: str = "b
 
 
 def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+    shared_wait_for(predicate, timeout=timeout, interval=0.01, what=what)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from gpuscope.share.ledger import Policy, ProcView, TenantPolicy, proc_paths
+from tests.conftest import wait_for
 from tests.share.fakecuda import child_env, finish, launch, read_log
 
 
@@ -96,24 +97,16 @@ def test_a_joined_tenant_accounts_gpu_time_in_windows(fake_cuda, tmp_path):
         policy.close()
 
 
-def _wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     try:
         policy.set_gate(0b01)  # only a may launch
         log = tmp_path / "log"
         child = launch(child_env(fake_cuda, log, tenant="b", ledger=policy.prefix), 3)
-        _wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
         view = ProcView(next(iter(proc_paths(policy.prefix).values())))
         try:
-            _wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+            wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
             assert view.tenant == "b" and view.slot == 1
             assert not log.exists() or read_log(log) == []  # nothing launched while held
             policy.heartbeat()
@@ -143,10 +136,10 @@ def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
         policy.set_gate(0)
         log = tmp_path / "log"
         child = launch(child_env(fake_cuda, log, tenant="a", ledger=policy.prefix), 3)
-        _wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
         view = ProcView(next(iter(proc_paths(policy.prefix).values())))
         try:
-            _wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+            wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
         finally:
             view.close()
         beating.clear()
