@@ -1,6 +1,6 @@
 """`gpuscope share` on one GPU: two unmodified processes held to GPU-time shares by the preload library.
 
-One call does everything (H200, about 4 minutes):
+One call does everything (H200, about 7 minutes):
 
 1. solo: a process alone, plain and under the library (controller running, shares not binding), in
    interleaved pairs: CPU per tiny launch, matmul throughput, a CUDA-graph replay loop (accounted?),
@@ -195,12 +195,12 @@ def collect(p: subprocess.Popen) -> dict:
 class Controller:
     """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
 
-    def __init__(self, shares: str, accounting: str, port: int) -> None:
+    def __init__(self, shares: str, accounting: str, port: int, *extra: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "exporter"))
         self.port = port
         self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share", shares,
                                    "--share.accounting", accounting, "--share.ledger", LEDGER,
-                                   "--web.listen-address", f"127.0.0.1:{port}"], env=env,
+                                   "--web.listen-address", f"127.0.0.1:{port}", *extra], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 30
         while not os.path.exists(LEDGER):
@@ -234,8 +234,8 @@ def rate(stamps: list[float], lo: float, hi: float) -> float:
     return sum(1 for s in stamps if lo <= s < hi) / (hi - lo)
 
 
-def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: int) -> dict:
-    ctl = Controller(shares, accounting, port)
+def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: int, *extra: str) -> dict:
+    ctl = Controller(shares, accounting, port, *extra)
     start = time.time() + 12  # both processes past torch's start-up
     pa, pb = spawn("hog", seconds, start, "a"), spawn("hog", seconds, start, "b")
     while time.time() < start + seconds / 2:
@@ -254,7 +254,8 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
     after_first = windows[1:]
     worst = max(max(abs(w["a"] - 0.7), abs(w["b"] - 0.3)) for w in after_first)
     gpu = {k: r["stats"]["gpu_ns"] / 1e9 for k, r in (("a", ra), ("b", rb))}
-    return {"accounting": accounting, "seconds": seconds, "windows": windows, "a": whole_a, "b": whole_b,
+    return {"accounting": accounting, "flags": list(extra), "seconds": seconds, "windows": windows,
+            "a": whole_a, "b": whole_b,
             "worst_window_error_points": 100 * worst, "within_2_points": worst <= 0.02,
             "gpu_seconds": gpu, "throttled_s": {"a": ra["stats"]["throttled_ns"] / 1e9,
                                                   "b": rb["stats"]["throttled_ns"] / 1e9},
@@ -281,7 +282,8 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def llm_run(accounting: str | None, seconds: float, port: int, shares: str = "llm=0.3:1,hog=0.7") -> dict:
+def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
+            shares: str = "llm=0.3:1,hog=0.7") -> dict:
     ctl = Controller(shares, accounting, port) if accounting else None
     start = time.time() + 15
     pl = spawn("llm", seconds, start, "llm" if accounting else None)
@@ -293,6 +295,7 @@ def llm_run(accounting: str | None, seconds: float, port: int, shares: str = "ll
     return {"accounting": accounting, "shares": shares, "steps": len(lat), "p50_ms": 1e3 * pct(lat, 0.5),
             "p99_ms": 1e3 * pct(lat, 0.99), "tokens": rl["tokens"], "llm_stats": rl["stats"],
             "hog_its_per_s": (len(rh["stamps"]) / seconds) if rh else None,
+            "hog_vs_alone": (len(rh["stamps"]) / seconds / alone) if rh else None,
             "helper_cpu_s": rl["helper_cpu_s"] + (rh["helper_cpu_s"] if rh else 0.0), "controller": c}
 
 
@@ -357,12 +360,15 @@ def _rest(args: argparse.Namespace, out: dict, solo: list, phases: set[str], sav
 
 
 def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: set[str], save) -> dict:
-    # 2./3. two matmul loops at 70/30
+    # 2./3. two matmul loops at 70/30 (and a shorter run at the old 20 ms slice: the controller's CPU)
     out["pair"] = {}
-    for accounting in [m for m in ("events", "nvml") if f"pair-{m}" in phases]:
-        r = pair_run("a=0.7,b=0.3", accounting, args.pair_seconds, alone, args.port)
-        out["pair"][accounting] = r
-        print(f"pair {accounting}: a {100 * r['a']:.1f}% b {100 * r['b']:.1f}% of alone, worst 5 s window "
+    pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
+             "events-slice-20ms": ("events", args.pair_seconds / 3, "--share.slice", "20ms")}
+    for key in [k for k in pairs if f"pair-{k}" in phases]:
+        accounting, seconds, *extra = pairs[key]
+        r = pair_run("a=0.7,b=0.3", accounting, seconds, alone, args.port, *extra)
+        out["pair"][key] = r
+        print(f"pair {key}: a {100 * r['a']:.1f}% b {100 * r['b']:.1f}% of alone, worst 5 s window "
               f"off by {r['worst_window_error_points']:.1f} points; controller "
               f"{r['controller']['cpu_core_pct']:.2f}% of a core", flush=True)
         save()
@@ -372,16 +378,18 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
-    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port)}
+    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone)}
     for key in chosen:
-        out["llm"][key] = llm_run(runs[key][0], args.llm_seconds, args.port, runs[key][1])
+        out["llm"][key] = llm_run(runs[key][0], args.llm_seconds, args.port, alone, runs[key][1])
     base = out["llm"]["alone"]
     for accounting in chosen:
         r = out["llm"][accounting]
         r["p99_vs_alone"] = r["p99_ms"] / base["p99_ms"]
         r["tokens_identical"] = r["tokens"] == base["tokens"]
         print(f"llm {accounting}: p99 {r['p99_ms']:.1f} ms vs alone {base['p99_ms']:.1f} ms "
-              f"({r['p99_vs_alone']:.2f}x), hog {r['hog_its_per_s']:.1f} it/s", flush=True)
+              f"({r['p99_vs_alone']:.2f}x), hog {r['hog_its_per_s']:.1f} it/s "
+              f"({100 * r['hog_vs_alone']:.0f}% of alone); "
+              f"controller {r['controller']['cpu_core_pct']:.2f}% of a core", flush=True)
     save()
     return out
 
@@ -426,11 +434,11 @@ def main() -> None:
                    help="JSON result files then the PNG to draw: each tenant's share over time")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--solo-seconds", type=float, default=4.0)
-    p.add_argument("--pair-seconds", type=float, default=40.0)
-    p.add_argument("--llm-seconds", type=float, default=15.0)
+    p.add_argument("--pair-seconds", type=float, default=60.0)
+    p.add_argument("--llm-seconds", type=float, default=20.0)
     p.add_argument("--port", type=int, default=9402)
     p.add_argument("--phases",
-                   default="solo,pair-events,pair-nvml,llm-events,llm-nvml,llm-events-llm-share-0.7",
+                   default="solo,pair-events,pair-nvml,pair-events-slice-20ms,llm-events,llm-nvml",
                    help="which parts to run (comma-separated)")
     args = p.parse_args()
     if args.plot:

@@ -439,6 +439,10 @@ _TP = ("tenant", "pid")
 SHARE_GPU_SECONDS = _m("gpuscope_share_gpu_seconds_total", "counter",
                        "GPU time of a tenant process's launch windows, measured by CUDA events.",
                        "seconds", _TP, area=SHARE)
+SHARE_CHARGED_SECONDS = _m("gpuscope_share_charged_seconds_total", "counter",
+                           "GPU time the controller charged a tenant: its processes' event time, scaled "
+                           "down to the wall time while tenants ran concurrently.", "seconds", ("tenant",),
+                           area=SHARE)
 SHARE_THROTTLED_SECONDS = _m("gpuscope_share_throttled_seconds_total", "counter",
                              "Time the process's launching threads were held at the gate (summed over "
                              "threads).", "seconds", _TP, area=SHARE)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,11 +27,15 @@ import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
 end = time.time() + float(sys.argv[1])
 n = 0
+light = sys.argv[2] == 'light'  # 5 µs kernels 2 ms apart: a latency-bound tenant
 while time.time() < end:
-    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(50), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(5 if light else 50), U(1), U(1), U(0), ctypes.c_void_p(1),
+                        None, None)
     n += 1
     if sys.argv[2] == 'idle' and n == 10:
         time.sleep(60)
+    if light:
+        time.sleep(0.002)
 """
 
 
@@ -44,17 +50,24 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
     shared_wait_for(predicate, timeout=timeout, interval=0.01, what=what)
 
 
-@pytest.fixture
-def controller(tmp_path):
-    tenants = [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]
-    c = Controller(str(tmp_path / "ledger"), tenants, slice_s=0.01, drain_timeout_s=2.0)  # CI's slack
+@contextlib.contextmanager
+def running(ledger: str, tenants: list[TenantPolicy]):
+    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0)  # CI's slack
     stop = threading.Event()
     loop = threading.Thread(target=c.run, args=(stop,))
     loop.start()
-    yield c
-    stop.set()
-    loop.join()
-    c.close()
+    try:
+        yield c
+    finally:
+        stop.set()
+        loop.join()
+        c.close()
+
+
+@pytest.fixture
+def controller(tmp_path):
+    with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]) as c:
+        yield c
 
 
 def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller):
@@ -96,6 +109,34 @@ def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, cont
     assert a["throttled_ns"] > 0 and b["throttled_ns"] > 0
     # the larger share got more of the (fake) GPU time
     assert a["gpu_ns"] > b["gpu_ns"] > 0
+
+
+def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_cuda, tmp_path):
+    tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
+    with running(str(tmp_path / "ledger"), tenants) as c:
+        started = time.monotonic()
+        hog = tenant(fake_cuda, tmp_path, "batch", c.policy.prefix, 2.0)
+        online = tenant(fake_cuda, tmp_path, "online", c.policy.prefix, 2.0, "light")
+        try:
+            wait_for(lambda: c.stats.binding and c.beside == {1}, what="online to run beside the holder")
+            assert c.policy.busy_mask == 0b10  # its windows measure busy time
+            assert c.policy.gate & 0b11 == 0b11  # the holder and the tenant beside it both launch
+            for p in (hog, online):
+                _, err = p.communicate(timeout=30)
+                assert p.returncode == 0 and err == ""
+        finally:
+            for p in (hog, online):
+                p.kill()
+                p.wait()
+        wait_for(lambda: set(c.stats.departed) == {"batch", "online"}, what="both exits to be noticed")
+        wall = time.monotonic() - started
+        # what the processes posted while running at once is scaled down to the wall time
+        assert sum(c.stats.charged_s.values()) <= wall
+        online_counters = c.stats.departed["online"]
+        assert online_counters["launches"] > 0 and online_counters["waits"] == 0  # never held at the gate
+        # charged for its kernels (5 µs each), not for the 2 ms gaps between them
+        assert c.stats.charged_s["online"] <= online_counters["launches"] * 5e-6 * 1.01
+        assert c.stats.charged_s["batch"] > c.stats.charged_s["online"] > 0
 
 
 def test_metrics_come_from_the_catalogue(fake_cuda, tmp_path, controller):

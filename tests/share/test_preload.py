@@ -97,6 +97,41 @@ def test_a_joined_tenant_accounts_gpu_time_in_windows(fake_cuda, tmp_path):
         policy.close()
 
 
+ONE_STREAM = """
+import ctypes, json, sys, time
+cuda = ctypes.CDLL('libcuda.so.1'); own = ctypes.CDLL(None); U = ctypes.c_uint
+for n in range(40):  # 50 µs of fake GPU time each, all on stream 1
+    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(50), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+out = (ctypes.c_uint64 * 8)()
+deadline = time.monotonic() + 10
+while True:  # until the helper posted the last window
+    own.gpuscope_share_stats(out)
+    if out[4] >= 40 * 50_000 or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
+print(json.dumps({"windows": out[5], "gpu_ns": out[4], "hook_errors": out[2]}))
+"""
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_tenant_beside_the_holder_ends_its_windows_where_its_stream_runs_dry(fake_cuda, tmp_path, beside):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5, 1)])
+    try:
+        policy.set_gate(0b11)  # shares bind; both may launch
+        policy.set_busy_mask(0b10 if beside else 0)
+        env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
+        proc = subprocess.run([sys.executable, "-c", ONE_STREAM], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads(proc.stdout)
+        assert stats["gpu_ns"] == 40 * 50_000 and stats["hook_errors"] == 0
+        # the fake's work is done as soon as it is launched, so the stream is dry at every launch:
+        # beside the holder each kernel is a window of its own; a slice holder's windows span launches
+        assert (stats["windows"] == 40) is beside
+    finally:
+        policy.close()
+
+
 def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     try:

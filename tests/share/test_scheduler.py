@@ -47,6 +47,19 @@ def test_priority_does_not_buy_more_than_the_share():
     assert got[1] / sum(got) == pytest.approx(0.3, abs=0.015)
 
 
+def test_higher_priority_tenants_within_their_share_run_beside_the_holder():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 5),
+                        TenantPolicy("batch", 0.2, 0)])
+    assert s.beside({0}) == set() and s.beside({1}) == set()  # alone: nothing to run beside
+    assert s.beside({0, 1}) == {1}
+    assert s.beside({0, 2}) == set()  # equal priorities take turns in slices
+    s.charge(0, 0.09, 0.0)
+    s.charge(1, 0.01, 0.0)  # a latency-bound tenant: little busy time
+    assert s.beside({0, 1}) == {1}
+    s.charge(1, 0.1, 0.0)  # now over its share: it takes turns like the others until back within
+    assert s.beside({0, 1}) == set()
+
+
 def test_binding_needs_two_active_tenants_and_pick_needs_a_wanting_one():
     s = SliceScheduler([TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     assert not s.binds({0})

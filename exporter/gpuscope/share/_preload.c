@@ -67,7 +67,7 @@ typedef struct {
 
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 1u
+#define LAYOUT_VERSION 2u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 
@@ -79,7 +79,8 @@ typedef struct {
     _Atomic uint32_t gate;         /* futex word: bit i = tenant slot i may launch; bits 16..31 generation */
     uint32_t mode;                 /* 0 events, 1 nvml */
     uint32_t window_us, inflight_slice, inflight_open, stale_ms;
-    uint8_t pad[64 - 48];
+    _Atomic uint32_t busy_mask;    /* bit i: tenant slot i runs beside the slice holder, charged busy time */
+    uint8_t pad[64 - 52];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active, pad;
@@ -142,6 +143,7 @@ static void *real(int i) {
 typedef CUresult (*event_create_fn)(CUevent *, unsigned int);
 typedef CUresult (*event_record_fn)(CUevent, CUstream);
 typedef CUresult (*event_sync_fn)(CUevent);
+typedef CUresult (*event_query_fn)(CUevent);
 typedef CUresult (*event_elapsed_fn)(float *, CUevent, CUevent);
 typedef CUresult (*ctx_fn)(CUcontext *);
 typedef CUresult (*ctx_set_fn)(CUcontext);
@@ -153,6 +155,7 @@ static struct {
     event_create_fn create;
     event_record_fn record, record_ptsz;
     event_sync_fn sync;
+    event_query_fn query;
     event_elapsed_fn elapsed;
     ctx_fn get_ctx;
     ctx_set_fn set_ctx;
@@ -194,6 +197,7 @@ typedef struct {
     CUevent start, end;
     CUstream stream;
     int ptsz;
+    int end_recorded; /* the end event already follows the window's last launch (busy-time windows) */
 } window_t;
 
 static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
@@ -382,6 +386,7 @@ static int load_driver_calls(void) {
     drv.record = (event_record_fn)driver_symbol("cuEventRecord");
     drv.record_ptsz = (event_record_fn)driver_symbol("cuEventRecord_ptsz");
     drv.sync = (event_sync_fn)driver_symbol("cuEventSynchronize");
+    drv.query = (event_query_fn)driver_symbol("cuEventQuery"); /* optional: busy-time windows need it */
     drv.elapsed = (event_elapsed_fn)driver_symbol("cuEventElapsedTime_v2");
     if (!drv.elapsed) drv.elapsed = (event_elapsed_fn)driver_symbol("cuEventElapsedTime");
     drv.get_ctx = (ctx_fn)driver_symbol("cuCtxGetCurrent");
@@ -413,10 +418,17 @@ fail:
     say("gpuscope-share: no CUDA events for accounting: launches are counted, not timed\n");
 }
 
+/* Whether this process's tenant runs beside the slice holder (a higher-priority tenant within its
+ * share): its windows then end where its stream runs dry, so they measure busy time, not holding time. */
+static inline int busy_accounting(void) {
+    return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit);
+}
+
 static inline uint32_t inflight_limit(void) {
     uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
     int binding = policy && !atomic_load_explicit(&failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
-    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
+    /* only a slice holder is drained at a hand-over, so only its queue is kept short */
+    uint32_t lim = (binding && !busy_accounting()) ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
 
@@ -434,13 +446,28 @@ static int capturing(CUstream stream, int ptsz) {
     return fn && fn(stream, &status) == 0 && status != 0;
 }
 
+static inline CUresult record(CUevent e, const window_t *w) {
+    event_record_fn rec = (w->ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
+    return rec(e, w->stream);
+}
+
+/* A finished window's GPU time onto the process's counters. */
+static float post_window(const window_t *w) {
+    float ms = 0;
+    CUresult rc = drv.elapsed(&ms, w->start, w->end);
+    if (rc == 0 && ms > 0) atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
+    else if (rc != 0) atomic_fetch_add(&proc->hook_errors, 1);
+    atomic_fetch_add(&proc->windows, 1);
+    return ms;
+}
+
 /* Under wlock: close the open window with an end event on its stream (not while it is captured:
- * the window then stays open until the capture ends). */
+ * the window then stays open until the capture ends). A busy-time window's end event already
+ * follows its last launch: recording it again now would add the idle time since. */
 static int close_window(void) {
     window_t *w = &ring[tail % POOL];
     if (capturing(w->stream, w->ptsz)) return 0;
-    event_record_fn rec = (w->ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
-    if (rec(w->end, w->stream) != 0) atomic_fetch_add(&proc->hook_errors, 1);
+    if (!w->end_recorded && record(w->end, w) != 0) atomic_fetch_add(&proc->hook_errors, 1);
     win_open = 0;
     atomic_store_explicit(&proc->window_open, 0, memory_order_relaxed);
     tail++;
@@ -451,12 +478,21 @@ static int close_window(void) {
 
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
-static void open_window(CUstream stream, int ptsz) {
+static void open_window(CUstream stream, int ptsz, int busy) {
     if (capturing(stream, ptsz)) return;
     if (win_open) {
         window_t *w = &ring[tail % POOL];
-        if (w->stream == stream && w->ptsz == ptsz && win_launches < K) return;
-        if (!close_window()) return;
+        int same = w->stream == stream && w->ptsz == ptsz;
+        if (same && busy && w->end_recorded && drv.query(w->end) == 0) {
+            /* The stream ran dry after this window's last launch: the window ends there (the idle gap
+             * since is nobody's GPU time), is complete, so it is resolved here, and the next one
+             * starts in the same slot. A launch-bound tenant's windows are thus its kernels' spans. */
+            post_window(w);
+            win_open = 0;
+        } else {
+            if (same && win_launches < K) return;
+            if (!close_window()) return;
+        }
     }
     while (tail - head >= inflight_limit()) {
         CUevent oldest = ring[head % POOL].end;
@@ -466,19 +502,15 @@ static void open_window(CUstream stream, int ptsz) {
         if (win_open) return; /* another thread opened one meanwhile */
         if (tail - head >= inflight_limit()) {
             /* the helper has not popped it yet: resolve it here */
-            window_t *w = &ring[head % POOL];
-            float ms = 0;
-            if (drv.elapsed(&ms, w->start, w->end) == 0 && ms > 0)
-                atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
-            atomic_fetch_add(&proc->windows, 1);
+            post_window(&ring[head % POOL]);
             head++;
         }
     }
     window_t *w = &ring[tail % POOL];
     w->stream = stream;
     w->ptsz = ptsz;
-    event_record_fn rec = (ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
-    if (rec(w->start, stream) != 0) {
+    w->end_recorded = 0;
+    if (record(w->start, w) != 0) {
         atomic_fetch_add(&proc->hook_errors, 1);
         return;
     }
@@ -510,15 +542,10 @@ static void *helper_main(void *arg) {
             uint64_t h = head;
             pthread_mutex_unlock(&wlock);
             drv.sync(w.end);
-            float ms = 0;
-            CUresult rc = drv.elapsed(&ms, w.start, w.end);
             pthread_mutex_lock(&wlock);
             if (head == h) { /* not resolved by a launching thread meanwhile */
-                if (rc == 0 && ms > 0) atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
-                else if (rc != 0) atomic_fetch_add(&proc->hook_errors, 1);
-                atomic_fetch_add(&proc->windows, 1);
+                adapt(post_window(&w));
                 head++;
-                adapt(ms);
             }
             atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
             pthread_mutex_unlock(&wlock);
@@ -526,7 +553,8 @@ static void *helper_main(void *arg) {
         }
         uint32_t g = atomic_load(gate);
         int allowed = (g & slot_bit) != 0;
-        int binding = (g & 0xffffu) != 0xffffu;
+        /* a slice holder, not a tenant running beside it: its going quiet ends the slice */
+        int binding = (g & 0xffffu) != 0xffffu && !busy_accounting();
         uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
         if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window()) {
             /* The gate closed (or the process went quiet) with a window open: end it here so the
@@ -567,9 +595,9 @@ static void *helper_main(void *arg) {
 
 static void wait_turn(void) {
     uint64_t t0 = now_ns();
-    atomic_fetch_add(&proc->waiting, 1);
+    /* the controller reads `waiting` at each decision: only the first waiter needs to wake it */
+    if (atomic_fetch_add(&proc->waiting, 1) == 0) ring_bell();
     atomic_fetch_add(&proc->waits, 1);
-    ring_bell();
     for (;;) {
         uint32_t g = atomic_load(gate);
         if (g & slot_bit) break;
@@ -599,13 +627,17 @@ static void wait_turn(void) {
             pthread_mutex_lock(&wlock);                                                                  \
         }                                                                                                \
         if (!acct_ready) start_accounting();                                                             \
-        if (!acct_failed) open_window((STREAM), (PTSZ));                                                 \
+        int busy_ = !acct_failed && busy_accounting();                                                   \
+        if (!acct_failed) open_window((STREAM), (PTSZ), busy_);                                          \
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
         if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);            \
         atomic_store_explicit(&proc->last_launch_ns, now_ns(), memory_order_relaxed);                    \
         if (win_open) {                                                                                  \
+            window_t *w_ = &ring[tail % POOL];                                                           \
             win_launches += (GRAPH) ? 8 : 1;                                                             \
+            /* busy time: the end event follows every launch, so the window ends at its last kernel */   \
+            w_->end_recorded = busy_ && record(w_->end, w_) == 0;                                        \
             if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window();          \
         }                                                                                                \
         pthread_mutex_unlock(&wlock);                                                                    \

@@ -25,6 +25,12 @@ from gpuscope.share.scheduler import SliceScheduler, TokenBuckets
 ACTIVE_S = 0.5
 #: The holder still wants its slice if it launched this recently.
 HOLDER_RECENT_S = 0.002
+#: The turn of the smallest share while shares bind (``--share.slice``): long enough that hand-overs
+#: (a few controller wake-ups each) stay rare, short enough for a 5 s window to hold dozens of turns.
+DEFAULT_SLICE_S = 0.05
+#: While tenants run concurrently their posted GPU time is summed over at least this long and scaled
+#: down to the wall time when it exceeds it (time-sliced contexts' event spans overlap).
+CONCURRENT_PERIOD_S = 0.05
 
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
@@ -40,6 +46,7 @@ class Stats:
     """What /metrics shows besides the processes' own counters."""
 
     slices: dict[str, int] = field(default_factory=dict)
+    charged_s: dict[str, float] = field(default_factory=dict)  # GPU seconds charged, after correction
     drain_timeouts: int = 0
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
     binding: bool = False
@@ -47,7 +54,7 @@ class Stats:
 
 class Controller:
     def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
-                 slice_s: float = 0.02, drain_timeout_s: float = 0.2, window_us: int = 2000,
+                 slice_s: float = DEFAULT_SLICE_S, drain_timeout_s: float = 0.2, window_us: int = 2000,
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None,
                  log: Callable[[str], None] | None = None) -> None:
@@ -65,7 +72,11 @@ class Controller:
         self.slice_end = 0.0
         self._slice_start = 0.0
         self._posted_in_slice = 0.0
-        self.stats = Stats(slices={t.name: 0 for t in tenants})
+        self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
+        self.beside: set[int] = set()  # slots running beside the holder (higher priority, within share)
+        self._unscaled: dict[int, float] = {}  # GPU seconds posted while tenants ran concurrently
+        self._unscaled_since: float | None = None
+        self._last_charge = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
         self._last_scan = 0.0
         self._last_sample = 0.0
@@ -105,14 +116,42 @@ class Controller:
             os.unlink(path)
 
     def _charge(self, now: float) -> None:
+        """Charge the GPU time the processes posted since the last call.
+
+        While one tenant holds the GPU alone its posted time is its own and is charged at once. While
+        several run at once (the open gate, or tenants beside the holder) their event spans overlap
+        whenever the GPU time-slices them, so what they post over a period is scaled down to the
+        period's wall time when it sums to more."""
+        posted: dict[int, float] = {}
         for state in self.procs.values():
             gpu_ns = state.view.counter("gpu_ns")
             if gpu_ns > state.gpu_ns_seen:
-                seconds = (gpu_ns - state.gpu_ns_seen) / 1e9
-                self.scheduler.charge(state.view.slot, seconds, now)
-                if state.view.slot == self.holder:
-                    self._posted_in_slice += seconds
+                slot = state.view.slot
+                posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
                 state.gpu_ns_seen = gpu_ns
+        since, self._last_charge = self._last_charge, now
+        concurrent = bin(self._mask & OPEN_MASK).count("1") > 1
+        if not concurrent and self._unscaled_since is None:
+            self._apply(posted, 1.0, now)
+            return
+        if self._unscaled_since is None:
+            self._unscaled_since = since
+        for slot, seconds in posted.items():
+            self._unscaled[slot] = self._unscaled.get(slot, 0.0) + seconds
+        wall = now - self._unscaled_since
+        if concurrent and wall < CONCURRENT_PERIOD_S:
+            return
+        total = sum(self._unscaled.values())
+        self._apply(self._unscaled, min(1.0, wall / total) if total > 0 else 1.0, now)
+        self._unscaled, self._unscaled_since = {}, (now if concurrent else None)
+
+    def _apply(self, posted: Mapping[int, float], scale: float, now: float) -> None:
+        for slot, seconds in posted.items():
+            seconds *= scale
+            self.scheduler.charge(slot, seconds, now)
+            self.stats.charged_s[self.tenants[slot].name] += seconds
+            if slot == self.holder:
+                self._posted_in_slice += seconds
 
     def _pending(self, now: float) -> dict[int, float]:
         """The holder's slice so far, less what its processes already posted: its unposted GPU time
@@ -142,11 +181,26 @@ class Controller:
         self._mask = mask
         return self.policy.set_gate(mask)
 
-    def _drain(self, slots: set[int] | None) -> None:
-        """Close the gate and wait until the processes of ``slots`` (None: all) have nothing queued."""
-        gen = self._set_mask(0)
+    def _beside_bits(self) -> int:
+        return sum(1 << s for s in self.beside)
+
+    def _set_beside(self, beside: set[int]) -> None:
+        """Let ``beside`` run next to the holder (busy-time windows, never drained); the gate follows."""
+        if beside == self.beside:
+            return
+        self.beside = beside
+        self.policy.set_busy_mask(self._beside_bits())
+        if self.holder in beside:
+            self.holder = None  # it keeps running, now beside: the contenders pick a holder anew
+        if self._mask != OPEN_MASK:
+            self._set_mask(self._beside_bits() | (1 << self.holder if self.holder is not None else 0))
+
+    def _drain(self, slots: set[int]) -> None:
+        """Close the gate to ``slots`` and wait until their processes have nothing queued (the
+        tenants beside the holder keep running)."""
+        gen = self._set_mask(self._beside_bits())
         for state in list(self.procs.values()):
-            if slots is not None and state.view.slot not in slots:
+            if state.view.slot not in slots:
                 continue
             if not state.view.wait_drained(gen, self.drain_timeout_s) and pid_alive(state.view.pid):
                 self.stats.drain_timeouts += 1
@@ -154,7 +208,7 @@ class Controller:
     def _grant(self, slot: int, now: float, wanting: set[int]) -> None:
         self.holder = slot
         self._renew(now, wanting)
-        self._set_mask(1 << slot)
+        self._set_mask((1 << slot) | self._beside_bits())
 
     def _renew(self, now: float, wanting: set[int]) -> None:
         self._slice_start, self._posted_in_slice = now, 0.0
@@ -169,16 +223,22 @@ class Controller:
             if self.holder is not None or self._mask != OPEN_MASK:
                 self.holder = None
                 self._set_mask(OPEN_MASK)
+            self._set_beside(set())
             self.stats.binding = False
             return 0.1
         self.stats.binding = True
-        wanting = self.wanting_slots()
+        self._set_beside(self.scheduler.beside(active))
+        contenders = active - self.beside
+        wanting = self.wanting_slots() - self.beside
         if self.holder is None:
-            self._drain(None)  # from the open gate: everyone's queued work first
-            self._charge(now)
-            nxt = self.scheduler.pick(wanting or active, now)
+            if len(contenders) > 1:  # from the open gate: the contenders' queued work first
+                self._drain(contenders)
+                self._charge(time.monotonic())
+            nxt = self.scheduler.pick(wanting or contenders, now)
             if nxt is not None:
-                self._grant(nxt, now, wanting or active)
+                self._grant(nxt, now, wanting or contenders)
+            elif self._mask == OPEN_MASK:
+                self._set_mask(self._beside_bits())
             return self.slice_s
         holder = self.holder
         holder_wants = holder in wanting

@@ -5,7 +5,8 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
 - ``PREFIX``: the policy, created and written by the controller alone (mode 0644). Tenants map it
   read-only: the tenants' shares and priorities, the controller's pid and heartbeat, and the gate
   word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
-  sleep on with a futex.
+  sleep on with a futex, and the busy mask (bit *i* set: slot *i* runs beside the slice holder and
+  measures busy time).
 - ``PREFIX.bell``: one world-writable word the controller sleeps on; a tenant rings it when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
 - ``PREFIX.p<PID>``: one per tenant process, created and written by that process alone (mode 0644):
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_TENANTS = 16
 NAME_LEN = 40
 PAGE = 4096
@@ -41,6 +42,7 @@ OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
 P_MAGIC, P_VERSION, P_PID, P_NTENANTS = 0, 4, 8, 12
 P_HEARTBEAT, P_GATE, P_MODE = 16, 24, 28
 P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
+P_BUSY_MASK = 48  # slots running beside the slice holder: their windows measure busy time
 P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, pad
 
 # proc_t
@@ -188,6 +190,15 @@ class Policy:
         self.map.set_u32(P_GATE, (self.gen << 16) | (mask & 0xFFFF))
         self.map.futex_wake(P_GATE)
         return self.gen
+
+    @property
+    def busy_mask(self) -> int:
+        return self.map.u32(P_BUSY_MASK)
+
+    def set_busy_mask(self, mask: int) -> None:
+        """Mark the slots in ``mask`` as running beside the holder: their windows end where their
+        streams run dry (busy time), and they are not drained at a hand-over."""
+        self.map.set_u32(P_BUSY_MASK, mask & 0xFFFF)
 
     def bell_value(self) -> int:
         return self.bell.u32(0)

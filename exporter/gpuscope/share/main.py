@@ -19,7 +19,9 @@ from prometheus_client.exposition import start_http_server
 
 from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
 from gpuscope.ports import LOCAL_HOST, SHARE_PORT
+from gpuscope.share.controller import DEFAULT_SLICE_S, Controller
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.preload import DEFAULT_LEDGER, library_path
 
 
@@ -66,7 +68,7 @@ def _parser() -> FlagParser:
                     "utilization every 100 ms (what the peer projects do)")
     p.add_flag("--share.ledger", dest="ledger", default=DEFAULT_LEDGER,
                help="path prefix of the shared-memory ledger (tenants set GPUSCOPE_SHARE_LEDGER to it)")
-    p.add_flag("--share.slice", dest="slice", type=checked(parse_duration), default=0.02,
+    p.add_flag("--share.slice", dest="slice", type=checked(parse_duration), default=DEFAULT_SLICE_S,
                help="length of one tenant's turn while shares bind")
     p.add_flag("--share.drain-timeout", dest="drain_timeout", type=checked(parse_duration), default=0.2,
                help="longest wait for the previous holder's queued work at a hand-over")
@@ -89,8 +91,6 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
-    from gpuscope.share.controller import Controller
-    from gpuscope.share.metrics import ShareCollector
 
     utilization = None
     if args.accounting == "nvml":

@@ -28,7 +28,7 @@ class ShareCollector:
         with c.lock:
             rows = [(c.tenants[s.view.slot].name, str(pid), {**s.view.counters(), "waiting": s.view.waiting})
                     for pid, s in c.procs.items()]
-            slices = dict(c.stats.slices)
+            slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
             binding, timeouts = c.stats.binding, c.stats.drain_timeouts
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
@@ -36,14 +36,16 @@ class ShareCollector:
                 family.add_metric([tenant, pid], counters[key] * scale)
             yield family
         target, procs = cat.SHARE_TARGET_RATIO.family(), cat.SHARE_PROCESSES.family()
-        sl = cat.SHARE_SLICES.family()
+        sl, ch = cat.SHARE_SLICES.family(), cat.SHARE_CHARGED_SECONDS.family()
         for t in c.tenants:
             target.add_metric([t.name], t.share)
             procs.add_metric([t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
             sl.add_metric([t.name], slices.get(t.name, 0))
+            ch.add_metric([t.name], charged.get(t.name, 0.0))
         yield target
         yield procs
         yield sl
+        yield ch
         b = cat.SHARE_BINDING.family()
         b.add_metric([], 1.0 if binding else 0.0)
         yield b

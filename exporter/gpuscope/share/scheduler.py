@@ -5,8 +5,10 @@ Two policies on the same gate:
 - ``SliceScheduler`` (``--share.accounting events``): one tenant holds the GPU at a time, in slices,
   whenever two or more want it. Each slice's GPU time, measured by the holder's CUDA events, is
   that tenant's own (nobody else had work queued), and is charged to it. The next holder is the
-  tenant furthest below its share (deficit round robin on decayed GPU seconds), except that a
-  higher-priority tenant still within its share goes first, as in the server's scheduler.
+  tenant furthest below its share (deficit round robin on decayed GPU seconds). A tenant of higher
+  priority than the lowest active one runs *beside* the holder while it is within its share: its
+  work is admitted at once, the GPU time-slices it with the holder's, and it is charged its busy
+  time (a latency-bound tenant holding the GPU alone would keep it idle between its small kernels).
 - ``TokenBuckets`` (``--share.accounting nvml``): what the peer projects do. Each tenant's bucket
   fills at its share and drains by its processes' NVML utilization, sampled every 100 ms; a tenant
   whose bucket is empty is held until it refills. Several tenants launch at once.
@@ -55,6 +57,15 @@ class SliceScheduler:
         if total_used <= 0 or total_share <= 0:
             return True
         return self.used[slot] / total_used <= self.tenants[slot].share / total_share + 1e-9
+
+    def beside(self, active: Iterable[int]) -> set[int]:
+        """Tenants that run beside the slice holder: of higher priority than the lowest among
+        ``active``, and within their share of what the active tenants used."""
+        active = set(active)
+        if len(active) < 2:
+            return set()
+        low = min(self.tenants[s].priority for s in active)
+        return {s for s in active if self.tenants[s].priority > low and self.within_share(s, active)}
 
     def binds(self, active: Iterable[int]) -> bool:
         """Whether shares bind: more than one tenant has been launching lately."""
