@@ -207,7 +207,15 @@ class Controller:
             if self.p.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"controller did not start: {self.p.communicate()[1][-1000:]}")
             time.sleep(0.05)
-        self.t0, self.cpu0 = time.time(), self.cpu()
+        self.t0, self.cpu0, self.switches0 = time.time(), self.cpu(), self.switches()
+
+    def switches(self) -> int:
+        """Voluntary context switches of all the controller's threads: its wake-ups."""
+        total = 0
+        for tid in os.listdir(f"/proc/{self.p.pid}/task"):
+            with open(f"/proc/{self.p.pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        return total
 
     def cpu(self) -> float:
         with open(f"/proc/{self.p.pid}/stat") as f:
@@ -224,9 +232,12 @@ class Controller:
             share_lines = [f"scrape failed: {exc}"]
         cpu = self.cpu() - self.cpu0
         wall = time.time() - self.t0
+        wakeups = self.switches() - self.switches0
         self.p.terminate()
         _, err = self.p.communicate(timeout=30)
-        return {"cpu_s": cpu, "wall_s": wall, "cpu_core_pct": 100 * cpu / wall, "metrics": share_lines[:40],
+        return {"cpu_s": cpu, "wall_s": wall, "cpu_core_pct": 100 * cpu / wall,
+                "wakeups_per_s": wakeups / wall, "cpu_us_per_wakeup": 1e6 * cpu / max(1, wakeups),
+                "metrics": share_lines[:40],
                 "stderr": err[-500:]}
 
 
@@ -238,6 +249,14 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
     ctl = Controller(shares, accounting, port, *extra)
     start = time.time() + 12  # both processes past torch's start-up
     pa, pb = spawn("hog", seconds, start, "a"), spawn("hog", seconds, start, "b")
+    nvml_series = []  # what the nvml accounting reads, polled as the controller polls it
+    if accounting == "nvml":
+        from gpuscope.share.nvml_source import nvml_utilization
+
+        held = nvml_utilization(0)
+        while time.time() < start + seconds:
+            nvml_series.append([round(time.time() - start, 2), {str(k): v for k, v in held().items()}])
+            time.sleep(0.1)
     while time.time() < start + seconds / 2:
         time.sleep(0.2)
     nvml_seen = nvml_process_samples()
@@ -262,7 +281,8 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
             "helper_cpu_s": {"a": ra["helper_cpu_s"], "b": rb["helper_cpu_s"]},
             "hook_errors": ra["stats"]["hook_errors"] + rb["stats"]["hook_errors"],
             "checksums_equal": ra["checksum"] == rb["checksum"], "controller": c,
-            "pids": {"a": pa.pid, "b": pb.pid}, "nvml_process_samples_mid_run": nvml_seen}
+            "pids": {"a": pa.pid, "b": pb.pid}, "nvml_process_samples_mid_run": nvml_seen,
+            "nvml_series": nvml_series}
 
 
 def nvml_process_samples() -> object:
@@ -370,7 +390,8 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         out["pair"][key] = r
         print(f"pair {key}: a {100 * r['a']:.1f}% b {100 * r['b']:.1f}% of alone, worst 5 s window "
               f"off by {r['worst_window_error_points']:.1f} points; controller "
-              f"{r['controller']['cpu_core_pct']:.2f}% of a core", flush=True)
+              f"{r['controller']['cpu_core_pct']:.2f}% of a core, "
+              f"{r['controller']['wakeups_per_s']:.0f} wake-ups/s", flush=True)
         save()
     # 4. LLM beside a hog
     runs = {"events": ("events", "llm=0.3:1,hog=0.7"), "nvml": ("nvml", "llm=0.3:1,hog=0.7"),

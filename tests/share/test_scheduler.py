@@ -3,7 +3,7 @@
 import pytest
 
 from gpuscope.share.ledger import TenantPolicy
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, split_overlap
 
 
 def simulate(s: SliceScheduler, wanting, slice_s: float, rounds: int) -> list[float]:
@@ -139,3 +139,16 @@ def test_held_samples_let_the_bucket_bind():
         masks.append(b.update({0: util.get(2, 0.0), 1: util.get(1, 0.0)}, {0, 1}, 0.1))
         clock[0] = round(clock[0] + 0.1, 3)
     assert 0b01 in masks  # b was held at some point
+
+
+def test_time_posted_while_tenants_overlapped_is_split_as_the_gpu_time_sliced_it():
+    # a hog with work all the time and a latency-bound tenant whose queue was non-empty 40% of the
+    # time: over that 40% the GPU alternated between them, so each really had 20%
+    got = split_overlap({0: 1.0, 1: 0.4}, 1.0)
+    assert got[0] == pytest.approx(0.8) and got[1] == pytest.approx(0.2)
+    assert split_overlap({0: 0.5, 1: 0.3}, 1.0) == {0: 0.5, 1: 0.3}  # no overlap: as posted
+    # three tenants: the excess is shared evenly, nobody loses more than half of what it posted
+    got = split_overlap({0: 1.0, 1: 0.1, 2: 0.9}, 1.0)
+    assert got[1] == pytest.approx(0.05) and sum(got.values()) == pytest.approx(1.0)
+    # never more than the wall time in all, whatever was posted
+    assert sum(split_overlap({0: 3.0, 1: 3.0}, 1.0).values()) == pytest.approx(1.0)

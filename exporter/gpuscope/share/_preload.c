@@ -563,9 +563,12 @@ static void *helper_main(void *arg) {
             pthread_mutex_unlock(&wlock);
             continue;
         }
-        if (went_quiet) { /* the holder has nothing queued any more: tell the controller */
+        if (went_quiet) {
+            /* its windows are resolved: if it has not launched again since (a sync returning starts
+             * new launches at once), the holder has nothing queued any more: tell the controller */
             went_quiet = 0;
-            ring_bell();
+            if (!win_open && now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed) > 1000000ull)
+                ring_bell();
         }
         if (!allowed && (g >> 16) != last_seen_closed) {
             last_seen_closed = g >> 16;

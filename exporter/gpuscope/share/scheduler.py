@@ -104,6 +104,37 @@ class SliceScheduler:
                 and self.within_share(slot, wanting))
 
 
+def split_overlap(posted: Mapping[int, float], wall_s: float) -> dict[int, float]:
+    """Each tenant's own GPU time from event time posted while tenants ran at once.
+
+    Without MPS the GPU time-slices contexts that both have work, in equal turns, and each one's
+    events span the other's turns: what they post over ``wall_s`` sums to more than ``wall_s`` by the
+    time they overlapped. During an overlap each had half of the GPU, so each is charged its posted
+    time less an equal part of the excess, never less than half of what it posted (exact for two
+    tenants; with more it assumes the excess overlapped evenly)."""
+    total = sum(posted.values())
+    excess = total - wall_s
+    if excess <= 0 or total <= 0:
+        return dict(posted)
+    out = dict(posted)
+    open_slots = [s for s, v in posted.items() if v > 0]
+    while excess > 1e-12 and open_slots:
+        each = excess / len(open_slots)
+        still = []
+        for slot in open_slots:
+            room = out[slot] - posted[slot] / 2  # what may still be taken from this tenant
+            take = min(each, room)
+            out[slot] -= take
+            excess -= take
+            if room > each:
+                still.append(slot)
+        open_slots = still
+    left = sum(out.values())
+    if left > wall_s > 0:  # more than twice the wall time (several streams each): no better guess
+        out = {slot: v * wall_s / left for slot, v in out.items()}
+    return out
+
+
 class TokenBuckets:
     """The peers' token bucket, fed by per-process NVML utilization (a fraction of the GPU)."""
 
