@@ -380,10 +380,10 @@ def _rest(args: argparse.Namespace, out: dict, solo: list, phases: set[str], sav
 
 
 def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: set[str], save) -> dict:
-    # 2./3. two matmul loops at 70/30 (and a shorter run at the old 20 ms slice: the controller's CPU)
+    # 2./3. two matmul loops at 70/30 (and a shorter run at 50 ms slices: the controller's CPU)
     out["pair"] = {}
     pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
-             "events-slice-20ms": ("events", args.pair_seconds / 3, "--share.slice", "20ms")}
+             "events-slice-50ms": ("events", args.pair_seconds / 3, "--share.slice", "50ms")}
     for key in [k for k in pairs if f"pair-{k}" in phases]:
         accounting, seconds, *extra = pairs[key]
         r = pair_run("a=0.7,b=0.3", accounting, seconds, alone, args.port, *extra)
@@ -459,7 +459,7 @@ def main() -> None:
     p.add_argument("--llm-seconds", type=float, default=20.0)
     p.add_argument("--port", type=int, default=9402)
     p.add_argument("--phases",
-                   default="solo,pair-events,pair-nvml,pair-events-slice-20ms,llm-events,llm-nvml",
+                   default="solo,pair-events,pair-nvml,pair-events-slice-50ms,llm-events,llm-nvml",
                    help="which parts to run (comma-separated)")
     args = p.parse_args()
     if args.plot:

@@ -3,7 +3,7 @@
 import pytest
 
 from gpuscope.share.ledger import TenantPolicy
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, split_overlap
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time, split_overlap
 
 
 def simulate(s: SliceScheduler, wanting, slice_s: float, rounds: int) -> list[float]:
@@ -91,6 +91,15 @@ def test_token_buckets_hold_a_tenant_over_its_share():
     assert b.update({0: 1.0}, {0}, 0.1) == 0xFFFF  # alone: nothing binds
 
 
+def test_token_buckets_hold_every_tenant_over_its_share():
+    # time-sliced, two busy processes each read ~99% in NVML: both buckets empty, both are held
+    b = TokenBuckets([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)], burst_s=0.05)
+    for _ in range(10):
+        mask = b.update({0: 0.99, 1: 0.99}, {0, 1}, 0.1)
+    assert mask == 0
+    assert b.update({0: 0.0, 1: 0.0}, {0, 1}, 0.1) == 0b01  # a refills faster (0.7/s) and runs first
+
+
 def test_slices_are_longer_for_larger_shares():
     s = SliceScheduler([TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)])
     assert s.quantum(1, {0, 1}, 0.02) == pytest.approx(0.02)
@@ -152,3 +161,11 @@ def test_time_posted_while_tenants_overlapped_is_split_as_the_gpu_time_sliced_it
     assert got[1] == pytest.approx(0.05) and sum(got.values()) == pytest.approx(1.0)
     # never more than the wall time in all, whatever was posted
     assert sum(split_overlap({0: 3.0, 1: 3.0}, 1.0).values()) == pytest.approx(1.0)
+
+
+def test_a_tenant_beside_the_holder_is_charged_its_kernels_and_the_holder_the_rest():
+    # the holder's windows spanned the other tenant's turns: it gets the wall time less those
+    got = own_time({0: 1.0, 1: 0.12}, 1.0, exact={1})
+    assert got[1] == pytest.approx(0.12) and got[0] == pytest.approx(0.88)
+    assert own_time({0: 0.5, 1: 0.1}, 1.0, exact={1}) == {0: 0.5, 1: 0.1}  # no overlap
+    assert own_time({0: 1.0, 1: 2.0}, 1.0, exact={1}) == {0: 0.0, 1: 1.0}  # never more than the wall

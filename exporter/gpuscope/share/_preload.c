@@ -164,7 +164,7 @@ static struct {
 /* ------------------------------------------------------------------------------------------------ */
 /* State                                                                                            */
 
-#define POOL 64      /* windows in the ring (two events each), created once at join */
+#define POOL 256     /* windows in the ring (two events each), created once at join */
 #define K_MIN 1
 #define K_MAX 1024
 
@@ -269,6 +269,7 @@ static void after_fork_in_child(void) {
 }
 
 static void ring_bell(void);
+static void count_join(void);
 static void *helper_main(void *arg);
 
 static void join(void) {
@@ -355,7 +356,7 @@ static void join(void) {
     helper_bit = 1u << (1 + (getpid() % 31));
     atexit(leave);
     gate = &policy->gate;
-    ring_bell();
+    count_join(); /* rings too: the controller lists the slot files again */
 }
 
 static inline void ensure_joined(void) { pthread_once(&join_once, join); }
@@ -376,6 +377,12 @@ static void ring_bell(void) {
     }
     atomic_fetch_add(bell, 1);
     futex(bell, FUTEX_WAKE, 1, NULL, 0);
+}
+
+/* The bell page's second word counts joins: the controller lists the slot files when it moves. */
+static void count_join(void) {
+    ring_bell(); /* maps the bell page */
+    if (bell) atomic_fetch_add(bell + 1, 1);
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -419,7 +426,9 @@ fail:
 }
 
 /* Whether this process's tenant runs beside the slice holder (a higher-priority tenant within its
- * share): its windows then end where its stream runs dry, so they measure busy time, not holding time. */
+ * share). The GPU then time-slices it with the holder, and a window of several launches would span
+ * the holder's turns whenever its queue waits for one; so each launch is a window of its own, events
+ * right around the kernel: its busy time. */
 static inline int busy_accounting(void) {
     return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit);
 }
@@ -427,8 +436,10 @@ static inline int busy_accounting(void) {
 static inline uint32_t inflight_limit(void) {
     uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
     int binding = policy && !atomic_load_explicit(&failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
-    /* only a slice holder is drained at a hand-over, so only its queue is kept short */
-    uint32_t lim = (binding && !busy_accounting()) ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
+    /* only a slice holder is drained at a hand-over, so only its queue is kept short; a tenant beside
+     * it has a window per launch, and the ring is what bounds those */
+    if (busy_accounting()) return POOL - 1;
+    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
 
@@ -478,22 +489,23 @@ static int close_window(void) {
 
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
+/* Under wlock: post the oldest windows that have finished, without waiting (at most `max`). */
+static void resolve_finished(int max) {
+    while (head < tail && max-- > 0 && drv.query(ring[head % POOL].end) == 0) {
+        post_window(&ring[head % POOL]);
+        head++;
+    }
+    atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
+}
+
 static void open_window(CUstream stream, int ptsz, int busy) {
     if (capturing(stream, ptsz)) return;
     if (win_open) {
         window_t *w = &ring[tail % POOL];
-        int same = w->stream == stream && w->ptsz == ptsz;
-        if (same && busy && w->end_recorded && drv.query(w->end) == 0) {
-            /* The stream ran dry after this window's last launch: the window ends there (the idle gap
-             * since is nobody's GPU time), is complete, so it is resolved here, and the next one
-             * starts in the same slot. A launch-bound tenant's windows are thus its kernels' spans. */
-            post_window(w);
-            win_open = 0;
-        } else {
-            if (same && win_launches < K) return;
-            if (!close_window()) return;
-        }
+        if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : K)) return;
+        if (!close_window()) return;
     }
+    if (busy) resolve_finished(4); /* a window per launch: keep the ring short as it goes */
     while (tail - head >= inflight_limit()) {
         CUevent oldest = ring[head % POOL].end;
         pthread_mutex_unlock(&wlock);
@@ -537,6 +549,19 @@ static void *helper_main(void *arg) {
     int went_quiet = 0;
     for (;;) {
         pthread_mutex_lock(&wlock);
+        if (head < tail && busy_accounting()) {
+            /* windows of one launch each, thousands a second: post the finished ones in batches
+             * rather than sleeping on each */
+            uint64_t before = head;
+            resolve_finished(POOL);
+            int posted = head != before;
+            pthread_mutex_unlock(&wlock);
+            if (!posted) {
+                struct timespec ts = {0, 2000000};
+                nanosleep(&ts, NULL);
+            }
+            continue;
+        }
         if (head < tail) {
             window_t w = ring[head % POOL];
             uint64_t h = head;

@@ -19,10 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpuscope.share.ledger import OPEN_MASK, Policy, ProcView, TenantPolicy, pid_alive, proc_paths
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, split_overlap
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time
 
 #: A tenant counts as active (shares bind while two are) this long after its last launch.
 ACTIVE_S = 0.5
+#: How often the controller checks that its tenant processes live (a dead one's share is given back),
+#: and how often it lists the slot files even when no process said it joined.
+SCAN_S, LIST_S = 0.1, 2.0
 #: The holder still wants its slice if it launched this recently.
 HOLDER_RECENT_S = 0.002
 #: The turn of the smallest share while shares bind (``--share.slice``). On the H200, 20 ms and 50 ms
@@ -78,16 +81,21 @@ class Controller:
         self._unscaled_since: float | None = None
         self._last_charge = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
-        self._last_scan = 0.0
+        self._last_scan = self._last_listing = 0.0
+        self._joins_seen = -1
         self._last_sample = 0.0
         self._mask = OPEN_MASK
         self._nvml_samples = self._nvml_matched = 0
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
 
     # --- processes --------------------------------------------------------------------------
-    def scan(self) -> None:
-        """Adopt new tenant slots; a dead process's slot is removed and its share given back."""
-        paths = proc_paths(self.policy.prefix)
+    def scan(self, *, list_files: bool = True) -> None:
+        """Adopt new tenant slots (``list_files``: list the slot files, else only check the known
+        processes); a dead process's slot is removed and its share given back."""
+        if list_files:
+            paths = proc_paths(self.policy.prefix)
+        else:
+            paths = {pid: state.view.path for pid, state in self.procs.items()}
         with self.lock:
             for pid, path in paths.items():
                 if pid in self.procs:
@@ -121,7 +129,8 @@ class Controller:
         While one tenant holds the GPU alone its posted time is its own and is charged at once. While
         several run at once (the open gate, or tenants beside the holder) their event spans overlap
         whenever the GPU time-slices them, so what they post over a period that sums to more than the
-        period's wall time is corrected by ``split_overlap``."""
+        period's wall time is corrected by ``own_time``: the tenants beside the holder post their
+        kernels' own time, the others share what is left."""
         posted: dict[int, float] = {}
         for state in self.procs.values():
             gpu_ns = state.view.counter("gpu_ns")
@@ -141,7 +150,7 @@ class Controller:
         wall = now - self._unscaled_since
         if concurrent and wall < CONCURRENT_PERIOD_S:
             return
-        self._apply(split_overlap(self._unscaled, wall), now)
+        self._apply(own_time(self._unscaled, wall, self.beside), now)
         self._unscaled, self._unscaled_since = {}, (now if concurrent else None)
 
     def _apply(self, charged: Mapping[int, float], now: float) -> None:
@@ -247,7 +256,7 @@ class Controller:
         if not others:
             if holder_wants:
                 self._renew(now, wanting)  # nobody else waits
-            return self.slice_s
+            return 0.1  # until then, a tenant that starts waiting rings the bell
         nxt = self.scheduler.pick(wanting if holder_wants else others, now, self._pending(now))
         if nxt == holder:
             self._renew(now, wanting)
@@ -282,9 +291,15 @@ class Controller:
     def step(self) -> float:
         now = time.monotonic()
         self.policy.heartbeat()
-        if now - self._last_scan >= 0.1:
+        if now - self._last_scan >= SCAN_S:
+            # listing the folder (a busy /dev/shm holds many files) only when a process joined, or
+            # now and then for one that could not ring; liveness of the known ones every time
+            joins = self.policy.joins()
+            listed = joins != self._joins_seen or now - self._last_listing >= LIST_S
             self._last_scan = now
-            self.scan()
+            if listed:
+                self._joins_seen, self._last_listing = joins, now
+            self.scan(list_files=listed)
         with self.lock:
             if self.mode == "nvml":
                 return self.step_nvml(now)

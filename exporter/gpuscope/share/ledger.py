@@ -7,7 +7,8 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
   word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
   sleep on with a futex, and the busy mask (bit *i* set: slot *i* runs beside the slice holder and
   measures busy time).
-- ``PREFIX.bell``: one world-writable word the controller sleeps on; a tenant rings it when a thread
+- ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
+  (it lists the slot files again when that moves). A tenant rings the bell when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
 - ``PREFIX.p<PID>``: one per tenant process, created and written by that process alone (mode 0644):
   its counters (launches, GPU ns, throttled ns, hook errors) and the ``drained_gen`` word the
@@ -202,6 +203,10 @@ class Policy:
 
     def bell_value(self) -> int:
         return self.bell.u32(0)
+
+    def joins(self) -> int:
+        """How many tenant processes have joined (a hint to list the slot files, not a count to trust)."""
+        return self.bell.u32(4)
 
     def wait_bell(self, seen: int, timeout_s: float) -> None:
         """Sleep until a tenant rings (the bell's word moves past ``seen``) or ``timeout_s`` passes."""

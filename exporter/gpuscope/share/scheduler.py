@@ -19,7 +19,7 @@ With one tenant (or none) wanting the GPU, neither binds: the gate is open for e
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 from gpuscope.share.ledger import TenantPolicy
 
@@ -135,6 +135,20 @@ def split_overlap(posted: Mapping[int, float], wall_s: float) -> dict[int, float
     return out
 
 
+def own_time(posted: Mapping[int, float], wall_s: float, exact: Set[int] = frozenset()) -> dict[int, float]:
+    """What each tenant is charged for time it posted over ``wall_s`` while tenants ran at once.
+
+    ``exact``: tenants whose posted time is their kernels' own (a window per launch, beside the
+    holder); the others' windows span whatever the GPU ran in between, so they share what is left of
+    the wall time after the exact ones (``split_overlap``)."""
+    exact_total = sum(v for slot, v in posted.items() if slot in exact)
+    if exact_total >= wall_s > 0:
+        return {slot: (v * wall_s / exact_total if slot in exact else 0.0) for slot, v in posted.items()}
+    out = split_overlap({slot: v for slot, v in posted.items() if slot not in exact}, wall_s - exact_total)
+    out.update({slot: v for slot, v in posted.items() if slot in exact})
+    return out
+
+
 class TokenBuckets:
     """The peers' token bucket, fed by per-process NVML utilization (a fraction of the GPU)."""
 
@@ -156,4 +170,7 @@ class TokenBuckets:
         for slot in range(len(self.tenants)):
             if slot not in wanting or self.tokens[slot] >= 0:
                 mask |= 1 << slot
-        return mask or 0xFFFF
+        # every tenant over: all are held until their buckets refill, as each peer's limiter holds its
+        # own processes (NVML's per-process utilization counts a time-sliced context busy for the
+        # whole time the GPU alternates, so two busy tenants each read close to 100%)
+        return mask
