@@ -107,7 +107,7 @@ def test_without_the_c_hot_path_the_resolver_has_no_c_loop(registry):
         assert timer.resolver.fast is None
     finally:
         timer.close(timeout=1.0)
-    assert hot.resolve_loop(HostRoute(), dropped={}, pending_type=tuple, op_type=object) is None
+    assert hot.resolve_loop(HostRoute(), dropped={}, pending_type=tuple) is None
 
 
 def test_one_query_answers_for_a_stream_whose_last_pair_finished(timer):
