@@ -61,9 +61,9 @@ class BucketHistogram:
 
     def observe(self, value: float, trace_id: Any = None) -> bool:
         """Count ``value`` (a trace id, when truthy, becomes its bucket's exemplar); False if refused."""
-        if value != value:  # NaN
-            return False
-        if value < 0.0:
+        if not value >= 0.0:  # negative or NaN: one comparison for the usual case
+            if value != value:
+                return False
             value = 0.0
         index = bisect_left(self.bounds, value)
         self._counts[index] += 1
@@ -123,4 +123,7 @@ class OpState:
 
     def observe(self, device: Any, seconds: float, trace_id: Any = None) -> bool:
         """One region's GPU seconds on ``device`` into its histogram; False if refused (NaN)."""
-        return self.histogram(device).observe(seconds, trace_id)
+        hist = self.hists.get(device)  # inline: this runs for every sample on the Python resolver path
+        if hist is None:
+            hist = self.histogram(device)
+        return hist.observe(seconds, trace_id)
