@@ -366,14 +366,16 @@ static PyObject *OpState_observe(OpState *op, PyObject *const *args, Py_ssize_t 
 GC_FUNCTIONS(OpState, OP_STATE_OBJECTS)
 
 static PyMethodDef OpState_methods[] = {
-    {"histogram", (PyCFunction)OpState_histogram, METH_O, "histogram(device): the device's histogram (made on first use)."},
+    {"histogram", (PyCFunction)OpState_histogram, METH_O,
+     "histogram(device): the device's histogram (made on first use)."},
     {"observe", (PyCFunction)(void (*)(void))OpState_observe, METH_FASTCALL,
      "observe(device, seconds, trace_id=None) -> bool: one region's GPU seconds; False if refused (NaN)."},
     {NULL}};
 
 static PyMemberDef OpState_members[] = {
     {"name", T_OBJECT_EX, offsetof(OpState, name), READONLY, NULL},
-    {"owner", T_OBJECT_EX, offsetof(OpState, owner), 0, "the Instrumentation whose sampled passes count this op, if any"},
+    {"owner", T_OBJECT_EX, offsetof(OpState, owner), 0,
+     "the Instrumentation whose sampled passes count this op, if any"},
     {"period", T_OBJECT_EX, offsetof(OpState, period), 0, NULL},
     {"countdown", T_OBJECT_EX, offsetof(OpState, countdown), 0, NULL},
     {"entered", T_OBJECT_EX, offsetof(OpState, entered), 0, NULL},
@@ -1678,8 +1680,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(s_seq, "seq");
     INTERN(s_split, "split");
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&BucketHistogramType) < 0 || PyType_Ready(&OpStateType) < 0 || PyType_Ready(&HotPathType) < 0 || PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 ||
-        PyType_Ready(&ExactForwardType) < 0 || PyType_Ready(&SplitForwardType) < 0)
+    if (PyType_Ready(&BucketHistogramType) < 0 || PyType_Ready(&OpStateType) < 0 || PyType_Ready(&HotPathType) < 0 ||
+        PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 || PyType_Ready(&ExactForwardType) < 0 ||
+        PyType_Ready(&SplitForwardType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL) return NULL;
