@@ -4,12 +4,16 @@ CUDA-shaped callbacks (``cuda_shaped.py``); every wait is a recycler pass or a f
 
 import pytest
 
-from gpuscope.timing import Timer, hot
-from tests.timing.conftest import prepared, time_regions
+from gpuscope.timing import Timer
+from tests.timing.conftest import prepared, require_native, time_regions
 from tests.timing.cuda_shaped import STEP_MS, CudaShapedRoute
 
-pytestmark = pytest.mark.skipif(not hot.native_available(), reason="the C extension is not built")
 POOL = 64
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    require_native()
 
 
 def make(route: CudaShapedRoute | None = None, **kwargs) -> Timer:

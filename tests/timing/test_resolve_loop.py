@@ -7,12 +7,13 @@ import pytest
 
 from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import HostRoute
-from tests.timing.conftest import prepared, time_regions
+from tests.timing.conftest import prepared, require_native, time_regions
 from tests.timing.cuda_shaped import STEP_MS, CudaShapedRoute
 
 
 @pytest.fixture
 def timer(registry):
+    require_native()
     route = CudaShapedRoute()
     # A resolver that never wakes by itself: each test drains when it chooses.
     made = prepared(Timer(registry, route=route, sample_rate=1.0, native=True, recycler=False,
