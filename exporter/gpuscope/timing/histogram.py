@@ -3,10 +3,11 @@
 Two implementations of one interface, as for the hot path (``hot.py``): the C types
 ``_hotpath.OpState`` and ``_hotpath.BucketHistogram``, which every C loop updates through their
 structs, and the Python classes below, which are the readable statement of what the C types do
-and serve where the extension is not built (``hot.op_state_class`` picks one per timer). Every
-writer goes through ``OpState.observe``: the resolver's Python loop, the C hot path's loops and
-timed graph replays (``graphs.py``). tests/timing/test_histogram.py runs the same inputs through
-both implementations and checks that they agree.
+and serve the Python hot path (where the extension is not built, or ``GPUSCOPE_TIMING_NATIVE=0``;
+``hot.op_state_class`` picks one per timer). Every writer goes through ``OpState.observe`` (in C,
+``opstate_observe``): the resolver's Python loop, the C hot path's loops and timed graph replays
+(``graphs.py``). tests/timing/test_histogram.py runs the same inputs through both implementations
+and checks that they agree.
 
 A histogram keeps one non-cumulative count per bucket: prometheus_client's ``Histogram.observe``
 takes a lock and walks every bucket, while the resolver observes thousands of samples a second

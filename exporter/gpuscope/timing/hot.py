@@ -10,10 +10,10 @@ Two implementations of the same steps, chosen per timer (``use_native``):
 - ``PyHotPath`` and ``PySequenceBase`` below: the fallback when the extension is not built (or
   ``GPUSCOPE_TIMING_NATIVE=0``), and the readable statement of what the C code does.
 
-Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore``, the op state
-and histogram types of the data model (``histogram.py``), the
-state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, and the per-module
-forwards ``instrument()`` installs. Everything rare (a new
+Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore``, the
+state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, the per-module
+forwards ``instrument()`` installs, and the data model its ops live in (``OpState`` and its
+histograms: ``histogram.py``, ``op_state_class``). Everything rare (a new
 device's pool, a region inside a graph capture, a failed record) is handled by the core's and the
 sequence's Python methods, which both implementations call.
 

@@ -257,7 +257,7 @@ class Resolver:
                 core.dropped["error"] += 1
             if callback is not None:
                 try:
-                    callback(max(0.0, seconds))
+                    callback(0.0 if seconds < 0.0 else seconds)  # as observed
                 except Exception as exc:  # a user's callback must not stop timing
                     self.callback_errors += 1
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
