@@ -173,8 +173,14 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def package_root(tree: Path) -> Path | None:
+    """The folder holding ``gpuscope`` in a source tree (``src/`` or the older ``exporter/``), or None."""
+    roots = (tree / "src", tree / "exporter")
+    return next((root for root in roots if (root / "gpuscope" / "timing").is_dir()), None)
+
+
 def run_tree(tree: Path, args: argparse.Namespace, library: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(package_root(tree))}
     command = [sys.executable, __file__, "--child", "--library", library, "--regions", str(args.regions),
                "--block", str(args.block), "--paths", ",".join(args.paths)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -206,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     trees = [tree.resolve() for tree in args.tree or [ROOT]]
     for tree in trees:
-        if not (tree / "exporter" / "gpuscope" / "timing").is_dir():
-            parser.error(f"--tree {tree}: not a gpuscope source tree (no exporter/gpuscope/timing)")
+        if package_root(tree) is None:
+            parser.error(f"--tree {tree}: not a gpuscope source tree (no src/ or exporter/ gpuscope/timing)")
     with tempfile.TemporaryDirectory() as folder:
         library = build_fake_cuda(folder)
         runs: dict[str, list[dict]] = {str(tree): [] for tree in trees}
