@@ -54,14 +54,20 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
+def require_native() -> None:
+    """Skip a test of the C extension where it is not built; with GPUSCOPE_STRICT=1, fail it."""
+    if not hot.native_available():
+        if os.environ.get("GPUSCOPE_STRICT") == "1":
+            pytest.fail("the C hot path is not built (a C compiler and Python headers are needed)")
+        pytest.skip("the C hot path is not built")
+
+
 @pytest.fixture(params=["native", "python"])
 def hot_path(request) -> bool:
     """Each timer test runs on both hot paths: the C extension and the Python fallback."""
     native = request.param == "native"
-    if native and not hot.native_available():
-        if os.environ.get("GPUSCOPE_STRICT") == "1":
-            pytest.fail("the C hot path is not built (a C compiler and Python headers are needed)")
-        pytest.skip("the C hot path is not built")
+    if native:
+        require_native()
     return native
 
 
@@ -87,3 +93,16 @@ def prepared(timer: Timer) -> Timer:
     timer.core.add_device(timer.core.current_device())
     assert timer.flush(5)
     return timer
+
+
+def time_regions(timer: Timer, exact: int = 3, passes: int = 2) -> None:
+    """``exact`` regions of op "exact", then ``passes`` sequence passes over "first" and "second"."""
+    for _ in range(exact):
+        with timer.region("exact"):
+            pass
+    seq = timer.sequence()
+    for _ in range(passes):
+        seq.begin()
+        seq.split("first")
+        seq.split("second")
+        seq.end()

@@ -40,6 +40,7 @@ class CudaShapedRoute(HostRoute):
         self.gpu_ms = math.inf
         self.not_ready: set[int] = set()
         self.elapsed_fails = False
+        self.elapsed_nan = False  # a driver answering NaN: no resolver may count it
         self.record_fails = False
         self.queries = self.elapsed_calls = self.cleared = 0
         self.device = 0
@@ -68,7 +69,7 @@ class CudaShapedRoute(HostRoute):
             self.elapsed_calls += 1
             if self.elapsed_fails:
                 return CUDA_ERROR_INVALID_RESOURCE_HANDLE
-            ms[0] = self.stamps[end] - self.stamps[start]
+            ms[0] = math.nan if self.elapsed_nan else self.stamps[end] - self.stamps[start]
             return 0
 
         def clear():

@@ -1,17 +1,19 @@
-"""The resolver's C loop (``_hotpath.Resolve``, the path of plain pairs where no recycler runs): the
-same observations as the Python loop, through CUDA-shaped C functions (``cuda_shaped.py``), with
-unfinished pairs left in order and failures counted."""
+"""The resolver's C loop (``_hotpath.Resolve``, the path of plain pairs where no recycler runs),
+through CUDA-shaped C functions (``cuda_shaped.py``): unfinished pairs left in order, one query for a
+finished stream, pairs with a callback left to Python. That it observes what the other paths do, and
+counts failures as they do, is test_observe_paths.py's."""
 
 import pytest
 
-from gpuscope.timing import Timer, hot, trace
+from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import HostRoute
-from tests.timing.conftest import prepared
+from tests.timing.conftest import prepared, require_native, time_regions
 from tests.timing.cuda_shaped import STEP_MS, CudaShapedRoute
 
 
 @pytest.fixture
 def timer(registry):
+    require_native()
     route = CudaShapedRoute()
     # A resolver that never wakes by itself: each test drains when it chooses.
     made = prepared(Timer(registry, route=route, sample_rate=1.0, native=True, recycler=False,
@@ -26,44 +28,6 @@ def histogram(timer: Timer, op: str):
     return timer.op_state(op).hists.get(0)
 
 
-def time_regions(timer: Timer, exact: int = 3, passes: int = 2) -> None:
-    for _ in range(exact):
-        with timer.region("exact"):
-            pass
-    seq = timer.sequence()
-    for _ in range(passes):
-        seq.begin()
-        seq.split("first")
-        seq.split("second")
-        seq.end()
-
-
-def test_the_c_loop_observes_what_the_python_loop_does(registry):
-    """The same scripted regions resolved by each loop: same counts, buckets, sums and exemplars,
-    and every event back in its pool."""
-    observed = {}
-    for loop in ("c", "python"):
-        route = CudaShapedRoute()
-        timer = prepared(Timer(None, route=route, sample_rate=1.0, native=True, recycler=False,
-                               resolve_interval=3600, pool_size=64))
-        assert timer.resolver.fast is not None
-        if loop == "python":
-            timer.resolver.fast = None
-        timer.resolver.baseline_s[0] = 0.0001
-        with trace("abc123"):
-            time_regions(timer)
-        assert timer.flush(5)
-        observed[loop] = {op: (h.count, h.counts, round(h.sum, 9), [e and e[:2] for e in h.exemplars])
-                          for op in ("exact", "first", "second") if (h := histogram(timer, op))}
-        assert len(timer.core.pools[0]) == 64, "an event was not given back"
-        timer.close(timeout=1.0)
-    assert observed["c"] == observed["python"]
-    count, _, total, exemplars = observed["c"]["exact"]
-    # 250 µs a region, less the 100 µs baseline; the trace id is the exemplar of its bucket
-    assert count == 3 and total == pytest.approx(3 * 150e-6)
-    assert ("abc123", pytest.approx(150e-6)) in [e for e in exemplars if e]
-
-
 def test_unfinished_pairs_wait_in_order_and_are_taken_later(timer):
     route = timer.route
     time_regions(timer, exact=4, passes=0)
@@ -74,18 +38,6 @@ def test_unfinished_pairs_wait_in_order_and_are_taken_later(timer):
     route.not_ready = set()
     assert timer.resolver.drain() == 2
     assert histogram(timer, "exact").count == 4 and len(timer.core.pools[0]) == 64
-
-
-def test_failed_elapsed_reads_are_counted_and_release_their_events(timer):
-    route = timer.route
-    errors = timer.dropped["error"]
-    route.elapsed_fails = True
-    time_regions(timer, exact=3, passes=1)
-    assert timer.flush(5)
-    assert timer.dropped["error"] - errors == 5  # three exact regions, two in the pass
-    assert route.cleared >= 5  # each failure cleared from CUDA's last-error slot
-    assert histogram(timer, "exact") is None or histogram(timer, "exact").count == 0
-    assert len(timer.core.pools[0]) == 64
 
 
 def test_pairs_with_a_callback_go_through_python_between_c_runs(timer):
@@ -107,7 +59,7 @@ def test_without_the_c_hot_path_the_resolver_has_no_c_loop(registry):
         assert timer.resolver.fast is None
     finally:
         timer.close(timeout=1.0)
-    assert hot.resolve_loop(HostRoute(), dropped={}, pending_type=tuple, op_type=object) is None
+    assert hot.resolve_loop(HostRoute(), dropped={}, pending_type=tuple) is None
 
 
 def test_one_query_answers_for_a_stream_whose_last_pair_finished(timer):

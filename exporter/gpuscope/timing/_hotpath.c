@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -26,71 +27,377 @@ typedef int (*last_error_fn_t)(void);
 
 #define CUDA_ERROR_NOT_READY 600
 
-static PyObject *s_entered, *s_add_device, *s_record_failed, *s_record_captured, *s_op_state,
-    *s_split_captured, *s_end, *s_pool_empty, *s_ring_full, *s_append, *one, *s_error, *s_hists,
-    *s_histogram, *s_bounds, *s_counts, *s_sum, *s_count, *s_exemplars, *s_seq, *s_split;
-
-/* ------------------------------------------------------------------------------------------------ */
-/* Histograms: what the resolver's loops do with a finished pair                                   */
+static PyObject *s_add_device, *s_record_failed, *s_record_captured, *s_op_state, *s_split_captured, *s_end,
+    *s_pool_empty, *s_ring_full, *s_append, *one, *s_error, *s_seq, *s_split;
 
 static int is_none(PyObject *o) { return o == NULL || o == Py_None; }
 
-/* One sample into a timing.histogram.BucketHistogram, as its observe() does. */
-static int observe(PyObject *hist, double value, PyObject *trace) {
-    int rc = -1;
-    PyObject *bounds = PyObject_GetAttr(hist, s_bounds), *counts = NULL, *sum = NULL, *count = NULL;
-    if (bounds == NULL || (counts = PyObject_GetAttr(hist, s_counts)) == NULL) goto out;
-    if (!PyTuple_Check(bounds) || !PyList_Check(counts) || PyList_GET_SIZE(counts) != PyTuple_GET_SIZE(bounds) + 1) {
-        PyErr_SetString(PyExc_TypeError, "observe(): not a BucketHistogram");
-        goto out;
+/* The object fields of each type, listed once: GC_FUNCTIONS writes the garbage collector's traverse
+ * and clear, and the dealloc, from the list. */
+#define VISIT_FIELD(field) Py_VISIT(self->field);
+#define CLEAR_FIELD(field) Py_CLEAR(self->field);
+#define GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                         \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                         \
+        OBJECTS(VISIT_FIELD)                                                                     \
+        return 0;                                                                                \
+    }                                                                                            \
+    static int Type##_clear(Type *self) {                                                        \
+        OBJECTS(CLEAR_FIELD)                                                                     \
+        return 0;                                                                                \
     }
-    Py_ssize_t lo = 0, hi = PyTuple_GET_SIZE(bounds);  /* bisect_left: first bound >= value */
+#define GC_FUNCTIONS(Type, OBJECTS)                                                              \
+    GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                             \
+    static void Type##_dealloc(Type *self) {                                                     \
+        PyObject_GC_UnTrack(self);                                                               \
+        Type##_clear(self);                                                                      \
+        Py_TYPE(self)->tp_free((PyObject *)self);                                                \
+    }
+
+/* ------------------------------------------------------------------------------------------------ */
+/* The timer's data model: BucketHistogram and OpState. histogram.py holds their Python twins, which */
+/* say what each field is for; the loops below update them through these structs, never by name.    */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;                 /* bounds; the buckets are n + 1, +Inf last */
+    double *bounds;               /* ascending upper bounds, inclusive */
+    unsigned long long *counts;   /* per bucket, not cumulative */
+    PyObject **exemplars;         /* per bucket: (trace id, value, unix time), or NULL */
+    double sum;
+    unsigned long long count;
+    PyObject *bounds_tuple;       /* the bounds as floats, for Python readers */
+    PyObject *les;                /* each bucket's ``le`` label: repr of its bound, "+Inf" last */
+} BucketHistogram;
+
+static PyTypeObject BucketHistogramType, OpStateType;
+
+/* A histogram over ``bounds`` (a sequence of ascending numbers): a new reference, or NULL. */
+static PyObject *histogram_new(PyObject *bounds) {
+    PyObject *seq = PySequence_Fast(bounds, "histogram bounds must be a sequence of numbers");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    BucketHistogram *h = (BucketHistogram *)BucketHistogramType.tp_alloc(&BucketHistogramType, 0);
+    if (h == NULL) goto fail;
+    h->n = n;
+    h->bounds = PyMem_Calloc(n > 0 ? n : 1, sizeof(double));
+    h->counts = PyMem_Calloc(n + 1, sizeof(unsigned long long));
+    h->exemplars = PyMem_Calloc(n + 1, sizeof(PyObject *));
+    h->bounds_tuple = PyTuple_New(n);
+    h->les = PyTuple_New(n + 1);
+    if (h->bounds_tuple == NULL || h->les == NULL) goto fail;
+    if (h->bounds == NULL || h->counts == NULL || h->exemplars == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double bound = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        if (bound == -1.0 && PyErr_Occurred()) goto fail;
+        if (isnan(bound) || (i > 0 && !(h->bounds[i - 1] < bound))) {
+            PyErr_SetString(PyExc_ValueError, "histogram bounds must be ascending numbers");
+            goto fail;
+        }
+        h->bounds[i] = bound;
+        PyObject *value = PyFloat_FromDouble(bound), *le = value == NULL ? NULL : PyObject_Repr(value);
+        if (le == NULL) {
+            Py_XDECREF(value);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(h->bounds_tuple, i, value);
+        PyTuple_SET_ITEM(h->les, i, le);
+    }
+    PyObject *inf = PyUnicode_FromString("+Inf");
+    if (inf == NULL) goto fail;
+    PyTuple_SET_ITEM(h->les, n, inf);
+    Py_DECREF(seq);
+    return (PyObject *)h;
+fail:
+    Py_XDECREF(h);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* One duration into ``h``, as BucketHistogram.observe does: 1, 0 when refused (NaN), or -1 with a
+ * Python error. */
+static int histogram_observe(BucketHistogram *h, double value, PyObject *trace) {
+    if (isnan(value)) return 0;
+    if (value < 0.0) value = 0.0;
+    Py_ssize_t lo = 0, hi = h->n;  /* bisect_left: the first bound >= value */
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        double bound = PyFloat_AsDouble(PyTuple_GET_ITEM(bounds, mid));
-        if (bound == -1.0 && PyErr_Occurred()) goto out;
-        if (bound < value) lo = mid + 1; else hi = mid;
+        if (h->bounds[mid] < value) lo = mid + 1; else hi = mid;
     }
-    PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(counts, lo), one);
-    if (bumped == NULL) goto out;
-    PyList_SetItem(counts, lo, bumped);  /* steals bumped */
-    if ((sum = PyObject_GetAttr(hist, s_sum)) == NULL) goto out;
-    double total = PyFloat_AsDouble(sum) + value;
-    if (PyErr_Occurred()) goto out;
-    Py_SETREF(sum, PyFloat_FromDouble(total));
-    if (sum == NULL || PyObject_SetAttr(hist, s_sum, sum) < 0) goto out;
-    if ((count = PyObject_GetAttr(hist, s_count)) == NULL) goto out;
-    Py_SETREF(count, PyNumber_Add(count, one));
-    if (count == NULL || PyObject_SetAttr(hist, s_count, count) < 0) goto out;
-    if (!is_none(trace)) {
+    int keep = trace == NULL ? 0 : PyObject_IsTrue(trace);
+    if (keep < 0) return -1;
+    h->counts[lo]++;
+    h->sum += value;
+    h->count++;
+    if (keep) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        PyObject *exemplars = PyObject_GetAttr(hist, s_exemplars);
-        if (exemplars == NULL) goto out;
         PyObject *exemplar = Py_BuildValue("(Odd)", trace, value, (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec);
-        int set = exemplar == NULL ? -1 : PyList_SetItem(exemplars, lo, exemplar);
-        Py_DECREF(exemplars);
-        if (set < 0) goto out;
+        if (exemplar == NULL) return -1;
+        Py_XSETREF(h->exemplars[lo], exemplar);
     }
-    rc = 0;
-out:
-    Py_XDECREF(count);
-    Py_XDECREF(sum);
-    Py_XDECREF(counts);
-    Py_XDECREF(bounds);
+    return 1;
+}
+
+static PyObject *BucketHistogram_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"bounds", NULL};
+    PyObject *bounds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &bounds)) return NULL;
+    return histogram_new(bounds);
+}
+
+static int BucketHistogram_traverse(BucketHistogram *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; self->exemplars != NULL && i <= self->n; i++) Py_VISIT(self->exemplars[i]);
+    Py_VISIT(self->bounds_tuple);
+    Py_VISIT(self->les);
+    return 0;
+}
+
+static int BucketHistogram_clear(BucketHistogram *self) {
+    for (Py_ssize_t i = 0; self->exemplars != NULL && i <= self->n; i++) Py_CLEAR(self->exemplars[i]);
+    Py_CLEAR(self->bounds_tuple);
+    Py_CLEAR(self->les);
+    return 0;
+}
+
+static void BucketHistogram_dealloc(BucketHistogram *self) {
+    PyObject_GC_UnTrack(self);
+    BucketHistogram_clear(self);
+    PyMem_Free(self->bounds);
+    PyMem_Free(self->counts);
+    PyMem_Free(self->exemplars);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *BucketHistogram_observe(BucketHistogram *h, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "observe(value, trace_id=None)");
+        return NULL;
+    }
+    double value = PyFloat_AsDouble(args[0]);
+    if (value == -1.0 && PyErr_Occurred()) return NULL;
+    int rc = histogram_observe(h, value, nargs == 2 ? args[1] : NULL);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}
+
+static PyObject *BucketHistogram_cumulative(BucketHistogram *h, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(h->n + 1);
+    if (out == NULL) return NULL;
+    unsigned long long running = 0;
+    for (Py_ssize_t i = 0; i <= h->n; i++) {
+        running += h->counts[i];
+        PyObject *exemplar = h->exemplars[i] != NULL ? h->exemplars[i] : Py_None;
+        PyObject *row = Py_BuildValue("(OKO)", PyTuple_GET_ITEM(h->les, i), running, exemplar);
+        if (row == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
+static PyObject *BucketHistogram_quantile(BucketHistogram *h, PyObject *arg) {
+    double q = PyFloat_AsDouble(arg);
+    if (q == -1.0 && PyErr_Occurred()) return NULL;
+    double target = q * (double)h->count;
+    unsigned long long running = 0;
+    for (Py_ssize_t i = 0; i <= h->n; i++) {
+        running += h->counts[i];
+        if ((double)running >= target && h->counts[i]) return PyFloat_FromDouble(i < h->n ? h->bounds[i] : INFINITY);
+    }
+    return PyFloat_FromDouble(NAN);
+}
+
+static PyObject *BucketHistogram_get_counts(BucketHistogram *h, void *Py_UNUSED(closure)) {
+    PyObject *out = PyList_New(h->n + 1);
+    for (Py_ssize_t i = 0; out != NULL && i <= h->n; i++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(h->counts[i]);
+        if (n == NULL) Py_CLEAR(out); else PyList_SET_ITEM(out, i, n);
+    }
+    return out;
+}
+
+static PyObject *BucketHistogram_get_exemplars(BucketHistogram *h, void *Py_UNUSED(closure)) {
+    PyObject *out = PyList_New(h->n + 1);
+    for (Py_ssize_t i = 0; out != NULL && i <= h->n; i++)
+        PyList_SET_ITEM(out, i, Py_NewRef(h->exemplars[i] != NULL ? h->exemplars[i] : Py_None));
+    return out;
+}
+
+static PyObject *BucketHistogram_get_bounds(BucketHistogram *h, void *Py_UNUSED(closure)) {
+    return Py_NewRef(h->bounds_tuple);
+}
+
+static PyObject *BucketHistogram_get_sum(BucketHistogram *h, void *Py_UNUSED(closure)) {
+    return PyFloat_FromDouble(h->sum);
+}
+
+static PyObject *BucketHistogram_get_count(BucketHistogram *h, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(h->count);
+}
+
+static PyGetSetDef BucketHistogram_getset[] = {
+    {"bounds", (getter)BucketHistogram_get_bounds, NULL, "the buckets' upper bounds (floats), +Inf left out", NULL},
+    {"counts", (getter)BucketHistogram_get_counts, NULL, "per-bucket (not cumulative) counts, +Inf last: a copy", NULL},
+    {"exemplars", (getter)BucketHistogram_get_exemplars, NULL, "the last exemplar of each bucket: a copy", NULL},
+    {"sum", (getter)BucketHistogram_get_sum, NULL, "the sum of the values counted", NULL},
+    {"count", (getter)BucketHistogram_get_count, NULL, "the values counted", NULL},
+    {NULL}};
+
+static PyMethodDef BucketHistogram_methods[] = {
+    {"observe", (PyCFunction)(void (*)(void))BucketHistogram_observe, METH_FASTCALL,
+     "observe(value, trace_id=None) -> bool: count a duration; False if refused (NaN)."},
+    {"cumulative", (PyCFunction)BucketHistogram_cumulative, METH_NOARGS,
+     "[(le, cumulative count, exemplar), ...] ending with +Inf, as exposition wants."},
+    {"quantile", (PyCFunction)BucketHistogram_quantile, METH_O,
+     "quantile(q): upper bound of the bucket holding quantile q; NaN when empty."},
+    {NULL}};
+
+static PyTypeObject BucketHistogramType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.BucketHistogram",
+    .tp_doc = "BucketHistogram(bounds): C version of histogram.BucketHistogram.",
+    .tp_basicsize = sizeof(BucketHistogram),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = BucketHistogram_new,
+    .tp_traverse = (traverseproc)BucketHistogram_traverse,
+    .tp_clear = (inquiry)BucketHistogram_clear,
+    .tp_dealloc = (destructor)BucketHistogram_dealloc,
+    .tp_methods = BucketHistogram_methods,
+    .tp_getset = BucketHistogram_getset,
+};
+
+/* The sampling fields are Python objects (T_OBJECT_EX members) rather than C integers: the hot path's
+ * Python code reads and writes them on every region, and CPython (3.11+) specialises attribute access
+ * for object members as for a __slots__ attribute but not for integer members, which cost about
+ * 30 ns more per ``op.entered += 1``. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *name, *owner, *period, *countdown, *entered, *always, *fixed;
+    PyObject *bounds;  /* tuple: the bounds of the op's histograms */
+    PyObject *hists;   /* dict: device -> BucketHistogram */
+} OpState;
+
+static PyObject *OpState_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"name", "period", "fixed", "bounds", NULL};
+    PyObject *name, *period, *fixed, *bounds;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO", kwlist, &name, &period, &fixed, &bounds)) return NULL;
+    OpState *op = (OpState *)type->tp_alloc(type, 0);
+    if (op == NULL) return NULL;
+    op->name = Py_NewRef(name);
+    op->owner = Py_NewRef(Py_None);
+    op->period = Py_NewRef(period);
+    op->countdown = PyLong_FromLong(0);  /* the first region of every op is timed */
+    op->entered = PyLong_FromLong(0);
+    op->always = PyLong_FromLong(0);
+    op->fixed = Py_NewRef(fixed);
+    op->bounds = PySequence_Tuple(bounds);
+    op->hists = PyDict_New();
+    if (op->countdown == NULL || op->entered == NULL || op->always == NULL || op->bounds == NULL || op->hists == NULL) {
+        Py_DECREF(op);
+        return NULL;
+    }
+    return (PyObject *)op;
+}
+
+/* The histogram of ``device``, made on first use: a new reference, or NULL. */
+static BucketHistogram *opstate_histogram(OpState *op, PyObject *device) {
+    PyObject *hist = PyDict_GetItemWithError(op->hists, device);
+    if (hist != NULL) {
+        if (!Py_IS_TYPE(hist, &BucketHistogramType)) {
+            PyErr_SetString(PyExc_TypeError, "OpState.hists holds something other than a BucketHistogram");
+            return NULL;
+        }
+        return (BucketHistogram *)Py_NewRef(hist);
+    }
+    if (PyErr_Occurred() || (hist = histogram_new(op->bounds)) == NULL) return NULL;
+    if (PyDict_SetItem(op->hists, device, hist) < 0) Py_CLEAR(hist);
+    return (BucketHistogram *)hist;
+}
+
+/* One region's seconds on ``device`` into the op's histogram, as OpState.observe does: 1, 0 when
+ * refused (NaN), or -1 with a Python error. The one place every C loop observes through. */
+static int opstate_observe(OpState *op, PyObject *device, double seconds, PyObject *trace) {
+    BucketHistogram *h = opstate_histogram(op, device);
+    if (h == NULL) return -1;
+    int rc = histogram_observe(h, seconds, trace);
+    Py_DECREF(h);
     return rc;
 }
 
-/* op.hists[device], or op.histogram(device) to make it (new reference). */
-static PyObject *histogram_of(PyObject *op, PyObject *device) {
-    PyObject *hists = PyObject_GetAttr(op, s_hists);
-    if (hists == NULL) return NULL;
-    PyObject *hist = PyDict_Check(hists) ? PyDict_GetItemWithError(hists, device) : NULL;
-    Py_DECREF(hists);
-    if (hist != NULL) return Py_NewRef(hist);
-    if (PyErr_Occurred()) return NULL;
-    return PyObject_CallMethodOneArg(op, s_histogram, device);
+/* op.entered += 1, as the Python hot path writes it. */
+static int count_entered(OpState *op) {
+    if (op->entered == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "OpState.entered was deleted");
+        return -1;
+    }
+    PyObject *more = PyNumber_Add(op->entered, one);
+    if (more == NULL) return -1;
+    Py_SETREF(op->entered, more);
+    return 0;
 }
+
+/* ``op`` if it is an OpState, else NULL with a TypeError naming ``where``. */
+static OpState *as_op_state(PyObject *op, const char *where) {
+    if (Py_IS_TYPE(op, &OpStateType)) return (OpState *)op;
+    PyErr_Format(PyExc_TypeError, "%s: op must be the timer's OpState, not %.100s", where, Py_TYPE(op)->tp_name);
+    return NULL;
+}
+
+static PyObject *OpState_histogram(OpState *op, PyObject *device) {
+    return (PyObject *)opstate_histogram(op, device);
+}
+
+static PyObject *OpState_observe(OpState *op, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "observe(device, seconds, trace_id=None)");
+        return NULL;
+    }
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    int rc = opstate_observe(op, args[0], seconds, nargs == 3 ? args[2] : NULL);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}
+
+#define OP_STATE_OBJECTS(X) X(name) X(owner) X(period) X(countdown) X(entered) X(always) X(fixed) X(bounds) X(hists)
+GC_FUNCTIONS(OpState, OP_STATE_OBJECTS)
+
+static PyMethodDef OpState_methods[] = {
+    {"histogram", (PyCFunction)OpState_histogram, METH_O,
+     "histogram(device): the device's histogram (made on first use)."},
+    {"observe", (PyCFunction)(void (*)(void))OpState_observe, METH_FASTCALL,
+     "observe(device, seconds, trace_id=None) -> bool: one region's GPU seconds; False if refused (NaN)."},
+    {NULL}};
+
+static PyMemberDef OpState_members[] = {
+    {"name", T_OBJECT_EX, offsetof(OpState, name), READONLY, NULL},
+    {"owner", T_OBJECT_EX, offsetof(OpState, owner), 0,
+     "the Instrumentation whose sampled passes count this op, if any"},
+    {"period", T_OBJECT_EX, offsetof(OpState, period), 0, NULL},
+    {"countdown", T_OBJECT_EX, offsetof(OpState, countdown), 0, NULL},
+    {"entered", T_OBJECT_EX, offsetof(OpState, entered), 0, NULL},
+    {"always", T_OBJECT_EX, offsetof(OpState, always), 0, "regions started with on_elapsed: timed every time"},
+    {"fixed", T_OBJECT_EX, offsetof(OpState, fixed), 0, NULL},
+    {"bounds", T_OBJECT_EX, offsetof(OpState, bounds), READONLY, NULL},
+    {"hists", T_OBJECT_EX, offsetof(OpState, hists), READONLY, "device -> BucketHistogram"},
+    {NULL}};
+
+static PyTypeObject OpStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.OpState",
+    .tp_doc = "OpState(name, period, fixed, bounds): C version of histogram.OpState.",
+    .tp_basicsize = sizeof(OpState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = OpState_new,
+    .tp_traverse = (traverseproc)OpState_traverse,
+    .tp_clear = (inquiry)OpState_clear,
+    .tp_dealloc = (destructor)OpState_dealloc,
+    .tp_methods = OpState_methods,
+    .tp_members = OpState_members,
+};
 
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -397,6 +704,13 @@ static int bump(PyObject *dropped, PyObject *reason) {
     return rc;
 }
 
+/* A finished pair's seconds (elapsed minus baseline) into its op, which the hot path made sure is an
+ * OpState: 1, 0 when refused (counted as an error), or -1 with a Python error. */
+static int observe_pair(PyObject *op, PyObject *device, double seconds, PyObject *trace, PyObject *dropped) {
+    int rc = opstate_observe((OpState *)op, device, seconds, trace);
+    return rc == 0 && bump(dropped, s_error) < 0 ? -1 : rc;
+}
+
 /* Append the events the recycler gave back to their free lists: the last ones recorded end up
  * last, so they are the next ones popped. A failed append loses the event from circulation (it is
  * still destroyed with the pool). */
@@ -641,6 +955,7 @@ static PyObject *HotPath_end(HotPath *h, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *op = args[0], *token = args[1], *callback = args[2];
+    if (as_op_state(op, "end()") == NULL) return NULL;  /* the C loops observe through its struct */
     if ((PyObject *)Py_TYPE(token) == h->graph_token_type) {
         PyObject *recorder = PyTuple_GET_ITEM(token, 3);
         PyObject *call_args[3] = {recorder, op, token};
@@ -749,27 +1064,6 @@ static int HotPath_init(HotPath *h, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
-/* The object fields of each type, listed once: GC_FUNCTIONS writes the garbage collector's traverse
- * and clear, and the dealloc, from the list. */
-#define VISIT_FIELD(field) Py_VISIT(self->field);
-#define CLEAR_FIELD(field) Py_CLEAR(self->field);
-#define GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                         \
-    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                         \
-        OBJECTS(VISIT_FIELD)                                                                     \
-        return 0;                                                                                \
-    }                                                                                            \
-    static int Type##_clear(Type *self) {                                                        \
-        OBJECTS(CLEAR_FIELD)                                                                     \
-        return 0;                                                                                \
-    }
-#define GC_FUNCTIONS(Type, OBJECTS)                                                              \
-    GC_TRAVERSE_CLEAR(Type, OBJECTS)                                                             \
-    static void Type##_dealloc(Type *self) {                                                     \
-        PyObject_GC_UnTrack(self);                                                               \
-        Type##_clear(self);                                                                      \
-        Py_TYPE(self)->tp_free((PyObject *)self);                                                \
-    }
-
 #define HOTPATH_OBJECTS(X) X(core) X(pools) X(ring) X(ring_append) X(dropped) X(record) \
     X(current_device) X(current_stream) X(trace_var) X(captures) X(capturing) X(pending_type) X(graph_token_type) \
     X(lists)
@@ -826,10 +1120,8 @@ static PyObject *HotPath_collect(HotPath *h, PyObject *baselines) {
         } else {
             PyObject *b = PyDict_GetItemWithError(baselines, p->device);
             double seconds = 1e-3 * (double)p->ms - (b != NULL ? PyFloat_AsDouble(b) : 0.0);
-            PyObject *hist = PyErr_Occurred() ? NULL : histogram_of(p->op, p->device);
-            rc = hist == NULL ? -1 : observe(hist, seconds < 0.0 ? 0.0 : seconds, p->trace);
-            Py_XDECREF(hist);
-            observed += rc == 0;
+            rc = PyErr_Occurred() ? -1 : observe_pair(p->op, p->device, seconds, p->trace, h->dropped);
+            observed += rc == 1;
         }
         Py_CLEAR(p->op);
         Py_CLEAR(p->device);
@@ -1013,14 +1305,8 @@ static PyObject *Sequence_split(SequenceBase *s, PyObject *arg) {
         op = Py_NewRef(arg);
     }
     PyObject *result = NULL, *device = NULL, *free = NULL, *event = NULL, *stream = NULL;
-    PyObject *entered = PyObject_GetAttr(op, s_entered);
-    if (entered == NULL) goto done;
-    PyObject *more = PyNumber_Add(entered, one);
-    Py_DECREF(entered);
-    if (more == NULL) goto done;
-    int set = PyObject_SetAttr(op, s_entered, more);
-    Py_DECREF(more);
-    if (set < 0) goto done;
+    OpState *state = as_op_state(op, "split()");
+    if (state == NULL || count_entered(state) < 0) goto done;
     if (!s->active) {
         result = Py_NewRef(Py_None);
         goto done;
@@ -1111,17 +1397,8 @@ typedef struct {
     PyObject *original; /* the module's own forward */
 } ExactForward;
 
-static int count_entered(PyObject *op) {
-    PyObject *entered = PyObject_GetAttr(op, s_entered);
-    if (entered == NULL) return -1;
-    Py_SETREF(entered, PyNumber_Add(entered, one));
-    int rc = entered == NULL ? -1 : PyObject_SetAttr(op, s_entered, entered);
-    Py_XDECREF(entered);
-    return rc;
-}
-
 static PyObject *ExactForward_vectorcall(ExactForward *f, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (count_entered(f->op) < 0) return NULL;
+    if (count_entered((OpState *)f->op) < 0) return NULL;
     HotPath *h = (HotPath *)f->hot;
     PyObject *token = HotPath_record_start(h, NULL);
     if (token == NULL) return NULL;
@@ -1150,7 +1427,8 @@ static PyObject *ExactForward_vectorcall(ExactForward *f, PyObject *const *args,
 static int ExactForward_init(ExactForward *f, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"hot", "op", "original", NULL};
     PyObject *hot_path, *op, *original;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO", kwlist, &HotPathType, &hot_path, &op, &original))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O", kwlist, &HotPathType, &hot_path, &OpStateType, &op,
+                                     &original))
         return -1;
     Py_XSETREF(f->hot, Py_NewRef(hot_path));
     Py_XSETREF(f->op, Py_NewRef(op));
@@ -1241,7 +1519,6 @@ typedef struct {
     last_error_fn_t clear_error_fn;
     PyObject *dropped;          /* dict: reason -> count */
     PyTypeObject *pending_type; /* core.Pending */
-    PyTypeObject *op_type;      /* core.OpState: a pair of any other op (a graph replay) is Python's */
 } Resolve;
 
 #define RESOLVE_CHUNK 256
@@ -1290,7 +1567,7 @@ static PyObject *Resolve_run(Resolve *r, PyObject *const *args, Py_ssize_t nargs
                 first = index + 1;
                 continue;
             }
-            if (Py_TYPE(op) != r->op_type || callback != Py_None || !PyLong_Check(start) || !PyLong_Check(end))
+            if (!Py_IS_TYPE(op, &OpStateType) || callback != Py_None || !PyLong_Check(start) || !PyLong_Check(end))
                 break;
             starts[k] = PyLong_AsVoidPtr(start);
             ends[k] = PyLong_AsVoidPtr(end);
@@ -1322,7 +1599,6 @@ static PyObject *Resolve_run(Resolve *r, PyObject *const *args, Py_ssize_t nargs
         /* 3. (GIL) release the finished pairs' events and observe them */
         for (Py_ssize_t j = 0; j < done; j++) {
             PyObject *item = PyList_GET_ITEM(snapshot, first + j);
-            PyObject *op = PyTuple_GET_ITEM(item, 0);
             if (PyList_Append(pool, PyTuple_GET_ITEM(item, 3)) < 0) return NULL;
             if (!PyObject_IsTrue(PyTuple_GET_ITEM(item, 7)) && PyList_Append(pool, PyTuple_GET_ITEM(item, 4)) < 0)
                 return NULL;
@@ -1330,13 +1606,10 @@ static PyObject *Resolve_run(Resolve *r, PyObject *const *args, Py_ssize_t nargs
                 if (bump(r->dropped, s_error) < 0) return NULL;
                 continue;
             }
-            double seconds = 1e-3 * (double)ms[j] - baseline;
-            PyObject *hist = histogram_of(op, device);
-            if (hist == NULL) return NULL;
-            int rc = observe(hist, seconds < 0.0 ? 0.0 : seconds, PyTuple_GET_ITEM(item, 5));
-            Py_DECREF(hist);
+            int rc = observe_pair(PyTuple_GET_ITEM(item, 0), device, 1e-3 * (double)ms[j] - baseline,
+                                  PyTuple_GET_ITEM(item, 5), r->dropped);
             if (rc < 0) return NULL;
-            resolved++;
+            resolved += rc;
         }
         index = first + done;
     }
@@ -1345,11 +1618,11 @@ static PyObject *Resolve_run(Resolve *r, PyObject *const *args, Py_ssize_t nargs
 
 static int Resolve_init(Resolve *r, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"query_address", "elapsed_address", "clear_error_address", "dropped",
-                             "pending_type", "op_type", NULL};
+                             "pending_type", NULL};
     Py_ssize_t query, elapsed, clear;
-    PyObject *dropped, *pend, *op_type;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$nnnO!O!O!", kwlist, &query, &elapsed, &clear, &PyDict_Type,
-                                     &dropped, &PyType_Type, &pend, &PyType_Type, &op_type))
+    PyObject *dropped, *pend;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$nnnO!O!", kwlist, &query, &elapsed, &clear, &PyDict_Type,
+                                     &dropped, &PyType_Type, &pend))
         return -1;
     if (!query || !elapsed || !clear || !PyType_IsSubtype((PyTypeObject *)pend, &PyTuple_Type)) {
         PyErr_SetString(PyExc_ValueError, "Resolve: needs the three function addresses and a tuple subclass");
@@ -1360,11 +1633,10 @@ static int Resolve_init(Resolve *r, PyObject *args, PyObject *kwds) {
     r->clear_error_fn = (last_error_fn_t)clear;
     Py_XSETREF(r->dropped, Py_NewRef(dropped));
     Py_XSETREF(r->pending_type, (PyTypeObject *)Py_NewRef(pend));
-    Py_XSETREF(r->op_type, (PyTypeObject *)Py_NewRef(op_type));
     return 0;
 }
 
-#define RESOLVE_OBJECTS(X) X(dropped) X(pending_type) X(op_type)
+#define RESOLVE_OBJECTS(X) X(dropped) X(pending_type)
 GC_FUNCTIONS(Resolve, RESOLVE_OBJECTS)
 
 static PyMethodDef Resolve_methods[] = {
@@ -1395,7 +1667,6 @@ static struct PyModuleDef hotpath_module = {
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
 PyMODINIT_FUNC PyInit__hotpath(void) {
-    INTERN(s_entered, "entered");
     INTERN(s_add_device, "add_device");
     INTERN(s_record_failed, "record_failed");
     INTERN(s_record_captured, "record_captured");
@@ -1406,22 +1677,18 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     INTERN(s_ring_full, "ring_full");
     INTERN(s_append, "append");
     INTERN(s_error, "error");
-    INTERN(s_hists, "hists");
-    INTERN(s_histogram, "histogram");
-    INTERN(s_bounds, "bounds");
-    INTERN(s_counts, "counts");
-    INTERN(s_sum, "sum");
-    INTERN(s_count, "count");
-    INTERN(s_exemplars, "exemplars");
     INTERN(s_seq, "seq");
     INTERN(s_split, "split");
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
-    if (PyType_Ready(&HotPathType) < 0 || PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 ||
-        PyType_Ready(&ExactForwardType) < 0 || PyType_Ready(&SplitForwardType) < 0)
+    if (PyType_Ready(&BucketHistogramType) < 0 || PyType_Ready(&OpStateType) < 0 || PyType_Ready(&HotPathType) < 0 ||
+        PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 || PyType_Ready(&ExactForwardType) < 0 ||
+        PyType_Ready(&SplitForwardType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObject(m, "HotPath", Py_NewRef(&HotPathType)) < 0 ||
+    if (PyModule_AddObject(m, "BucketHistogram", Py_NewRef(&BucketHistogramType)) < 0 ||
+        PyModule_AddObject(m, "OpState", Py_NewRef(&OpStateType)) < 0 ||
+        PyModule_AddObject(m, "HotPath", Py_NewRef(&HotPathType)) < 0 ||
         PyModule_AddObject(m, "SequenceBase", Py_NewRef(&SequenceBaseType)) < 0 ||
         PyModule_AddObject(m, "Resolve", Py_NewRef(&ResolveType)) < 0 ||
         PyModule_AddObject(m, "ExactForward", Py_NewRef(&ExactForwardType)) < 0 ||

@@ -8,7 +8,8 @@
   counts both rings);
 - ``dropped``: samples lost, by reason (``DROP_REASONS``);
 - ``period``: the sampling period the budget controller sets (1 = every region);
-- the op states (``op_state``, ``ops``) and the per-pass samplers (``samplers``).
+- the op states (``op_state``, ``ops``: ``histogram.py``'s data model, C with the C hot path) and
+  the per-pass samplers (``samplers``).
 
 and the hot path: ``begin``, ``record_start`` and ``end`` (a sampled region costs two event
 records, one pop from a free list and one append to the bounded ring; an unsampled one a counter
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 
 from gpuscope.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing import capture, hot
-from gpuscope.timing.histogram import BucketHistogram
+from gpuscope.timing.histogram import OpState
 from gpuscope.timing.routes import Route, on_device
 
 log = logging.getLogger("gpuscope.timing")
@@ -81,28 +82,6 @@ class GraphToken(NamedTuple):
     recorder: Any  # the GraphRecorder of the capture
 
 
-class OpState:
-    """Per-op sampling state and histograms (one per device), owned by one timer."""
-
-    __slots__ = ("always", "countdown", "entered", "fixed", "hists", "name", "owner", "period")
-
-    def __init__(self, name: str, period: int, fixed: bool) -> None:
-        self.name = name
-        self.owner: Any = None  # the Instrumentation whose sampled passes count this op, if any
-        self.period = period
-        self.countdown = 0  # the first region of every op is timed
-        self.entered = 0
-        self.always = 0  # regions started with on_elapsed: timed every time, outside the budget's reach
-        self.fixed = fixed
-        self.hists: dict[int, BucketHistogram] = {}
-
-    def histogram(self, device: int) -> BucketHistogram:
-        hist = self.hists.get(device)
-        if hist is None:
-            hist = self.hists[device] = BucketHistogram(REGION_SECONDS_BUCKETS)
-        return hist
-
-
 class TimerCore:
     """Shared state and hot path of one timer (module docstring)."""
 
@@ -139,6 +118,9 @@ class TimerCore:
         if route.gpu_queue:
             capture.install()
         self.native = hot.use_native(native)
+        #: the class of this timer's op states: C with the C hot path (whose loops update them through
+        #: their structs), else histogram.OpState
+        self.op_type: type[OpState] = hot.op_state_class(self.native)
         self.hot = hot.hot_path_class(self.native)(
             core=self, pools=self.pools, ring=self.ring, ring_size=ring_size, dropped=self.dropped,
             record=route.record, record_address=getattr(route, "record_address", 0) or 0,
@@ -172,12 +154,15 @@ class TimerCore:
             with self._ops_lock:
                 state = self._ops.get(op)
                 if state is None:
-                    state = self._ops[op] = OpState(op, self.period, self.fixed_rate)
+                    state = self._ops[op] = self._new_state(op)
         return state
 
     def new_pass_state(self, name: str) -> OpState:
         """Sampling state for a pass (instrument(), sequences), outside the op table."""
-        return OpState(name, self.period, self.fixed_rate)
+        return self._new_state(name)
+
+    def _new_state(self, name: str) -> OpState:
+        return self.op_type(name, self.period, self.fixed_rate, REGION_SECONDS_BUCKETS)
 
     def ops(self) -> list[OpState]:
         return list(self._ops.values())

@@ -127,8 +127,10 @@ class GraphReplay:
             except Exception:
                 self.recorder.core.dropped["error"] += 1
                 continue
-            op.histogram(device).observe(max(0.0, seconds), trace_id)
-            taken += 1
+            if op.observe(device, seconds, trace_id):
+                taken += 1
+            else:  # refused (NaN)
+                self.recorder.core.dropped["error"] += 1
         self.busy = False
         return taken
 

@@ -11,8 +11,9 @@ Two implementations of the same steps, chosen per timer (``use_native``):
   ``GPUSCOPE_TIMING_NATIVE=0``), and the readable statement of what the C code does.
 
 Each offers ``record_start()`` / ``end(op, token, callback)`` for one ``TimerCore``, the
-state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, and the per-module
-forwards ``instrument()`` installs. Everything rare (a new
+state plus ``split(op)`` / ``_close_open(end, last)`` of a ``Sequence``, the per-module
+forwards ``instrument()`` installs, and the data model its ops live in (``OpState`` and its
+histograms: ``histogram.py``, ``op_state_class``). Everything rare (a new
 device's pool, a region inside a graph capture, a failed record) is handled by the core's and the
 sequence's Python methods, which both implementations call.
 
@@ -30,6 +31,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+from gpuscope.timing.histogram import OpState
 
 try:
     from gpuscope.timing import _hotpath
@@ -203,7 +206,7 @@ class PySequenceBase:
         return not last
 
 
-def resolve_loop(route: Any, *, dropped: dict, pending_type: type, op_type: type) -> Any:
+def resolve_loop(route: Any, *, dropped: dict, pending_type: type) -> Any:
     """The resolver's C loop for plain pairs (``_hotpath.Resolve``), or None: without the extension,
     or for a route that cannot give CUDA's query, elapsed-time and last-error functions' addresses
     (the resolver then does every pair in Python)."""
@@ -213,7 +216,7 @@ def resolve_loop(route: Any, *, dropped: dict, pending_type: type, op_type: type
         return None
     query, elapsed, clear = addresses
     return _hotpath.Resolve(query_address=query, elapsed_address=elapsed, clear_error_address=clear,
-                            dropped=dropped, pending_type=pending_type, op_type=op_type)
+                            dropped=dropped, pending_type=pending_type)
 
 
 def exact_forward(core: Any, op: Any, original: Any) -> Any:
@@ -231,6 +234,12 @@ def split_forward(core: Any, local: Any, get_seq: Any, op: Any, original: Any) -
 def hot_path_class(native: bool) -> type:
     """The class of a core's hot path: ``_hotpath.HotPath`` or ``PyHotPath``."""
     return _hotpath.HotPath if native else PyHotPath
+
+
+def op_state_class(native: bool) -> type[OpState]:
+    """The class of a core's op states: ``_hotpath.OpState``, which the C hot path requires, or
+    ``histogram.OpState``."""
+    return _hotpath.OpState if native else OpState
 
 
 def sequence_base(native: bool) -> type:

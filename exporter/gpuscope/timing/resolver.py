@@ -22,7 +22,7 @@ from typing import Any
 
 from gpuscope.timing import hot
 from gpuscope.timing.budget import BudgetController
-from gpuscope.timing.core import OpState, Pending, TimerCore
+from gpuscope.timing.core import Pending, TimerCore
 from gpuscope.timing.graphs import GraphReplay
 from gpuscope.timing.routes import on_device
 
@@ -60,8 +60,8 @@ class Resolver:
         self._capture_mode_relaxed = False
         #: the C loop for plain pairs (hot.resolve_loop) where the core runs the C hot path without a
         #: recycler (with one, ``ring`` holds no plain pairs)
-        self.fast = hot.resolve_loop(core.route, dropped=core.dropped, pending_type=Pending,
-                                     op_type=OpState) if core.native and not core.recycling else None
+        self.fast = hot.resolve_loop(core.route, dropped=core.dropped,
+                                     pending_type=Pending) if core.native and not core.recycling else None
         core.on_new_device = self.add_device
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -204,12 +204,12 @@ class Resolver:
         core = self.core
         route, free, baseline = core.route, core.pools, self.baseline_s
         query, elapsed, use_device = route.query, route.elapsed_s, route.use_device
-        fast = self.fast
+        fast, op_type = self.fast, core.op_type
         taken = 0
         while taken < len(snapshot):
             op, device, stream, start, end, trace_id, callback, keep_end = snapshot[taken]
             pool = free.get(device)
-            if fast is not None and pool is not None and (op is None or op.__class__ is OpState):
+            if fast is not None and pool is not None and (op is None or op.__class__ is op_type):
                 if device != current:
                     current = device
                     use_device(device)
@@ -251,13 +251,13 @@ class Resolver:
             taken += 1
             if seconds is None:
                 continue
-            if seconds < 0.0:
-                seconds = 0.0
-            op.histogram(device).observe(seconds, trace_id)
-            self._resolved += 1
+            if op.observe(device, seconds, trace_id):
+                self._resolved += 1
+            else:  # refused (NaN)
+                core.dropped["error"] += 1
             if callback is not None:
                 try:
-                    callback(seconds)
+                    callback(0.0 if seconds < 0.0 else seconds)  # as observed
                 except Exception as exc:  # a user's callback must not stop timing
                     self.callback_errors += 1
                     self._warn_once("callback", f"gpuscope: on_elapsed callback failed (counted): {exc!r}")
