@@ -63,6 +63,12 @@ def parse_listen_address(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def listen_address(value: str) -> str:
+    """``HOST:PORT`` checked (as :func:`parse_listen_address`) and kept as text, for messages."""
+    parse_listen_address(value)
+    return value
+
+
 class FlagParser(argparse.ArgumentParser):
     """ArgumentParser whose flags fall back to environment variables and whose errors are one line."""
 
