@@ -82,10 +82,6 @@ class FlagParser(argparse.ArgumentParser):
             action.default = self._env_value(action, env, raw)
         return action
 
-    def add_toggle(self, name: str, default: bool, help: str) -> argparse.Action:
-        """``--collector.X`` / ``--no-collector.X`` pair (and ``GPUSCOPE_COLLECTOR_X=true|false``)."""
-        return self.add_flag(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
-
     def _env_value(self, action: argparse.Action, env: str, raw: str):
         if isinstance(action, argparse.BooleanOptionalAction):
             lowered = raw.strip().lower()
