@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from gpuscope.fleet import Fleet
 
 
-
 class AlertProfile(Choice):
     """``--stack.profile``: the alert rules as shipped, or the test profile's compressed windows."""
 
@@ -58,14 +57,17 @@ class AlertProfile(Choice):
     TEST = "test"
 
 
+PROFILES: tuple[AlertProfile, ...] = tuple(AlertProfile)
+
+
 class ServerSource(Choice):
     """``--stack.source``: the server's metrics under gpuscope's names, or vLLM's (alerting.sources)."""
 
+    #: gpuscope serve as it is, scraped as job gpuscope-server
     GPUSCOPE = "gpuscope-server"
+    #: gpuscope serve --metrics.names vllm, scraped as job vllm: what the vLLM source's rules read
     VLLM = "vllm"
 
-
-PROFILES: tuple[AlertProfile, ...] = tuple(AlertProfile)
 
 #: Parts the stack runs, in start order (stopped in reverse).
 COMPONENTS: tuple[str, ...] = (
