@@ -31,6 +31,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _connections(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting of ``gpuscope exporter``, each field its flag."""
@@ -60,7 +66,7 @@ class Config:
     max_connections: int = setting(
         "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
         "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
-        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=_positive_int, metavar="N")
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=_connections, metavar="N")
     read_timeout: float = setting(
         "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request within "
         f"this (idle keep-alive time included), else it is closed (default {DEFAULT_READ_TIMEOUT:g}s)",
