@@ -135,6 +135,7 @@ def toggles(prefix: str, options: Mapping[str, tuple[bool, str]]) -> Any:
 
 
 def parse_int(text: str) -> int:
+    # argparse's own wording for type=int, which operators and tests already know
     try:
         return int(text)
     except ValueError:
@@ -148,7 +149,7 @@ def parse_float(text: str) -> float:
         raise ValueError(f"invalid float value: {text!r}") from None
 
 
-def parse_of(spec: Flag, default: Any) -> Callable[[str], Any] | None:
+def _parse_of(spec: Flag, default: Any) -> Callable[[str], Any] | None:
     """The setting's parse function; None for a toggle."""
     if spec.parse is not None:
         return spec.parse
@@ -220,7 +221,7 @@ class SettingsParser(FlagParser, Generic[T]):
                                   help=f"{text} (default {'on' if default else 'off'})")
 
     def _add_setting(self, spec: Flag, default: Any, dest: str) -> None:
-        parse = parse_of(spec, default)
+        parse = _parse_of(spec, default)
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": spec.help}
         if parse is None:
             kwargs["action"] = argparse.BooleanOptionalAction

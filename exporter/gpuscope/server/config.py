@@ -27,6 +27,10 @@ PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 OTHER = "other"
 
 
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line naming the setting."""
+
+
 class MetricNames(Choice):
     """``--metrics.names``: gpuscope's own names, or vLLM's (names, labels, buckets of vLLM's V1 engine)."""
 
@@ -69,10 +73,6 @@ def _check_choice(value: object, choices: type[Choice], flag: str) -> None:
     """Settings built in code (not parsed) may hold any text: the same one line as a bad flag."""
     if value not in tuple(choices):
         raise ConfigError(f"{flag} {value!r} must be one of {choices.listing()}")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line naming the setting."""
 
 
 #: Most step events a request's spans carry before a summary event (``--tracing.max-step-events``).
@@ -191,8 +191,6 @@ def parse_tenants(text: str, unknown: str = UnknownTenant.REJECT) -> tuple[Tenan
     """``NAME:SHARE[:PRIORITY],...`` → tenants with shares normalized to sum to 1 (ConfigError if bad)."""
     try:
         specs = parse_tenant_entries(text)
-    except ConfigError:
-        raise
     except ValueError as exc:
         raise ConfigError(f"--tenants: {exc}") from None
     return complete_tenants(specs, unknown)

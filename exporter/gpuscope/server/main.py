@@ -31,7 +31,7 @@ FAULTS_TOKEN_ENV = "GPUSCOPE_FAULTS_TOKEN"
 
 def build_parser() -> SettingsParser[ServerConfig]:
     return parser_for(ServerConfig, prog=PROG,
-                           description="Reference inference server, instrumented with gpuscope.")
+                      description="Reference inference server, instrumented with gpuscope.")
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> ServerConfig:
