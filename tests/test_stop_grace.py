@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _grace(serve_argv: list[str]) -> float:
     """The --shutdown.grace these ``gpuscope serve`` arguments run with."""
     args = serve_argv[1:] if serve_argv[:1] == ["serve"] else serve_argv
-    return vars(build_parser().parse_args(args))["shutdown.grace"]
+    return build_parser().parse_settings(args).http.shutdown_grace_s
 
 
 def test_parser_default_is_the_settings_default():

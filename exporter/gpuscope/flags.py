@@ -63,6 +63,12 @@ def parse_listen_address(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def listen_address(value: str) -> str:
+    """``HOST:PORT`` checked (as :func:`parse_listen_address`) and kept as text, for messages."""
+    parse_listen_address(value)
+    return value
+
+
 class FlagParser(argparse.ArgumentParser):
     """ArgumentParser whose flags fall back to environment variables and whose errors are one line."""
 
@@ -75,10 +81,6 @@ class FlagParser(argparse.ArgumentParser):
         if raw is not None:
             action.default = self._env_value(action, env, raw)
         return action
-
-    def add_toggle(self, name: str, default: bool, help: str) -> argparse.Action:
-        """``--collector.X`` / ``--no-collector.X`` pair (and ``GPUSCOPE_COLLECTOR_X=true|false``)."""
-        return self.add_flag(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
 
     def _env_value(self, action: argparse.Action, env: str, raw: str):
         if isinstance(action, argparse.BooleanOptionalAction):

@@ -33,6 +33,7 @@ import yaml
 from gpuscope.dashboards import render as dashboards_render
 from gpuscope.ports import LOCAL_HOST, PORTS, free_ports
 from gpuscope.stack import (
+    AlertProfile,
     Parts,
     Process,
     Stack,
@@ -133,7 +134,7 @@ class FleetOptions:
 
     hosts: int | Sequence[str] = 2
     cluster: str = DEFAULT_CLUSTER
-    profile: str = "production"
+    profile: AlertProfile = AlertProfile.PRODUCTION
     ports: str = "default"
     address: str = LOCAL_HOST
     run_dir: Path | None = None

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from gpuscope.flags import FlagParser
+from gpuscope.settings import SettingsParser, parser_for, setting
 
 Generator = Callable[[Path], dict[str, str]]
 
@@ -105,19 +106,23 @@ def run(root: Path, check: bool, only: tuple[str, ...] = ()) -> tuple[list[str],
     return stale, orphans
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(prog="gpuscope generate", description=__doc__.splitlines()[0])
-    p.add_flag("--root", type=Path, default=Path("."),
-               help="the repository root to write into (default: the current directory)")
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 naming stale or orphaned files")
-    p.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(GENERATORS)}")
-    return p
+@dataclass(frozen=True)
+class GenerateSettings:
+    """The flags of ``gpuscope generate``; ``--check`` and ``--only`` are per run, with no variable."""
+
+    root: Path = setting("--root", Path("."), "the repository root to write into (default: the current "
+                         "directory)", parse=Path)
+    check: bool = setting("--check", False, "write nothing; exit 1 naming stale or orphaned files", env=False)
+    only: str = setting("--only", "", f"comma-separated subset of {', '.join(GENERATORS)}", env=False)
+
+
+def build_parser() -> SettingsParser[GenerateSettings]:
+    return parser_for(GenerateSettings, prog="gpuscope generate", description=__doc__.splitlines()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_settings(sys.argv[1:] if argv is None else argv)
     root = args.root.resolve()
     only = tuple(part for part in args.only.split(",") if part)
     unknown = set(only) - set(GENERATORS)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
@@ -30,10 +31,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpuscope import catalogue
-from gpuscope.flags import FlagParser, parse_listen_address
+from gpuscope.flags import listen_address, parse_listen_address
 from gpuscope.httpjson import JsonRequestHandler
 from gpuscope.logsafe import EscapingFilter
 from gpuscope.ports import default_listen_address
+from gpuscope.settings import SettingsParser, parser_for, setting
 
 STATUSES = ("firing", "resolved")
 #: Seconds a connection may wait for each read (Alertmanager sends whole requests at once).
@@ -205,20 +207,25 @@ def make_server(host: str, port: int, log: NotificationLog, max_body_bytes: int 
     return ReceiverServer((host, port), _make_handler(log, max_body_bytes, read_timeout))
 
 
-def _parser() -> FlagParser:
-    parser = FlagParser(prog="gpuscope receiver", description=__doc__.splitlines()[0])
-    parser.add_flag("--web.listen-address", dest="listen", default=default_listen_address("receiver"),
-                    help="HOST:PORT to listen on")
-    parser.add_flag("--receiver.history", dest="history", type=int, default=500,
-                    help="notifications kept for GET /alerts (oldest dropped first)")
-    parser.add_flag("--receiver.max-body-bytes", dest="max_body", type=int, default=1 << 20,
-                    help="largest notification accepted (413 above)")
-    parser.add_flag("--receiver.profile-servers", dest="profile_servers", default=None,
-                    help="JSON allow-list of servers (instance label → URL) asked for a kernel profile on "
-                         "firing latency alerts (off when unset; docs/server.md)")
-    parser.add_flag("--receiver.profile-token-file", dest="profile_token_file", default=None,
-                    help="file holding the servers' profile token (else GPUSCOPE_PROFILE_TOKEN)")
-    return parser
+@dataclass(frozen=True)
+class ReceiverSettings:
+    """The flags of ``gpuscope receiver``."""
+
+    listen: str = setting("--web.listen-address", default_listen_address("receiver"),
+                          "HOST:PORT to listen on", parse=listen_address, metavar="HOST:PORT")
+    history: int = setting("--receiver.history", 500,
+                           "notifications kept for GET /alerts (oldest dropped first)")
+    max_body: int = setting("--receiver.max-body-bytes", 1 << 20, "largest notification accepted (413 above)")
+    profile_servers: str | None = setting(
+        "--receiver.profile-servers", None, "JSON allow-list of servers (instance label → URL) asked for a "
+        "kernel profile on firing latency alerts (off when unset; docs/server.md)")
+    profile_token_file: str | None = setting(
+        "--receiver.profile-token-file", None,
+        "file holding the servers' profile token (else GPUSCOPE_PROFILE_TOKEN)")
+
+
+def _parser() -> SettingsParser[ReceiverSettings]:
+    return parser_for(ReceiverSettings, prog="gpuscope receiver", description=__doc__.splitlines()[0])
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -227,11 +234,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str]) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        host, port = parse_listen_address(args.listen)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args = parser.parse_settings(argv)
+    host, port = parse_listen_address(args.listen)
     if args.history < 1:
         parser.error(f"--receiver.history must be at least 1, got {args.history}")
     if args.max_body < 1:

@@ -28,8 +28,9 @@ def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProc
 @pytest.mark.parametrize("args, message", [
     (["--tenants", "a:0.8,b:0.8"], "shares sum to 1.6"),
     (["--tenants", "a:1", "--tenants.default", "b"], "--tenants.default 'b' is not a configured tenant"),
-    (["--scheduler", "lottery"], "--scheduler 'lottery' must be 'share' or 'fcfs'"),
-    (["--timing", "sometimes"], "--timing 'sometimes' must be off, budget or all"),
+    (["--scheduler", "lottery"], "--scheduler: invalid choice: 'lottery' (choose from 'share', 'fcfs')"),
+    (["--timing", "sometimes"], "--timing: invalid choice: 'sometimes' (choose from 'off', 'budget', 'all')"),
+    (["--log.level", "loud"], "--log.level: invalid choice: 'loud'"),
     (["--model.dim", "100", "--model.heads", "3"], "not a multiple of --model.heads"),
     (["--web.listen-address", "nowhere"], "is not HOST:PORT"),
     (["--faults.enable"], "--faults.enable needs a token"),

@@ -505,7 +505,7 @@ def test_load_errors_are_one_line_config_errors(tiny, broken_folders):
 
 
 def test_toy_model_stays_the_default():
-    from gpuscope.server.main import build_parser, config_from_args
+    from gpuscope.server.main import load_config
 
-    config = config_from_args(build_parser().parse_args([]))
+    config = load_config([])
     assert config.model.hf is None and config.model_name == "gpuscope-tiny"

@@ -13,7 +13,7 @@ import requests
 from gpuscope import catalogue as c
 from gpuscope.server import profile_trace as pt
 from gpuscope.server.config import ConfigError
-from gpuscope.server.main import build_parser, config_from_args
+from gpuscope.server.main import load_config
 from gpuscope.server.profile_config import ProfileConfig
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.server.conftest import ServerThread, small_config
@@ -23,7 +23,7 @@ AUTH = {"Authorization": f"Bearer {PROFILE_TOKEN}"}
 
 
 def profile_config(directory, **overrides) -> ProfileConfig:
-    base = {"token": PROFILE_TOKEN, "directory": str(directory), "min_interval_s": 0.0,
+    base = {"enable": True, "token": PROFILE_TOKEN, "directory": str(directory), "min_interval_s": 0.0,
             "window_timeout_s": 20.0, **overrides}
     return ProfileConfig(**base).validate()
 
@@ -235,7 +235,7 @@ def test_bad_profile_flags_are_one_line_config_errors(monkeypatch, argv, env, ne
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=needle):
-        config_from_args(build_parser().parse_args(argv))
+        load_config(argv)
 
 
 def test_caps_keep_kernels_first_and_bytes_bound_the_file():

@@ -54,10 +54,10 @@ def test_clear_data_leaves_what_a_link_points_to(tmp_path):
 
 
 def test_keep_data_flag_and_its_environment_variable(monkeypatch):
-    assert st._parser().parse_args([]).keep_data is False
-    assert st._parser().parse_args(["--stack.keep-data"]).keep_data is True
+    assert st._parser().parse_settings([]).keep_data is False
+    assert st._parser().parse_settings(["--stack.keep-data"]).keep_data is True
     monkeypatch.setenv("GPUSCOPE_STACK_KEEP_DATA", "true")
-    assert st._parser().parse_args([]).keep_data is True
+    assert st._parser().parse_settings([]).keep_data is True
 
 
 def _alive(pid: int) -> bool:

@@ -12,13 +12,15 @@ import re
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 from gpuscope.diagnose import history, view
 from gpuscope.diagnose.live import LiveSampler
 from gpuscope.diagnose.summary import Summary
 from gpuscope.diagnose.verdicts import judge
-from gpuscope.flags import FlagParser, checked, parse_duration
+from gpuscope.flags import parse_duration
 from gpuscope.ports import LOCAL_HOST, PORTS
+from gpuscope.settings import parser_for, setting
 
 OK, PROBLEM, USAGE, UNOBSERVED = 0, 1, 2, 3
 _SINCE = re.compile(r"^(\d+)([smhd])$")
@@ -35,25 +37,31 @@ def parse_since(text: str) -> int:
     return seconds
 
 
-def parse_args(argv: list[str]):
-    p = FlagParser(prog="gpuscope diagnose", description=(
+@dataclass(frozen=True)
+class DiagnoseSettings:
+    """The flags of ``gpuscope diagnose``."""
+
+    duration: float = setting("--duration", 10.0, "live sampling window (10s, 1m...)", parse=parse_duration)
+    interval: float = setting("--interval", 1.0, "one reading every ... (1s)", parse=parse_duration)
+    server: str = setting("--server", f"http://{LOCAL_HOST}:{PORTS['server']}/metrics",
+                          "the server's or vLLM's /metrics URL (empty: none)")
+    prometheus: str | None = setting("--prometheus", None, "judge a past window from this Prometheus' "
+                                     "recording rules instead of sampling")
+    since: int = setting("--since", 30 * 60, "with --prometheus: the window ending now (30m, 2h, 1d)",
+                         parse=parse_since)
+    host: str | None = setting("--host", None,
+                               "with --prometheus: judge only this host (default: every host)")
+    json: bool = setting("--json", False, "print one JSON document, no live view")
+    json_file: str | None = setting("--json-file", None, "also write the JSON document to this file (a "
+                                    "transcript for people on stdout, the numbers for scripts)")
+
+
+def parse_args(argv: list[str]) -> DiagnoseSettings:
+    p = parser_for(DiagnoseSettings, prog="gpuscope diagnose", description=(
         "Sample host CPU and memory, every GPU (NVML) and the server's /metrics for a window, then name "
         "what is wrong, with the numbers. Exit status: 0 no problem, 1 problem found, 2 bad flag, "
         "3 nothing could be judged."))
-    p.add_flag("--duration", type=checked(parse_duration), default=10.0,
-               help="live sampling window (10s, 1m...)")
-    p.add_flag("--interval", type=checked(parse_duration), default=1.0, help="one reading every ... (1s)")
-    p.add_flag("--server", default=f"http://{LOCAL_HOST}:{PORTS['server']}/metrics",
-               help="the server's or vLLM's /metrics URL (empty: none)")
-    p.add_flag("--prometheus", default=None,
-               help="judge a past window from this Prometheus' recording rules instead of sampling")
-    p.add_flag("--since", type=checked(parse_since), default=30 * 60,
-               help="with --prometheus: the window ending now (30m, 2h, 1d)")
-    p.add_flag("--host", default=None, help="with --prometheus: judge only this host (default: every host)")
-    p.add_flag("--json", action="store_true", default=False, help="print one JSON document, no live view")
-    p.add_flag("--json-file", default=None, help="also write the JSON document to this file (a transcript "
-               "for people on stdout, the numbers for scripts)")
-    args = p.parse_args(argv)
+    args = p.parse_settings(argv)
     if args.interval > args.duration:
         p.error(f"--interval {args.interval}s is longer than --duration {args.duration}s")
     if args.server and not re.match(r"^https?://", args.server):

@@ -24,7 +24,6 @@ A line per run shows progress, with a countdown while Locust runs.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import shlex
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import TextIO
 
 from gpuscope import procs
-from gpuscope.flags import FlagParser
 from gpuscope.loadtest import configs as config_sets
 from gpuscope.loadtest.configs import Config
 from gpuscope.loadtest.distributions import parse_distribution
@@ -62,68 +60,77 @@ from gpuscope.loadtest.targets import (
     parse_target,
     resolve_model,
 )
+from gpuscope.settings import SettingsParser, parser_for, setting
 
 PROG = "gpuscope compare"
 #: ``--sets`` value for no configuration sets (only ``--target`` endpoints).
 NO_SETS = "none"
 
 
-def _int_list(raw: str) -> list[int]:
+def _int_list(raw: str) -> tuple[int, ...]:
     try:
-        values = [int(part) for part in raw.split(",") if part.strip()]
+        values = tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a comma-separated list of integers") from None
+        raise ValueError(f"{raw!r} is not a comma-separated list of integers") from None
     if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(
-            f"{raw!r}: batch sizes must be at least 2 (1 is batching off, always included)")
+        raise ValueError(f"{raw!r}: batch sizes must be at least 2 (1 is batching off, always included)")
     return values
 
 
-class _Repeated(argparse.Action):
-    """A flag given several times collects every value; the first one replaces the environment's."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        current = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, [*(current if isinstance(current, list) else []), values])
+def _api(raw: str) -> str:
+    """``--load.api``: one of APIS, or empty for each configuration's own."""
+    if raw not in ("", *APIS):
+        raise ValueError(f"invalid choice: {raw!r} (choose from {', '.join(map(repr, APIS))}, or '')")
+    return raw
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(prog=PROG, description="Compare gpuscope serve configurations and OpenAI-compatible "
-                                          "endpoints under the same Locust load.")
-    p.add_flag("--sets", default="",
-               help=f"gpuscope serve configuration sets to start and run, comma-separated "
-                    f"({', '.join(config_sets.SETS)}), or {NO_SETS}; default: all of them without "
-                    f"--target, none with it")
-    p.add_flag("--target", action=_Repeated, default=None, metavar="NAME=URL[#MODEL]",
-               help="an endpoint to load as it runs (repeatable; the environment variable takes several "
-                    "separated by spaces); MODEL defaults to the first one its GET /v1/models lists")
-    p.add_flag("--repeats", type=int, default=3, help="repetitions of every configuration")
-    p.add_flag("--run.duration", type=duration_arg, default=30.0, help="measured time of each run (30s, 2m)")
-    p.add_flag("--run.warmup", type=duration_arg, default=5.0,
-               help="time before measuring, left out of figures")
-    p.add_flag("--run.users", type=int, default=8, help="concurrent streaming users")
-    p.add_flag("--run.spawn-rate", type=float, default=100.0, help="users started per second")
-    p.add_flag("--run.processes", type=int, default=1,
-               help="Locust processes (--processes); 1 on small machines")
-    p.add_flag("--load.seed", type=int, default=DEFAULT_SEED, help="seed of every run's requests")
-    p.add_flag("--load.prompt-tokens", default=DEFAULT_PROMPT_TOKENS, help="prompt length distribution")
-    p.add_flag("--load.output-tokens", default=DEFAULT_OUTPUT_TOKENS, help="max_tokens distribution")
-    p.add_flag("--load.api", default="", choices=["", *APIS],
-               help="the API every configuration is driven through, completions or chat; default: the "
-                    "one a target's URL names (…/v1/chat/completions), else completions")
-    p.add_toggle("load.ignore-eos", True,
-                 "send ignore_eos: true, so vLLM and gpuscope serve generate max_tokens tokens")
-    p.add_flag("--batch.sizes", type=_int_list, default=[4, 8, 16], help="batch sizes of the batching set")
-    p.add_flag("--server.args", default="", help="extra gpuscope serve flags for every configuration")
-    p.add_flag("--output.dir", default="benchmarks/results", help="where the table, CSV and plots go")
-    p.add_flag("--output.name", default="local", help="report name: compare-NAME.md, .csv, -SET.png")
-    p.add_flag("--output.runs-dir", default="",
-               help="per-run HTML reports, samples and logs (default: OUTPUT.DIR/compare-NAME-runs)")
-    p.add_flag("--output.label", default="", help="machine description for the report header")
-    p.add_toggle("output.keep-samples", False,
-                 "keep each run's exact samples.json (several MB per run at GPU rates)")
-    return p
+def _optional_path(raw: str) -> Path | None:
+    return Path(raw) if raw else None  # empty: the default
+
+
+@dataclass(frozen=True)
+class CompareFlags:
+    """The flags of ``gpuscope compare``, as given; :func:`parse_settings` turns them into a Settings."""
+
+    sets: str = setting(
+        "--sets", "", f"gpuscope serve configuration sets to start and run, comma-separated "
+        f"({', '.join(config_sets.SETS)}), or {NO_SETS}; default: all of them without --target, none with it")
+    targets: tuple[str, ...] = setting(
+        "--target", (), "an endpoint to load as it runs (repeatable; the environment variable takes several "
+        "separated by spaces); MODEL defaults to the first one its GET /v1/models lists",
+        metavar="NAME=URL[#MODEL]", repeated=True)
+    repeats: int = setting("--repeats", 3, "repetitions of every configuration")
+    duration_s: float = setting("--run.duration", 30.0, "measured time of each run (30s, 2m)",
+                                parse=duration_arg)
+    warmup_s: float = setting("--run.warmup", 5.0, "time before measuring, left out of figures",
+                              parse=duration_arg)
+    users: int = setting("--run.users", 8, "concurrent streaming users")
+    spawn_rate: float = setting("--run.spawn-rate", 100.0, "users started per second")
+    processes: int = setting("--run.processes", 1, "Locust processes (--processes); 1 on small machines")
+    seed: int = setting("--load.seed", DEFAULT_SEED, "seed of every run's requests")
+    prompt_tokens: str = setting("--load.prompt-tokens", DEFAULT_PROMPT_TOKENS, "prompt length distribution")
+    output_tokens: str = setting("--load.output-tokens", DEFAULT_OUTPUT_TOKENS, "max_tokens distribution")
+    api: str = setting(
+        "--load.api", "", "the API every configuration is driven through, completions or chat; default: the "
+        "one a target's URL names (…/v1/chat/completions), else completions", parse=_api)
+    ignore_eos: bool = setting("--load.ignore-eos", True,
+                               "send ignore_eos: true, so vLLM and gpuscope serve generate max_tokens tokens")
+    batch_sizes: tuple[int, ...] = setting("--batch.sizes", (4, 8, 16), "batch sizes of the batching set",
+                                           parse=_int_list)
+    server_args: str = setting("--server.args", "", "extra gpuscope serve flags for every configuration")
+    out_dir: Path = setting("--output.dir", Path("benchmarks/results"), "where the table, CSV and plots go",
+                            parse=Path)
+    name: str = setting("--output.name", "local", "report name: compare-NAME.md, .csv, -SET.png")
+    runs_dir: Path | None = setting("--output.runs-dir", None, "per-run HTML reports, samples and logs "
+                                    "(default: OUTPUT.DIR/compare-NAME-runs)", parse=_optional_path)
+    label: str = setting("--output.label", "", "machine description for the report header")
+    keep_samples: bool = setting("--output.keep-samples", False,
+                                 "keep each run's exact samples.json (several MB per run at GPU rates)")
+
+
+def build_parser() -> SettingsParser[CompareFlags]:
+    return parser_for(CompareFlags, prog=PROG, description="Compare gpuscope serve configurations and "
+                      "OpenAI-compatible endpoints under the same Locust load.")
 
 
 @dataclass(frozen=True)
@@ -143,10 +150,10 @@ class Settings:
     name: str
     runs_dir: Path
     label: str
-    keep_samples: bool = False
-    ignore_eos: bool = True
+    keep_samples: bool
+    ignore_eos: bool
     #: --load.api: "" = each configuration's own (a target's URL may name one), else completions.
-    api: str = ""
+    api: str
 
     def api_of(self, config: Config) -> str:
         return self.api or config.api or "completions"
@@ -164,9 +171,8 @@ class Settings:
         return [c for c in self.configs if c.is_target]
 
 
-def _targets(raw: str | list[str] | None) -> list[Target]:
-    """``--target`` values (a list), or ``GPUSCOPE_TARGET`` (one string, space-separated) → Targets."""
-    specs = raw.split() if isinstance(raw, str) else (raw or [])
+def _targets(specs: Sequence[str]) -> list[Target]:
+    """``--target`` values → Targets, each name once."""
     targets = [parse_target(spec) for spec in specs]
     names = [t.name for t in targets]
     for name in names:
@@ -192,35 +198,33 @@ def parse_settings(argv: Sequence[str]) -> Settings:
     Targets' models are not resolved here (that needs the network): see :func:`resolve_targets`.
     """
     parser = build_parser()
-    ns = vars(parser.parse_args(list(argv)))
+    flags = parser.parse_settings(argv)
     try:
-        targets = _targets(ns["target"])
-        configs = config_sets.build(_sets(ns["sets"], bool(targets)), ns["batch.sizes"])
+        targets = _targets(flags.targets)
+        configs = config_sets.build(_sets(flags.sets, bool(targets)), flags.batch_sizes)
         configs += config_sets.for_targets([(t.name, t.url, t.model, t.api) for t in targets])
-        for flag in ("load.prompt_tokens", "load.output_tokens"):
-            parse_distribution(ns[flag])
-        server_args = shlex.split(ns["server.args"])
+        for distribution in (flags.prompt_tokens, flags.output_tokens):
+            parse_distribution(distribution)
+        server_args = shlex.split(flags.server_args)
     except ValueError as exc:
         parser.error(str(exc))
-    for flag, low in (("repeats", 1), ("run.users", 1), ("run.processes", 1)):
-        if ns[flag] < low:
-            parser.error(f"--{flag.replace('_', '-')} must be at least {low}")
-    if ns["run.duration"] <= 0:
+    for flag, value, low in (("--repeats", flags.repeats, 1), ("--run.users", flags.users, 1),
+                             ("--run.processes", flags.processes, 1)):
+        if value < low:
+            parser.error(f"{flag} must be at least {low}")
+    if flags.duration_s <= 0:
         parser.error("--run.duration must be positive")
     if not configs:
         parser.error(f"nothing to compare: --sets {NO_SETS} and no --target")
     if not locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
-    out_dir = Path(ns["output.dir"])
-    name = ns["output.name"]
     return Settings(
-        configs=configs, repeats=ns["repeats"], duration_s=ns["run.duration"], warmup_s=ns["run.warmup"],
-        users=ns["run.users"], spawn_rate=ns["run.spawn_rate"], processes=ns["run.processes"],
-        seed=ns["load.seed"], prompt_tokens=ns["load.prompt_tokens"], output_tokens=ns["load.output_tokens"],
-        server_args=server_args, out_dir=out_dir, name=name,
-        runs_dir=Path(ns["output.runs_dir"]) if ns["output.runs_dir"] else out_dir / f"compare-{name}-runs",
-        label=ns["output.label"], keep_samples=ns["output.keep_samples"], ignore_eos=ns["load.ignore_eos"],
-        api=ns["load.api"])
+        configs=configs, repeats=flags.repeats, duration_s=flags.duration_s, warmup_s=flags.warmup_s,
+        users=flags.users, spawn_rate=flags.spawn_rate, processes=flags.processes, seed=flags.seed,
+        prompt_tokens=flags.prompt_tokens, output_tokens=flags.output_tokens, server_args=server_args,
+        out_dir=flags.out_dir, name=flags.name,
+        runs_dir=flags.runs_dir or flags.out_dir / f"compare-{flags.name}-runs", label=flags.label,
+        keep_samples=flags.keep_samples, ignore_eos=flags.ignore_eos, api=flags.api)
 
 
 def resolve_targets(settings: Settings) -> Settings:

@@ -49,10 +49,11 @@ from typing import Any, TextIO
 from gpuscope import procs
 from gpuscope.alerting.config import TEST
 from gpuscope.alerting.generate import all_alerts
-from gpuscope.flags import FlagParser
 from gpuscope.loadtest import runtools
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
 from gpuscope.loadtest.runtools import duration_arg
+from gpuscope.settings import SettingsParser, parser_for, setting
+from gpuscope.stack import AlertProfile, ServerSource, Stack, StackOptions
 
 PROG = "gpuscope drill"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
@@ -121,8 +122,10 @@ VLLM_ORDER = ("latency_spike", "starvation", "error_burst")
 #: on CPU (measured here: 12 ms; 60 ms with 8 extra MLP passes, 104 ms with the 16 it injects, so the
 #: median clears 3× in vLLM's coarser buckets), as a real model's does on a GPU.
 VLLM_SERVER_ARGS = "--model.layers 2 --model.dim 1024"
+DEFAULT_SERVER_ARGS = "--model.layers 1"
 VLLM_LOAD_TENANTS = f"{STARVED_TENANT}:1"
 VLLM_OUTPUT = "benchmarks/results/alerts-vllm-cpu.json"
+DEFAULT_OUTPUT = "benchmarks/results/alerts-cpu.json"
 
 FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
 #: error_burst last: its slow-burn ticket (1× budget over the test profile's 24 min window) keeps
@@ -130,28 +133,38 @@ FAULT_SCENARIOS = ("latency_spike", "memory_leak", "starvation", "error_burst")
 DEFAULT_ORDER = ("latency_spike", "memory_leak", "starvation", "composite", "error_burst")
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser(prog=PROG, description="Induce each fault under steady load and time its alert.")
-    p.add_flag("--scenarios", default=",".join(DEFAULT_ORDER),
-               help=f"scenarios in order, comma-separated ({', '.join(SCENARIOS)}); empty for none")
-    p.add_flag("--warmup", type=duration_arg, default=60.0,
-               help="load before the steady window (not counted)")
-    p.add_flag("--steady", type=duration_arg, default=600.0, help="steady window counting false alerts (10m)")
-    p.add_toggle("restart", True, "kill the server (SIGKILL) half-way through the steady window and start it "
-                                  "again; only the server-down alert may follow")
-    p.add_flag("--users", type=int, default=2, help="Locust users (closed loop); small on small machines")
-    p.add_flag("--detect-timeout", type=duration_arg, default=420.0, help="longest wait for a fault's alert")
-    p.add_flag("--quiet-timeout", type=duration_arg, default=420.0,
-               help="longest wait for quiet after a fault")
-    p.add_flag("--server.args", default="--model.layers 1",
-               help="extra gpuscope serve flags (tenants and faults are set by the runner)")
-    p.add_flag("--output", default="benchmarks/results/alerts-cpu.json",
-               help=f"JSON report path ({VLLM_OUTPUT} with --source vllm)")
-    p.add_flag("--source", choices=("gpuscope-server", "vllm"), default="gpuscope-server",
-               help="the server's metrics: gpuscope's, or vllm (vLLM's names, read through the vLLM source; "
-                    f"scenarios {', '.join(VLLM_ORDER)})")
-    p.add_flag("--run-dir", default="", help="keep the stack's configs, logs and Locust's report here")
-    return p
+@dataclass(frozen=True)
+class DrillSettings:
+    """The flags of ``gpuscope drill``; None: the source's own default (gpuscope's or vLLM's)."""
+
+    scenarios: str | None = setting(
+        "--scenarios", None, f"scenarios in order, comma-separated ({', '.join(SCENARIOS)}); empty for none "
+        f"(default {','.join(DEFAULT_ORDER)}; with --source vllm {','.join(VLLM_ORDER)})")
+    warmup: float = setting("--warmup", 60.0, "load before the steady window (not counted)",
+                            parse=duration_arg)
+    steady: float = setting("--steady", 600.0, "steady window counting false alerts (10m)",
+                            parse=duration_arg)
+    restart: bool = setting("--restart", True, "kill the server (SIGKILL) half-way through the steady window "
+                            "and start it again; only the server-down alert may follow")
+    users: int = setting("--users", 2, "Locust users (closed loop); small on small machines")
+    detect_timeout: float = setting("--detect-timeout", 420.0, "longest wait for a fault's alert",
+                                    parse=duration_arg)
+    quiet_timeout: float = setting("--quiet-timeout", 420.0, "longest wait for quiet after a fault",
+                                   parse=duration_arg)
+    server_args: str | None = setting(
+        "--server.args", None, "extra gpuscope serve flags (tenants and faults are set by the runner; "
+        f"default {DEFAULT_SERVER_ARGS!r}, with --source vllm {VLLM_SERVER_ARGS!r})")
+    output: str | None = setting("--output", None, f"JSON report path (default {DEFAULT_OUTPUT}; "
+                                 f"{VLLM_OUTPUT} with --source vllm)")
+    source: ServerSource = setting(
+        "--source", ServerSource.GPUSCOPE, "the server's metrics: gpuscope's, or vllm (vLLM's names, read "
+        f"through the vLLM source; scenarios {', '.join(VLLM_ORDER)})")
+    run_dir: str = setting("--run-dir", "", "keep the stack's configs, logs and Locust's report here")
+
+
+def build_parser() -> SettingsParser[DrillSettings]:
+    return parser_for(DrillSettings, prog=PROG,
+                      description="Induce each fault under steady load and time its alert.")
 
 
 def _say(out: TextIO, text: str) -> None:
@@ -206,16 +219,16 @@ def steady_window(seconds: float, restart: Callable[[], dict[str, Any]] | None, 
 
 
 def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSources,
-                 rules: list[dict[str, Any]], interval: float, group_wait: float, settings: dict[str, Any],
+                 rules: list[dict[str, Any]], interval: float, group_wait: float, settings: DrillSettings,
                  out: TextIO, last: bool = False) -> dict[str, Any]:
     """Inject, wait for the alert, clear, wait for quiet (unless nothing follows); its part of the report."""
-    fault_duration = settings["detect_timeout"] + 60.0  # the server ends the fault itself if we die
+    fault_duration = settings.detect_timeout + 60.0  # the server ends the fault itself if we die
     started = time.time()
     for fault, params in scenario.faults.items():
         _request("POST", f"{server}/admin/faults/{fault}", token, {"duration_s": fault_duration, **params})
     _say(out, f"{scenario.name}: injected {', '.join(scenario.faults)}; waiting for {scenario.alerts[0]}")
     hit: Seen | None = poll(lambda: first_of(sources.notifications(), scenario.alerts, started),
-                            settings["detect_timeout"])
+                            settings.detect_timeout)
     during = distinct(firing(poll(sources.notifications, 30) or [], started))
     for fault in scenario.faults:
         _request("DELETE", f"{server}/admin/faults/{fault}", token)
@@ -242,12 +255,12 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
         _say(out, f"{scenario.name}: {hit.alertname} at the receiver after {result['detection_latency_s']} s "
                   f"(firing after {result['firing_latency_s']} s)")
     else:
-        _say(out, f"{scenario.name}: no alert within {settings['detect_timeout']:.0f} s")
+        _say(out, f"{scenario.name}: no alert within {settings.detect_timeout:.0f} s")
     if last:
         result["quiet_after_s"] = None  # nothing follows: no need to wait out slow-burn windows
         return result
     quiet_started = time.monotonic()
-    quiet = poll(sources.quiet, settings["quiet_timeout"], 2.0)
+    quiet = poll(sources.quiet, settings.quiet_timeout, 2.0)
     result["quiet_after_s"] = round(time.monotonic() - quiet_started, 1) if quiet else None
     _say(out, f"{scenario.name}: " + ("quiet again" if quiet else "still alerting after the quiet timeout"))
     return result
@@ -255,58 +268,53 @@ def run_scenario(scenario: Scenario, server: str, token: str, sources: AlertSour
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     parser = build_parser()
-    ns = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    vllm = ns["source"] == "vllm"
+    settings = parser.parse_settings(sys.argv[1:] if argv is None else argv)
+    vllm = settings.source == ServerSource.VLLM
     known, load_tenants = (VLLM_SCENARIOS, VLLM_LOAD_TENANTS) if vllm else (SCENARIOS, LOAD_TENANTS)
-    if vllm and ns["scenarios"] == parser.get_default("scenarios"):
-        ns["scenarios"] = ",".join(VLLM_ORDER)
-    if vllm and ns["output"] == parser.get_default("output"):
-        ns["output"] = VLLM_OUTPUT
-    if vllm and ns["server.args"] == parser.get_default("server.args"):
-        ns["server.args"] = VLLM_SERVER_ARGS
-    names = [s.strip() for s in ns["scenarios"].split(",") if s.strip()]
+    order = settings.scenarios if settings.scenarios is not None else ",".join(
+        VLLM_ORDER if vllm else DEFAULT_ORDER)
+    output = Path(settings.output or (VLLM_OUTPUT if vllm else DEFAULT_OUTPUT))
+    extra_server_args = settings.server_args if settings.server_args is not None else (
+        VLLM_SERVER_ARGS if vllm else DEFAULT_SERVER_ARGS)
+    names = [s.strip() for s in order.split(",") if s.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"unknown scenario {unknown[0]!r} for --source {ns['source']} "
+        parser.error(f"unknown scenario {unknown[0]!r} for --source {settings.source} "
                      f"(one of: {', '.join(known)})")
-    if ns["users"] < 2:
+    if settings.users < 2:
         parser.error("--users must be at least 2 (one per tenant)")
     if not runtools.locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
-    try:
-        from gpuscope.stack import Stack, StackOptions
-    except ImportError as exc:
-        parser.error(f"gpuscope stack is not available: {exc}")
     import shlex
 
-    run_dir = Path(ns["run_dir"] or tempfile.mkdtemp(prefix="gpuscope-alerts-"))
+    run_dir = Path(settings.run_dir or tempfile.mkdtemp(prefix="gpuscope-alerts-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
     token_file = run_dir / "faults.token"
     token_file.write_text(token)
     token_file.chmod(0o600)
-    server_args = [*shlex.split(ns["server.args"]), "--tenants", SERVER_TENANTS,
+    server_args = [*shlex.split(extra_server_args), "--tenants", SERVER_TENANTS,
                    "--faults.enable", "--faults.token-file", str(token_file)]
-    settings = {"detect_timeout": ns["detect_timeout"], "quiet_timeout": ns["quiet_timeout"]}
-    budget_s = ns["warmup"] + ns["steady"] + len(names) * (ns["detect_timeout"] + ns["quiet_timeout"] + 60)
+    budget_s = settings.warmup + settings.steady + len(names) * (
+        settings.detect_timeout + settings.quiet_timeout + 60)
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     _say(out, f"starting the stack (test profile) in {run_dir}")
-    with Stack(StackOptions(profile="test", ports="free", server_args=server_args, run_dir=run_dir / "stack",
-                            source=ns["source"]),
+    with Stack(StackOptions(profile=AlertProfile.TEST, ports="free", server_args=server_args,
+                            run_dir=run_dir / "stack", source=settings.source),
                log=lambda line: _say(out, line)) as stack:
         sources = AlertSources(stack.url("receiver"), stack.url("alertmanager"), stack.url("prometheus"))
         server = stack.url("server")
         rules, interval = sources.alert_rules()
         group_wait = _group_wait_s(run_dir / "stack" / "alertmanager.yml")
-        locust = _start_locust(server, ns["users"], budget_s, run_dir, load_tenants)
+        locust = _start_locust(server, settings.users, budget_s, run_dir, load_tenants)
         try:
-            _say(out, f"warm-up {ns['warmup']:.0f} s with {ns['users']} users")
-            time.sleep(ns["warmup"])  # load runs meanwhile; nothing to poll for
+            _say(out, f"warm-up {settings.warmup:.0f} s with {settings.users} users")
+            time.sleep(settings.warmup)  # load runs meanwhile; nothing to poll for
             warmup_alerts = distinct(firing(sources.notifications(), 0.0))
             steady_start = time.time()
-            _say(out, f"steady load {ns['steady']:.0f} s: counting alerts")
-            restart = (lambda: restart_server(stack.processes["server"], out)) if ns["restart"] else None
-            restarted = steady_window(ns["steady"], restart, out)
+            _say(out, f"steady load {settings.steady:.0f} s: counting alerts")
+            restart = (lambda: restart_server(stack.processes["server"], out)) if settings.restart else None
+            restarted = steady_window(settings.steady, restart, out)
             seen = distinct(firing(sources.notifications(), steady_start, time.time()))
             allowed = RESTART_ALERTS if restarted else frozenset()
             steady = [s for s in seen if s.alertname not in allowed]
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         "composite_detection_latency_s": results["composite"]["detection_latency_s"]
         if "composite" in results else None,
         "false_alerts_steady": len(steady),
-        "steady_minutes": round(ns["steady"] / 60.0, 2),
+        "steady_minutes": round(settings.steady / 60.0, 2),
         "false_alert_names": sorted(s.alertname for s in steady),
         "restart": None if restarted is None else {
             "at_s": round(restarted["killed_at"] - steady_start, 1), "down_s": restarted["down_s"],
@@ -335,14 +343,13 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         "scenarios": results,
         "evaluation_interval_s": interval,
         "group_wait_s": group_wait,
-        "profile": "test",
-        "source": ns["source"],
+        "profile": AlertProfile.TEST,
+        "source": settings.source,
         "machine": runtools.describe_machine(),
-        "load": {"users": ns["users"], "tenants": load_tenants, "server_args": " ".join(server_args),
-                 "warmup_s": ns["warmup"]},
+        "load": {"users": settings.users, "tenants": load_tenants, "server_args": " ".join(server_args),
+                 "warmup_s": settings.warmup},
         "command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]),
     }
-    output = Path(ns["output"])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     _say(out, f"wrote {output}")

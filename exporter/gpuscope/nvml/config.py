@@ -8,21 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuscope.flags import FlagParser, parse_duration, parse_listen_address
-from gpuscope.flags import checked as _checked
+from gpuscope.flags import parse_duration, parse_listen_address
+from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
 from gpuscope.nvml.registry import registered
 from gpuscope.ports import default_listen_address
+from gpuscope.settings import LogLevel, SettingsParser, parser_for, setting, toggles
 
-_DEFAULT_LISTEN = default_listen_address("exporter")
+PROG = "gpuscope exporter"
 
 #: Collector toggles and their defaults, from the collectors' own registrations. Opt-in ones cost
 #: more (PCIe: 2 × 20 ms per GPU per round) or expose PIDs and container ids, which not every
 #: operator wants on /metrics.
 COLLECTORS: dict[str, tuple[bool, str]] = {name: (r.default, r.help) for name, r in registered().items()}
-
-
-def _listen(text: str) -> tuple[str, int]:
-    return parse_listen_address(text)
 
 
 def _positive_int(text: str) -> int:
@@ -34,58 +31,59 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _connections(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Config:
-    listen: tuple[str, int] = parse_listen_address(_DEFAULT_LISTEN)
-    collectors: frozenset[str] = frozenset(n for n, (on, _) in COLLECTORS.items() if on)
-    interval: float = 1.0
-    slow_interval: float = 10.0
-    call_timeout: float = 2.0
-    processes_max: int = 32
-    log_level: str = "info"
-    pod_resources_socket: str = ""  # kubelet PodResources socket; "" = no pod attribution
+    """Every setting of ``gpuscope exporter``, each field its flag."""
+
+    listen: tuple[str, int] = setting(
+        "--web.listen-address", parse_listen_address(default_listen_address("exporter")),
+        "where to serve /metrics (containers: 0.0.0.0 and the same port)", parse=parse_listen_address,
+        metavar="HOST:PORT")
+    interval: float = setting("--sampling.interval", 1.0, "fast sampling interval (default 1s)",
+                              parse=parse_duration, metavar="DURATION")
+    slow_interval: float = setting(
+        "--sampling.slow-interval", 10.0, "interval for expensive calls: energy, processes, PCIe, NVLink "
+        "(default 10s)", parse=parse_duration, metavar="DURATION")
+    call_timeout: float = setting(
+        "--nvml.call-timeout", 2.0, "longest wait for one GPU's calls in a round; then its values go stale "
+        "(default 2s)", parse=parse_duration, metavar="DURATION")
+    processes_max: int = setting(
+        "--processes.max", 32, "most processes exported per GPU, largest memory first (default 32)",
+        parse=_positive_int, metavar="N")
+    #: kubelet PodResources socket; "" = no pod attribution
+    pod_resources_socket: str = setting(
+        "--kubernetes.pod-resources-socket", "", "kubelet PodResources socket (Kubernetes: "
+        "/var/lib/kubelet/pod-resources/kubelet.sock): adds namespace, pod and container of the GPU's pod to "
+        "GPU series (default off)", metavar="PATH")
+    log_level: LogLevel = setting("--log.level", LogLevel.INFO, "log level (default info)")
+    #: The HTTP server's connection limits (``nvml.http.ExporterServer``).
+    max_connections: int = setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
+        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=_connections, metavar="N")
+    read_timeout: float = setting(
+        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request within "
+        f"this (idle keep-alive time included), else it is closed (default {DEFAULT_READ_TIMEOUT:g}s)",
+        parse=parse_duration, metavar="DURATION")
+    collectors: frozenset[str] = toggles("collector", COLLECTORS)
 
 
-_duration = _checked(parse_duration)
-_listen_flag = _checked(_listen)
-_count = _checked(_positive_int)
-
-
-def build_parser() -> FlagParser:
-    p = FlagParser(prog="gpuscope exporter",
-                   description="NVML node exporter: GPU metrics on /metrics, sampled in the background.")
-    p.add_flag("--web.listen-address", dest="listen", type=_listen_flag, default=_listen(_DEFAULT_LISTEN),
-               metavar="HOST:PORT", help="where to serve /metrics (containers: 0.0.0.0 and the same port)")
-    p.add_flag("--sampling.interval", dest="interval", type=_duration, default=1.0,
-               metavar="DURATION", help="fast sampling interval (default 1s)")
-    p.add_flag("--sampling.slow-interval", dest="slow_interval", type=_duration, default=10.0,
-               metavar="DURATION", help="interval for expensive calls: energy, processes, PCIe, NVLink "
-                                        "(default 10s)")
-    p.add_flag("--nvml.call-timeout", dest="call_timeout", type=_duration, default=2.0,
-               metavar="DURATION", help="longest wait for one GPU's calls in a round; then its values "
-                                        "go stale (default 2s)")
-    p.add_flag("--processes.max", dest="processes_max", type=_count, default=32, metavar="N",
-               help="most processes exported per GPU, largest memory first (default 32)")
-    p.add_flag("--kubernetes.pod-resources-socket", dest="pod_resources_socket", default="",
-               metavar="PATH", help="kubelet PodResources socket (Kubernetes: "
-                                    "/var/lib/kubelet/pod-resources/kubelet.sock): adds namespace, pod and "
-                                    "container of the GPU's pod to GPU series (default off)")
-    p.add_flag("--log.level", dest="log_level", choices=("debug", "info", "warn", "error"), default="info",
-               help="log level (default info)")
-    for name, (default, text) in COLLECTORS.items():
-        p.add_toggle(f"collector.{name}", default, f"{text} (default {'on' if default else 'off'})")
-    return p
+def build_parser() -> SettingsParser[Config]:
+    return parser_for(Config, prog=PROG, description="NVML node exporter: GPU metrics on /metrics, "
+                                                          "sampled in the background.")
 
 
 def parse(argv: list[str]) -> Config:
     """Config from flags and environment; exits 2 with one line on a bad value."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    collectors = frozenset(n for n in COLLECTORS if getattr(ns, f"collector.{n}"))
-    if ns.call_timeout > 60:
-        parser.error(f"--nvml.call-timeout {ns.call_timeout:g}s is over a minute; "
+    config = parser.parse_settings(argv)
+    if config.call_timeout > 60:
+        parser.error(f"--nvml.call-timeout {config.call_timeout:g}s is over a minute; "
                      "values would be stale that long")
-    return Config(listen=ns.listen, collectors=collectors, interval=ns.interval,
-                  slow_interval=ns.slow_interval, call_timeout=ns.call_timeout,
-                  processes_max=ns.processes_max,
-                  log_level=ns.log_level, pod_resources_socket=ns.pod_resources_socket)
+    return config

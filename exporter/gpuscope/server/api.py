@@ -42,6 +42,7 @@ from gpuscope import catalogue as c
 from gpuscope.logsafe import quote
 
 from .chat import ChatTemplate, parse_chat, template_for
+from .config import MetricNames
 from .engine import Done, Failed, Request, Token
 from .faults import FaultError, FaultInjector
 from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
@@ -397,7 +398,7 @@ class Handlers:
         # OpenMetrics when the scraper asks for it (Prometheus with exemplar storage does): exemplars show.
         # Under vLLM's names, the text format: vLLM attaches no exemplars, and prometheus_client's
         # OpenMetrics writer (0.26) turns the colons of sample names into underscores.
-        accept = "" if self.config.metric_names == "vllm" else request.headers.get("Accept", "")
+        accept = "" if self.config.metric_names == MetricNames.VLLM else request.headers.get("Accept", "")
         encoder, content_type = choose_encoder(accept)
         return web.Response(body=encoder(self.service.registry), headers={"Content-Type": content_type})
 

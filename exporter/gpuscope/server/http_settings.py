@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+
+from gpuscope.flags import parse_duration
+from gpuscope.settings import setting
 
 
 class HttpSettingsError(ValueError):
@@ -14,11 +18,19 @@ class HttpSettingsError(ValueError):
 class HttpLimits:
     """Deadlines and caps of the server's HTTP side (``--web.*`` flags) and its shutdown grace."""
 
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 512
+    header_timeout_s: float = setting(
+        "--web.header-timeout", 10.0, "a request's line and headers must arrive within this (else 408, "
+        "connection closed)", parse=parse_duration)
+    body_timeout_s: float = setting(
+        "--web.body-timeout", 30.0, "a request's body must arrive within this once its headers are in "
+        "(else 408)", parse=parse_duration)
+    max_connections: int = setting("--web.max-connections", 512, "open connections at most: a new one closes "
+                                   "an idle or stalled one, else gets 503")
     #: On SIGTERM/SIGINT: how long requests in flight may run on before they are ended (shutdown.py).
-    shutdown_grace_s: float = 10.0
+    shutdown_grace_s: float = setting(
+        "--shutdown.grace", 10.0, "on SIGTERM/SIGINT: how long running requests may finish (new ones get "
+        "503); then streams end with an error chunk and [DONE] (keep the orchestrator's grace above it)",
+        parse=partial(parse_duration, allow_zero=True))
 
     def validate(self) -> HttpLimits:
         if not 0 < self.header_timeout_s <= 3600:

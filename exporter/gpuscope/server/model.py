@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import ModelSpec
+from .config import Dtype, ModelSpec
 from .decode_graphs import DecodeGraphs
 
 BOS = 256
@@ -229,9 +229,9 @@ def pick_device(spec: ModelSpec) -> torch.device:
 
 
 def pick_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
-    if spec.dtype == "auto":
+    if spec.dtype == Dtype.AUTO:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, spec.dtype)
+    return getattr(torch, str(spec.dtype))
 
 
 def avoid_per_shape_attention_plans() -> None:

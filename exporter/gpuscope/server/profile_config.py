@@ -9,40 +9,48 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from gpuscope.flags import FlagParser
-
-from .config import ConfigError
+from gpuscope.settings import setting
 
 TOKEN_ENV = "GPUSCOPE_PROFILE_TOKEN"
 MIN_TOKEN_LENGTH = 16
 MODES = ("auto", "kernels", "regions")
 
 
+class ProfileSettingsError(ValueError):
+    """A profile setting out of range; the message is the one line ``gpuscope serve`` prints."""
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
     """Where traces go and the limits on them (docs/server.md, *Kernel profiles*)."""
 
-    token: str
-    directory: str = os.path.join(tempfile.gettempdir(), "gpuscope-profiles")
+    enable: bool = setting("--profile.enable", False, "POST /admin/profile captures kernel profiles of the "
+                           f"next steps (needs a token: --profile.token-file or {TOKEN_ENV})")
+    token_file: str | None = setting("--profile.token-file", None,
+                                     "file holding the profile endpoint's bearer token")
+    directory: str = setting("--profile.dir", os.path.join(tempfile.gettempdir(), "gpuscope-profiles"),
+                             "where trace files are written")
     #: at most one accepted capture per this many seconds (429 with Retry-After in between)
-    min_interval_s: float = 300.0
-    default_steps: int = 16
-    max_steps: int = 256
+    min_interval_s: float = setting("--profile.min-interval", 300.0,
+                                    "seconds between accepted captures (429 before)")
+    default_steps: int = setting("--profile.steps", 16, "steps captured when not asked")
+    max_steps: int = setting("--profile.max-steps", 256, "most steps one capture may ask for")
     #: a capture that has not seen its steps by then is written with what it has (outcome partial)
-    window_timeout_s: float = 60.0
+    window_timeout_s: float = setting("--profile.window-timeout", 60.0,
+                                      "seconds a capture waits for its steps before writing what it has")
     #: trace events per file and bytes per file; beyond them events are left out (counted)
-    max_events: int = 200_000
-    max_bytes: int = 16 << 20
+    max_events: int = setting("--profile.max-events", 200_000, "trace events per file at most")
+    max_bytes: int = setting("--profile.max-bytes", 16 << 20, "bytes per trace file at most")
     #: trace files kept; the oldest beyond it are deleted, so the directory holds keep × max_bytes at most
-    keep: int = 20
+    keep: int = setting("--profile.keep", 20, "trace files kept (oldest deleted first)")
+    #: From --profile.token-file or GPUSCOPE_PROFILE_TOKEN (``main.resolve``), never a flag.
+    token: str = ""
 
     def validate(self) -> ProfileConfig:
         if len(self.token) < MIN_TOKEN_LENGTH:
-            raise ConfigError(f"the profile token must be at least {MIN_TOKEN_LENGTH} characters")
+            raise ProfileSettingsError(f"the profile token must be at least {MIN_TOKEN_LENGTH} characters")
         checks = (
             (self.min_interval_s >= 0, "--profile.min-interval must be >= 0"),
             (1 <= self.default_steps <= self.max_steps,
@@ -54,45 +62,5 @@ class ProfileConfig:
         )
         for ok, message in checks:
             if not ok:
-                raise ConfigError(message)
+                raise ProfileSettingsError(message)
         return self
-
-
-def add_flags(p: FlagParser) -> None:
-    """The ``--profile.*`` flags of ``gpuscope serve``."""
-    d = ProfileConfig(token="")
-    p.add_toggle("profile.enable", False, "POST /admin/profile captures kernel profiles of the next steps "
-                 "(needs a token: --profile.token-file or GPUSCOPE_PROFILE_TOKEN)")
-    p.add_flag("--profile.token-file", default=None, help="file holding the profile endpoint's bearer token")
-    p.add_flag("--profile.dir", default=d.directory, help="where trace files are written")
-    p.add_flag("--profile.min-interval", type=float, default=d.min_interval_s,
-               help="seconds between accepted captures (429 before)")
-    p.add_flag("--profile.steps", type=int, default=d.default_steps, help="steps captured when not asked")
-    p.add_flag("--profile.max-steps", type=int, default=d.max_steps,
-               help="most steps one capture may ask for")
-    p.add_flag("--profile.window-timeout", type=float, default=d.window_timeout_s,
-               help="seconds a capture waits for its steps before writing what it has")
-    p.add_flag("--profile.max-events", type=int, default=d.max_events, help="trace events per file at most")
-    p.add_flag("--profile.max-bytes", type=int, default=d.max_bytes, help="bytes per trace file at most")
-    p.add_flag("--profile.keep", type=int, default=d.keep, help="trace files kept (oldest deleted first)")
-
-
-def from_args(args: Mapping[str, Any], environ: Mapping[str, str]) -> ProfileConfig | None:
-    """The parsed flags (``vars(namespace)``) → a validated ProfileConfig, None when off, or ConfigError."""
-    if not args["profile.enable"]:
-        return None
-    token = environ.get(TOKEN_ENV)
-    path = args["profile.token_file"]
-    if path:
-        try:
-            with open(path) as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"--profile.token-file: cannot read {path}: {exc.strerror}") from None
-    if not token:
-        raise ConfigError(f"--profile.enable needs a token: --profile.token-file or {TOKEN_ENV}")
-    return ProfileConfig(
-        token=token, directory=args["profile.dir"], min_interval_s=args["profile.min_interval"],
-        default_steps=args["profile.steps"], max_steps=args["profile.max_steps"],
-        window_timeout_s=args["profile.window_timeout"], max_events=args["profile.max_events"],
-        max_bytes=args["profile.max_bytes"], keep=args["profile.keep"]).validate()

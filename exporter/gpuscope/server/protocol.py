@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from .config import OTHER, ServerConfig
+from .config import OTHER, ServerConfig, UnknownTenant
 from .model import encode
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
@@ -86,7 +86,7 @@ def resolve_tenant(config: ServerConfig, header: str | None) -> str:
         return config.default_tenant
     if config.tenant(header) is not None:
         return header
-    if config.unknown_tenant == OTHER:
+    if config.unknown_tenant == UnknownTenant.OTHER:
         return OTHER
     names = ", ".join(t.name for t in config.tenants)
     shown = header if len(header) <= 64 else header[:64] + "…"

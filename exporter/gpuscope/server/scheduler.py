@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import TenantSpec
+from .config import SchedulerMode, TenantSpec
 
 
 class Schedulable(Protocol):
@@ -67,8 +67,8 @@ class TenantState:
 
 
 class Scheduler:
-    def __init__(self, tenants: Iterable[TenantSpec], mode: str = "share", max_queue: int = 64,
-                 clock=time.monotonic, join_every: int = 8) -> None:
+    def __init__(self, tenants: Iterable[TenantSpec], mode: SchedulerMode = SchedulerMode.SHARE,
+                 max_queue: int = 64, clock=time.monotonic, join_every: int = 8) -> None:
         self.mode = mode
         self.max_queue = max_queue
         self.join_every = max(1, join_every)
@@ -138,7 +138,7 @@ class Scheduler:
 
     def preempt(self, running: list) -> tuple[Schedulable, Schedulable] | None:
         """(victim, request to start in its slot), or None; the victim goes back to the queue front."""
-        if self.mode != "share":
+        if self.mode != SchedulerMode.SHARE:
             return None
         with self._lock:
             waiting = [n for n, q in self._queues.items() if q and n not in self._starved]
@@ -217,7 +217,7 @@ class Scheduler:
     def state(self) -> dict[str, TenantState]:
         with self._lock:
             return {n: TenantState(len(self._queues[n]), self._running[n], self._used[n],
-                                   self._specs[n].share if self.mode == "share" else 0.0,
+                                   self._specs[n].share if self.mode == SchedulerMode.SHARE else 0.0,
                                    self._preemptions[n]) for n in self._specs}
 
     def gpu_seconds(self) -> dict[str, float]:
@@ -245,7 +245,7 @@ class Scheduler:
         waiting = [n for n, q in self._queues.items() if q and n not in self._starved]
         if not waiting:
             return None
-        if self.mode == "fcfs":
+        if self.mode == SchedulerMode.FCFS:
             return min(waiting, key=lambda n: self._queues[n][0].seq)
         # While a higher class has requests running, a lower class joins (its prefill is an extra
         # step every running request waits for) only every join_every iterations, all the slots
@@ -275,5 +275,5 @@ class Scheduler:
         now = self._clock()
         times = self._finish_times
         rate = len(times) / (now - times[0]) if len(times) > 1 and now > times[0] else 1.0
-        share = self._specs[name].share if self.mode == "share" else 1.0
+        share = self._specs[name].share if self.mode == SchedulerMode.SHARE else 1.0
         return max(1, min(60, math.ceil(depth / max(rate * share, 0.1))))

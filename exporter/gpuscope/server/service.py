@@ -11,7 +11,7 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from .config import ServerConfig
+from .config import MetricNames, ServerConfig, TimingMode
 from .engine import Deliver, Engine
 from .faults import FAULTS, FaultInjector
 from .metrics import RequestMetrics, StateCollector, VllmRequestMetrics, VllmStateCollector
@@ -40,11 +40,11 @@ class Service:
         self.runner = build_runner(config)
         self.model = self.runner.module
         self.device = self.runner.device
-        vllm = config.metric_names == "vllm"
+        vllm = config.metric_names == MetricNames.VLLM
         # vLLM times no kernels: under its names the timer's metrics stay off /metrics.
         self.timer = build_timer(config.timing, CollectorRegistry() if vllm else self.registry,
                                  config.timing_budget)
-        self.instrumentation = self.runner.instrument(self.timer) if config.timing != "off" else None
+        self.instrumentation = self.runner.instrument(self.timer) if config.timing != TimingMode.OFF else None
         if config.timing_kernel_busy:
             enable_kernel_busy(self.timer)
         if config.model.cuda_graphs:

@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from .config import ConfigError
+from .config import ConfigError, TimingMode
 
 try:
     from gpuscope.timing import Timer, trace
@@ -60,13 +60,13 @@ class HostClock:
         pass
 
 
-def build_timer(mode: str, registry: CollectorRegistry | None, budget: float = 0.01):
+def build_timer(mode: TimingMode, registry: CollectorRegistry | None, budget: float = 0.01):
     """The timer for ``--timing MODE``; HostClock when off (or when gpuscope.timing is absent)."""
-    if mode == "off" or Timer is None:
-        if mode != "off":
+    if mode == TimingMode.OFF or Timer is None:
+        if mode != TimingMode.OFF:
             log.warning("gpuscope.timing is not importable; step times come from the host clock")
         return HostClock()
-    if mode == "all":
+    if mode == TimingMode.ALL:
         return Timer(registry=registry, sample_rate=1.0)
     return Timer(registry=registry, budget=budget)
 

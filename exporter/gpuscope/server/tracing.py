@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry
 from gpuscope import catalogue as c
 from gpuscope.logsafe import quote
 
-from .config import ServerConfig
+from .config import ServerConfig, TimingMode
 from .protocol import parse_traceparent
 from .tracestate import valid_tracestate
 
@@ -312,7 +312,7 @@ class RequestTracing:
         engine.timer = self._timer
         device = getattr(service, "device", None)
         cuda = getattr(device, "type", "") == "cuda"
-        self._step_clock = "cuda_events" if cuda and service.config.timing != "off" else "host"
+        self._step_clock = "cuda_events" if cuda and service.config.timing != TimingMode.OFF else "host"
 
     def detach(self) -> None:
         engine = self._engine

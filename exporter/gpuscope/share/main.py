@@ -13,12 +13,14 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import start_http_server
 
-from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
+from gpuscope.flags import listen_address, parse_duration, parse_listen_address
 from gpuscope.ports import LOCAL_HOST, SHARE_PORT
+from gpuscope.settings import Choice, SettingsParser, parser_for, setting
 from gpuscope.share.controller import DEFAULT_SLICE_S, Controller
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
 from gpuscope.share.metrics import ShareCollector
@@ -59,41 +61,51 @@ def parse_shares(text: str) -> list[TenantPolicy]:
     return tenants
 
 
-def _parser() -> FlagParser:
-    p = FlagParser(prog="gpuscope share", description=__doc__.splitlines()[0])
-    p.add_flag("--share", dest="shares", type=checked(parse_shares), required=False,
-               help="tenants and their shares: NAME=FRACTION[:PRIORITY],... (higher priority first)")
-    p.add_flag("--share.accounting", dest="accounting", choices=("events", "nvml"), default="events",
-               help="events: slices charged by the tenants' CUDA events; nvml: token buckets fed by NVML "
-                    "utilization every 100 ms (what the peer projects do)")
-    p.add_flag("--share.ledger", dest="ledger", default=DEFAULT_LEDGER,
-               help="path prefix of the shared-memory ledger (tenants set GPUSCOPE_SHARE_LEDGER to it)")
-    p.add_flag("--share.slice", dest="slice", type=checked(parse_duration), default=DEFAULT_SLICE_S,
-               help="length of one tenant's turn while shares bind")
-    p.add_flag("--share.drain-timeout", dest="drain_timeout", type=checked(parse_duration), default=0.2,
-               help="longest wait for the previous holder's queued work at a hand-over")
-    p.add_flag("--share.window", dest="window", type=checked(parse_duration), default=0.002,
-               help="GPU time one accounting window aims at (two CUDA events per window)")
-    p.add_flag("--share.gpu", dest="gpu", type=int, default=0, help="NVML index of the GPU (nvml accounting)")
-    p.add_flag("--web.listen-address", dest="listen", default=f"{LOCAL_HOST}:{SHARE_PORT}",
-               help="HOST:PORT for /metrics")
-    return p
+class Accounting(Choice):
+    """``--share.accounting``: what a tenant's GPU time is charged from."""
+
+    EVENTS = "events"
+    NVML = "nvml"
+
+
+@dataclass(frozen=True)
+class ShareSettings:
+    """The flags of ``gpuscope share``."""
+
+    shares: list[TenantPolicy] | None = setting(
+        "--share", None, "tenants and their shares: NAME=FRACTION[:PRIORITY],... (higher priority first)",
+        parse=parse_shares)
+    accounting: Accounting = setting(
+        "--share.accounting", Accounting.EVENTS, "events: slices charged by the tenants' CUDA events; nvml: "
+        "token buckets fed by NVML utilization every 100 ms (what the peer projects do)")
+    ledger: str = setting("--share.ledger", DEFAULT_LEDGER, "path prefix of the shared-memory ledger "
+                          "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
+    slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
+                           parse=parse_duration)
+    drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for the previous holder's "
+                                   "queued work at a hand-over", parse=parse_duration)
+    window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
+                            "events per window)", parse=parse_duration)
+    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
+    listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
+                          parse=listen_address, metavar="HOST:PORT")
+
+
+def _parser() -> SettingsParser[ShareSettings]:
+    return parser_for(ShareSettings, prog="gpuscope share", description=__doc__.splitlines()[0])
 
 
 def main(argv: list[str]) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_settings(argv)
     if args.shares is None:
         parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
-    try:
-        host, port = parse_listen_address(args.listen)
-    except ValueError as exc:
-        parser.error(str(exc))
+    host, port = parse_listen_address(args.listen)
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
 
     utilization = None
-    if args.accounting == "nvml":
+    if args.accounting == Accounting.NVML:
         try:
             from gpuscope.share.nvml_source import nvml_utilization
 
