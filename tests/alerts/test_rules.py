@@ -50,7 +50,7 @@ def test_generated_file_is_current(rel: str) -> None:
 
 
 def test_generate_check_reports_stale_alerting_files(tmp_path: Path) -> None:
-    (tmp_path / "exporter" / "gpuscope").mkdir(parents=True)  # a checkout's shape, without its files
+    (tmp_path / "src" / "gpuscope").mkdir(parents=True)  # a checkout's shape, without its files
     cmd = [sys.executable, "-m", "gpuscope", "generate", "--only", "alerting", "--root", str(tmp_path)]
     stale = subprocess.run([*cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert stale.returncode == 1 and "alerts/alertmanager.yml" in stale.stderr

@@ -91,7 +91,7 @@ def test_background_stack_stops_on_sigint_with_every_part_gone_and_starts_withou
     out, err = tmp_path / "stack.out", tmp_path / "stack.err"
     argv = [sys.executable, "-m", "gpuscope", "stack", "--stack.free-ports", "--stack.run-dir", str(run_dir),
             *(["--stack.keep-data"] if keep else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with out.open("w") as stdout, err.open("w") as stderr:
         command = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=ROOT,
                                    env=env, preexec_fn=_ignore_sigint)

@@ -485,7 +485,7 @@ def render_markdown() -> str:
     lines = [
         "# gpuscope metrics",
         "",
-        "Generated from `exporter/gpuscope/catalogue.py` by `gpuscope generate`; do not edit.",
+        "Generated from `src/gpuscope/catalogue.py` by `gpuscope generate`; do not edit.",
         "",
     ]
     areas: dict[str, list[Metric]] = {}

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-IMPORT_ROOT = HERE.parents[2]  # exporter/
+IMPORT_ROOT = HERE.parents[2]  # src/
 PROTO = HERE / "api.proto"
 STUBS = ("api_pb2.py", "api_pb2_grpc.py")
 HEADER = ("# ruff: noqa\n"

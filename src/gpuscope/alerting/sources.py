@@ -253,7 +253,7 @@ def group(src: Source, p: Profile) -> Group:
 
 GPUSCOPE_SERVER = Source(
     name="gpuscope-server", role="server", title="gpuscope serve",
-    upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="server",
+    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="server",
     raw={key: Raw(metric.name) for key, metric in {
         "region": m.REGION_GPU_SECONDS, "ttft": m.REQUEST_TTFT, "itl": m.REQUEST_ITL, "tpot": m.REQUEST_TPOT,
         "e2e": m.REQUEST_E2E, "queue": m.REQUEST_QUEUE, "prefill": m.REQUEST_PREFILL,
@@ -295,7 +295,7 @@ _PER_GPU = {"drop": workload.DROP}
 
 GPUSCOPE_EXPORTER = Source(
     name="gpuscope-exporter", role="gpu", title="gpuscope exporter",
-    upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="exporter",
+    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="exporter",
     raw={**{key: Raw(metric.name, **_PER_GPU) for key, metric in {
         "gpu_utilization": m.GPU_UTILIZATION,
         "gpu_memory_utilization": m.GPU_MEMORY_UTILIZATION, "gpu_memory_used": m.GPU_MEMORY_USED,
@@ -486,7 +486,7 @@ DCGM_EXPORTER = Source(
 _SHARE = {"drop": ("pid",)}
 GPUSCOPE_SHARE = Source(
     name="gpuscope-share", role="server", title="gpuscope share",
-    upstream="exporter/gpuscope/catalogue.py (this repository)", selector_field="share",
+    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="share",
     raw={"tenant_gpu_seconds": Raw(m.SHARE_GPU_SECONDS.name, **_SHARE),
          "quota": Raw(m.SHARE_TARGET_RATIO.name),
          "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE)},

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(only) - set(GENERATORS)
     if unknown:
         parser.error(f"--only: unknown generator(s) {', '.join(sorted(unknown))}")
-    if not (root / "exporter" / "gpuscope").is_dir():
-        parser.error(f"--root {root} is not a gpuscope checkout (no exporter/gpuscope/ there)")
+    if not (root / "src" / "gpuscope").is_dir():
+        parser.error(f"--root {root} is not a gpuscope checkout (no src/gpuscope/ there)")
     stale, orphans = run(root, args.check, only)
     verb = "stale" if args.check else "wrote"
     for rel in stale:

@@ -46,18 +46,18 @@ def _images(build: ImageBuild, cuda: bool) -> str:
 
 def generate(root: Path, profile: Profile = PRODUCTION, d: Deployment = DEPLOYMENT) -> dict[Path, str]:
     """Every generated file: path relative to ``root`` → content."""
-    alerting = "exporter/gpuscope/alerting/ (production profile)"
+    alerting = "src/gpuscope/alerting/ (production profile)"
     build = image_build(root)
     files: dict[str, tuple[str, str]] = {
         # The application's namespace (base/kustomization.yaml sets it).
-        "app/kustomization.yaml": ("exporter/gpuscope/kube/", dump_yaml(
+        "app/kustomization.yaml": ("src/gpuscope/kube/", dump_yaml(
             {**KUSTOMIZATION, "resources": ["prometheusrule.yaml", "servicemonitors.yaml", "hpa.yaml"]})),
         "app/prometheusrule.yaml": (alerting, dump_yaml(monitoring.prometheus_rule(profile, d))),
         "app/servicemonitors.yaml": (alerting, _docs(monitoring.service_monitors(profile, d))),
-        "app/hpa.yaml": (f"{alerting} and exporter/gpuscope/kube/config.py",
+        "app/hpa.yaml": (f"{alerting} and src/gpuscope/kube/config.py",
                          dump_yaml(autoscaling.hpa(profile, d))),
         # kube-prometheus-stack's namespace.
-        "monitoring/kustomization.yaml": ("exporter/gpuscope/kube/", dump_yaml(
+        "monitoring/kustomization.yaml": ("src/gpuscope/kube/", dump_yaml(
             {**KUSTOMIZATION, "namespace": d.cluster.monitoring_namespace,
              "resources": ["alertmanager-secret.yaml", "grafana-dashboards.yaml", "grafana-datasources.yaml",
                            "prometheus-adapter.yaml"]})),
@@ -67,14 +67,14 @@ def generate(root: Path, profile: Profile = PRODUCTION, d: Deployment = DEPLOYME
                                                _docs(monitoring.dashboard_configmaps(root, d))),
         "monitoring/grafana-datasources.yaml": ("deploy/grafana/provisioning/datasources/gpuscope.yml",
                                                 dump_yaml(monitoring.datasource_configmap(root, d))),
-        "monitoring/prometheus-adapter.yaml": (f"{alerting} and exporter/gpuscope/kube/config.py",
+        "monitoring/prometheus-adapter.yaml": (f"{alerting} and src/gpuscope/kube/config.py",
                                                dump_yaml(autoscaling.adapter_configmap(profile, d,
                                                                                        dump_yaml))),
         # Components the overlays pick.
         "images/cpu/kustomization.yaml": (_IMAGES_SOURCE, _images(build, cuda=False)),
         "images/gpu/kustomization.yaml": (_IMAGES_SOURCE, _images(build, cuda=True)),
         "cpu-demo-hpa/kustomization.yaml": (
-            "exporter/gpuscope/kube/autoscaling.py",
+            "src/gpuscope/kube/autoscaling.py",
             "# The CPU demo has no GPUs: its HPA scales on TTFT alone.\n"
             + dump_yaml({**COMPONENT, "patches": [{
                 "target": {"group": "autoscaling", "version": "v2", "kind": "HorizontalPodAutoscaler",
