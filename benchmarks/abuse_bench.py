@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from benchlib import logger, rnd  # noqa: E402
 
-from gpuscope import procs  # noqa: E402
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.ops import procs  # noqa: E402
 from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
+from gpuscope.util.freeport import free_port  # noqa: E402
 
 log = logger("abuse_bench")
 SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "1024", "--request.max-tokens", "900"]

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from benchlib import logger, percentile  # noqa: E402
 
-from gpuscope import procs  # noqa: E402
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.ops import procs  # noqa: E402
+from gpuscope.util.freeport import free_port  # noqa: E402
 
 SMI_QUERY = ("timestamp,name,pci.bus_id,driver_version,pstate,temperature.gpu,utilization.gpu,"
              "utilization.memory,memory.total,memory.free,memory.used,power.draw,clocks.sm,clocks.mem")

@@ -70,8 +70,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
-from gpuscope import catalogue as cat
-from gpuscope import procs
+from gpuscope.contract import catalogue as cat
+from gpuscope.ops import procs
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model
 from gpuscope.timing import Timer

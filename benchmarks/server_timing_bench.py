@@ -32,7 +32,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from tenancy_bench import Harness, Size
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.server.config import ModelSpec
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model

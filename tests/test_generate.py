@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuscope import generate
+from gpuscope.ops import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,10 @@ import sys
 COMMANDS = {
     "exporter": ("gpuscope.nvml.main", "NVML node exporter: GPU metrics on /metrics"),
     "serve": ("gpuscope.server.main", "reference inference server (OpenAI-style completions)"),
-    "receiver": ("gpuscope.receiver", "Alertmanager webhook receiver that logs and lists notifications"),
-    "stack": ("gpuscope.stack", "start the whole stack from local binaries (no Docker)"),
+    "receiver": ("gpuscope.receiver.main", "Alertmanager webhook receiver that logs and lists notifications"),
+    "stack": ("gpuscope.ops.stack_command", "start the whole stack from local binaries (no Docker)"),
     "diagnose": ("gpuscope.diagnose.main", "sample this box (or a past window) and say what is wrong"),
-    "generate": ("gpuscope.generate", "write every generated file (rules, dashboards, docs, manifests)"),
+    "generate": ("gpuscope.ops.generate", "write every generated file (rules, dashboards, docs, manifests)"),
     "share": ("gpuscope.share.main", "hold processes on one GPU to shares of its time (preload library)"),
     "loadtest": ("gpuscope.loadtest.run", "Locust with the bundle's streaming users against a server"),
     "compare": ("gpuscope.loadtest.compare", "compare server configurations and endpoints under one load"),

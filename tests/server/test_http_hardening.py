@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpuscope import catalogue as cat
-from gpuscope import procs
+from gpuscope.contract import catalogue as cat
+from gpuscope.ops import procs
 from tests.conftest import wait_for
 from tests.test_loki import free_port
 

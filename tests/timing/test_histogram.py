@@ -1,4 +1,4 @@
-from gpuscope.catalogue import REGION_SECONDS_BUCKETS
+from gpuscope.contract.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing.histogram import BucketHistogram
 
 

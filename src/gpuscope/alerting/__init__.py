@@ -1,13 +1,10 @@
-"""gpuscope's alert rules, generated from one configuration (``gpuscope.alerting.config``).
+"""gpuscope's alert rules, generated from one configuration (``gpuscope.contract.profiles``).
 
-- ``config``: selectors, thresholds, windows and links; the production and test profiles;
-- ``names``: recording-rule names for dashboards to import;
-- one module per area (``latency``, ``slo``, ``memory``, ``scheduling``, ``composite``, ``health``,
-  ``bottleneck``, ``loki``) building rule groups; ``alertmanager`` building alertmanager.yml;
-- ``generate``: ``gpuscope generate`` writes ``alerts/`` and ``docs/alerts.md``.
+- one module per area (``latency``, ``slo``, ``memory``, ``scheduling``, ``composite``, ``health_rules``,
+  ``bottleneck``, ``energy``, ``log_rules``) building rule groups; ``sources`` the normalisation layer
+  of each source; ``alertmanager`` building alertmanager.yml;
+- ``generate``: the files ``gpuscope generate`` writes under ``alerts/`` and ``docs/alerts.md``.
+
+The names other parts read (recording-rule names, thresholds, windows, selectors) are in
+``gpuscope.contract``, so dashboards and the server never import this package.
 """
-
-from gpuscope.alerting import names
-from gpuscope.alerting.config import PRODUCTION, PROFILES, TEST, Profile
-
-__all__ = ["PRODUCTION", "PROFILES", "TEST", "Profile", "names"]

@@ -22,11 +22,12 @@ from __future__ import annotations
 import yaml
 
 from gpuscope.alerting import composite
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import GENERATED_HEADER, duration
+from gpuscope.contract import parts
+from gpuscope.contract.profiles import Profile
 
 RECEIVERS = {"critical": "gpuscope-page", "warning": "gpuscope-ticket"}
-DEFAULT_RECEIVER = "gpuscope-receiver"
+DEFAULT_RECEIVER = parts.RECEIVER.service
 COMPONENT_ALERTS = tuple(name for names in composite.COMPONENTS.values() for name in names)
 
 

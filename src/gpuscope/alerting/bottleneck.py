@@ -18,9 +18,9 @@ time. A launch-bound op on a ``cpu_bound`` host says which modules to capture in
 
 from __future__ import annotations
 
-from gpuscope.alerting import names
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record, duration, num
+from gpuscope.contract import names
+from gpuscope.contract.profiles import Profile
 
 HOST_REGEX = "(.*):[0-9]+"
 ON = "on (host, instance)"

@@ -6,7 +6,7 @@ from the server's own metrics (kernel GPU time, the server's device memory, its 
 they join on the server's ``job``, ``instance`` and ``device`` without mapping server devices to
 exporter GPUs.
 
-Two decisions, each tested in ``alerts/tests/composite.test.yml``:
+Two decisions, each tested in ``tests/alerts/cases/composite.test.yml``:
 
 - **Same device.** A latency spike on one GPU and a leak on another GPU of the same instance are two
   problems (two tickets), not one degradation: the composite says "these symptoms share a cause",
@@ -23,10 +23,10 @@ Two decisions, each tested in ``alerts/tests/composite.test.yml``:
 
 from __future__ import annotations
 
-from gpuscope.alerting import latency, memory, names, scheduling
-from gpuscope.alerting.config import Profile
+from gpuscope.alerting import latency, memory, scheduling
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration
-from gpuscope.dashboards import uids
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile
 
 COMPONENTS = {  # dimension → the alerts that are its symptoms (inhibited by the composite)
     "latency_spike": ("GPUKernelLatencySpike", "GPUStepLatencySpike"),

@@ -22,9 +22,9 @@ break a join if the normalised series kept it:
 
 from __future__ import annotations
 
-from gpuscope.alerting import upstream as up
 from gpuscope.alerting import workload
 from gpuscope.alerting.rules import by, sel
+from gpuscope.contract import upstream as up
 
 #: MIG labels (folded into ``gpu``).
 MIG = up.DCGM_MIG_LABELS

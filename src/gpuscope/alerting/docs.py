@@ -57,7 +57,7 @@ GPUServiceErrorBudgetBurn and the Loki alerts).
 TUNING = """\
 ## How to tune
 
-Every selector, threshold and window is in `src/gpuscope/alerting/config.py`, commented:
+Every selector, threshold and window is in `src/gpuscope/contract/profiles.py`, commented:
 `Profile.sources` (whose metrics the rules read), `Selectors` (job names of each source and the Loki
 stream), `Thresholds` (shared by both profiles), `Windows`
 (production; the test profile is derived from it), `Notify` (Alertmanager timing and the receiver
@@ -104,9 +104,9 @@ stale files and re-run every promtool test against the new rules.
 | `alerts/sources/<profile>/<source>.rules.yml` | each source's layer on its own |
 | `alerts/loki/<profile>/fake/gpuscope.rules.yml` | Loki ruler rules (LogQL); mount as the ruler's directory |
 | `alerts/alertmanager.yml`, `alerts/alertmanager-test-profile.yml` | routes, inhibition, receivers |
-| `alerts/tests/*.test.yml` | promtool unit tests, one per area (default sources) |
-| `alerts/tests/sources/*.test.yml` | promtool unit tests on vLLM's and dcgm-exporter's series |
-| `alerts/tests/routes.yml` | amtool routing cases |
+| `tests/alerts/cases/*.test.yml` | promtool unit tests, one per area (default sources) |
+| `tests/alerts/cases/sources/*.test.yml` | promtool unit tests on vLLM's and dcgm-exporter's series |
+| `tests/alerts/cases/routes.yml` | amtool routing cases |
 """
 
 

@@ -17,19 +17,19 @@ How energy is attributed:
   second: idle power within the window is charged to the tokens of the window, as the bill is.
 - **tenant**: the server's watts split by the tenants' GPU-seconds shares, over each tenant's own
   tokens: a tenant of long prompts or big batches pays for the GPU time it used, not per token.
-- **cost**: ``cost.gpu_hour`` (config.py) × the GPUs attributed (the host's GPUs split as the energy
-  is) / 3600 × 10⁶ / tokens per second: the price of a million output tokens. With the default price
-  of 1 it reads in GPU-hours per million output tokens.
+- **cost**: ``cost.gpu_hour`` (``gpuscope.contract.profiles``) × the GPUs attributed (the host's GPUs
+  split as the energy is) / 3600 × 10⁶ / tokens per second: the price of a million output tokens. With
+  the default price of 1 it reads in GPU-hours per million output tokens.
 
 Every record is absent while its denominator is zero (no tokens: no cost per token).
 """
 
 from __future__ import annotations
 
-from gpuscope.alerting import names
 from gpuscope.alerting.bottleneck import with_host
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Group, Record
+from gpuscope.contract import names
+from gpuscope.contract.profiles import Profile
 
 SERVER = "host, job, instance"
 TENANT = "host, job, instance, tenant"

@@ -10,7 +10,7 @@ Files (paths relative to the repository root) for each profile in ``config.PROFI
   choice (``gpuscope stack --stack.source vllm``, the per-source promtool tests);
 - Loki ruler rules and the Alertmanager configuration;
 
-plus ``docs/alerts.md`` and ``docs/sources.md``.
+plus ``docs/alerts.md`` (``docs/sources.md``, which also reads the dashboards, is ``gpuscope.docgen``'s).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from gpuscope.alerting import (
     scheduling,
     slo,
     sources,
-    support,
 )
-from gpuscope.alerting.config import PROFILES, Profile
 from gpuscope.alerting.rules import Alert, Group, render_rule_file
+from gpuscope.contract.profiles import PROFILES, Profile
 
 #: Rule groups in evaluation order: the composite reads records of the groups before it.
 PROMETHEUS_AREAS = (latency, slo, memory, scheduling, composite, health_rules, bottleneck, energy)
@@ -79,7 +78,7 @@ def stack_rule_files(p: Profile, server_source: str) -> list[str]:
     """The rule files of a stack whose server is ``server_source`` beside gpuscope exporter: every alert
     and derived series, and the two sources' layers (``gpuscope stack --stack.source``)."""
     return [prometheus_rules_path(p), source_rules_path(p, server_source),
-            source_rules_path(p, "gpuscope-exporter")]
+            source_rules_path(p, sources.GPUSCOPE_EXPORTER.name)]
 
 
 def loki_rules_path(p: Profile) -> str:
@@ -104,5 +103,4 @@ def outputs() -> dict[str, str]:
         files[loki_rules_path(p)] = render_rule_file(log_rules.groups(p), p, None)
         files[alertmanager_path(p)] = alertmanager.render(p)
     files["docs/alerts.md"] = docs.render({name: all_alerts(p) for name, p in PROFILES.items()})
-    files["docs/sources.md"] = support.render(PROFILES["production"])
     return files

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpuscope.alerting import names, operator_labels
-from gpuscope.alerting.config import Profile
+from gpuscope.alerting import operator_labels
 from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
-from gpuscope.dashboards import uids
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile
 
 
 def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, by, duration, num, query_value, sel
-from gpuscope.dashboards import uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile
 
 KERNEL_LABELS = ("job", "instance", "op", "device")
 ENDPOINT_LABELS = ("job", "instance")

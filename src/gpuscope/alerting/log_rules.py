@@ -8,9 +8,9 @@ reads the rule file from the ruler directory of tenant ``fake``.
 
 from __future__ import annotations
 
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, duration, num
-from gpuscope.dashboards import uids
+from gpuscope.contract import uids
+from gpuscope.contract.profiles import Profile
 
 LABELS = "service, instance"
 

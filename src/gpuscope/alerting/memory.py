@@ -65,10 +65,10 @@ told apart by their ``trigger`` label:
 
 from __future__ import annotations
 
-from gpuscope.alerting import names, operator_labels
-from gpuscope.alerting.config import Profile, Thresholds
+from gpuscope.alerting import operator_labels
 from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, query_value
-from gpuscope.dashboards import uids
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile, Thresholds
 
 SERVER_LABELS = ("job", "instance", "device")
 GPU_LABELS = ("job", "instance", "gpu")

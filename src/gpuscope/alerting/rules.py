@@ -14,8 +14,8 @@ from typing import Literal
 import yaml
 from prometheus_client.utils import floatToGoString
 
-from gpuscope.alerting.config import Profile
-from gpuscope.dashboards import uids
+from gpuscope.contract import uids
+from gpuscope.contract.profiles import Profile
 
 Severity = Literal["critical", "warning"]
 

@@ -15,10 +15,9 @@ every slowdown makes queues wait longer, so it would count a latency problem twi
 
 from __future__ import annotations
 
-from gpuscope.alerting import names
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value
-from gpuscope.dashboards import uids
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num
-from gpuscope.dashboards import uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Profile
 
 if TYPE_CHECKING:
     from gpuscope.alerting.sources import Raw

@@ -2,12 +2,12 @@
 
 A source is a program whose metrics the bundle can read: ``gpuscope-server`` and ``vllm`` (the
 *server* role: requests, queues, memory of the serving process), ``gpuscope-exporter`` and
-``dcgm-exporter`` (the *GPU* role: per-GPU state). ``Profile.sources`` (``config.py``) picks the ones
-that run; each becomes one rule group, ``gpuscope-source-<name>``, that records the normalised series
-of ``names`` from that source's own metrics. Everything else (alerts, the composite, SLO burn rates,
-bottleneck classes, every dashboard panel) reads only normalised series, so it is the same for every
-source. Why the layer records first aggregations (rates, floors) rather than copies of raw series:
-docs/sources.md.
+``dcgm-exporter`` (the *GPU* role: per-GPU state). ``Profile.sources`` (``gpuscope.contract.profiles``)
+picks the ones that run; each becomes one rule group, ``gpuscope-source-<name>``, that records the
+normalised series of ``names`` from that source's own metrics. Everything else (alerts, the
+composite, SLO burn rates, bottleneck classes, every dashboard panel) reads only normalised series, so
+it is the same for every source. Why the layer records first aggregations (rates, floors) rather than
+copies of raw series: docs/sources.md.
 
 Each source is a table ``quantity → Raw`` (name, label renames, unit scale, labels to aggregate away)
 plus a few expressions of its own (``Source.custom``); a quantity a source lacks has no entry, and the
@@ -22,11 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import dcgm, memory, names, slo, workload
-from gpuscope.alerting import upstream as up
-from gpuscope.alerting.config import Profile
+from gpuscope.alerting import dcgm, memory, slo, workload
 from gpuscope.alerting.rules import Group, Record, by, duration, sel
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, parts
+from gpuscope.contract import upstream as up
+from gpuscope.contract.profiles import Profile
 
 Role = Literal["server", "gpu"]
 _MIB = 1 << 20
@@ -252,8 +253,8 @@ def group(src: Source, p: Profile) -> Group:
 # --- the sources ------------------------------------------------------------------------------------------
 
 GPUSCOPE_SERVER = Source(
-    name="gpuscope-server", role="server", title="gpuscope serve",
-    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="server",
+    name=parts.SERVER.job, role="server", title="gpuscope serve",
+    upstream="src/gpuscope/contract/catalogue.py (this repository)", selector_field="server",
     raw={key: Raw(metric.name) for key, metric in {
         "region": m.REGION_GPU_SECONDS, "ttft": m.REQUEST_TTFT, "itl": m.REQUEST_ITL, "tpot": m.REQUEST_TPOT,
         "e2e": m.REQUEST_E2E, "queue": m.REQUEST_QUEUE, "prefill": m.REQUEST_PREFILL,
@@ -294,8 +295,8 @@ _PER_GPU = {"drop": workload.DROP}
 
 
 GPUSCOPE_EXPORTER = Source(
-    name="gpuscope-exporter", role="gpu", title="gpuscope exporter",
-    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="exporter",
+    name=parts.EXPORTER.job, role="gpu", title="gpuscope exporter",
+    upstream="src/gpuscope/contract/catalogue.py (this repository)", selector_field="exporter",
     raw={**{key: Raw(metric.name, **_PER_GPU) for key, metric in {
         "gpu_utilization": m.GPU_UTILIZATION,
         "gpu_memory_utilization": m.GPU_MEMORY_UTILIZATION, "gpu_memory_used": m.GPU_MEMORY_USED,
@@ -335,7 +336,7 @@ def _vllm(name: str, fallback: str = "", **kw) -> Raw:
 
 
 VLLM = Source(
-    name="vllm", role="server", title="vLLM (V1 engine)",
+    name=parts.VLLM.job, role="server", title="vLLM (V1 engine)",
     upstream="vllm-project/vllm vllm/v1/metrics/loggers.py (PrometheusStatLogger), v0.12",
     selector_field="vllm",
     raw={
@@ -416,7 +417,7 @@ def _dcgm_xid(p: Profile, s: str) -> str:
 
 
 DCGM_EXPORTER = Source(
-    name="dcgm-exporter", role="gpu", title="NVIDIA dcgm-exporter",
+    name=parts.DCGM_EXPORTER.job, role="gpu", title="NVIDIA dcgm-exporter",
     upstream="NVIDIA/dcgm-exporter etc/default-counters.csv and its Prometheus exposition, 3.3 / 4.x",
     selector_field="dcgm",
     raw={
@@ -485,8 +486,8 @@ DCGM_EXPORTER = Source(
 # sample of the window (a tenant that gets its turns is seen running at some sample).
 _SHARE = {"drop": ("pid",)}
 GPUSCOPE_SHARE = Source(
-    name="gpuscope-share", role="server", title="gpuscope share",
-    upstream="src/gpuscope/catalogue.py (this repository)", selector_field="share",
+    name=parts.SHARE.job, role="server", title="gpuscope share",
+    upstream="src/gpuscope/contract/catalogue.py (this repository)", selector_field="share",
     raw={"tenant_gpu_seconds": Raw(m.SHARE_GPU_SECONDS.name, **_SHARE),
          "quota": Raw(m.SHARE_TARGET_RATIO.name),
          "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE)},
@@ -511,7 +512,7 @@ def selected(p: Profile) -> list[Source]:
 #: The server source ``gpuscope stack --stack.source`` (and the alert drill) can run: the gpuscope serve
 #: flags that make it expose that source's metrics. The stack scrapes it under the job the source's
 #: selector names and loads that source's layer with the GPU exporter's.
-STACK_SERVER_FLAGS = {"gpuscope-server": (), "vllm": ("--metrics.names", "vllm")}
+STACK_SERVER_FLAGS = {GPUSCOPE_SERVER.name: (), VLLM.name: ("--metrics.names", "vllm")}
 
 
 def stack_job(name: str, p: Profile) -> str:

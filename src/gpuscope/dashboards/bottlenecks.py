@@ -1,8 +1,7 @@
 """Bottlenecks: host CPU (node_exporter) against GPU utilization and memory, and the recorded class."""
 
-from gpuscope.alerting import names
-from gpuscope.alerting.config import PRODUCTION
-from gpuscope.dashboards import uids
+from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.dashboards.common import (
             PromTarget,
             dashboard,

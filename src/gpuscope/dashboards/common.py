@@ -6,10 +6,9 @@ migrate, and its ``Target`` has no ``exemplar`` switch and takes a datasource
 name, not a uid. ``Heatmap`` and ``PromTarget`` here emit the modern JSON;
 timeseries, stat, table and logs panels are grafanalib's own.
 
-Datasource uids are fixed (``gpuscope-prometheus`` ...) so that dashboards,
-the exemplar link and alert links are portable; ``generate.py`` also writes
-Grafana's datasource provisioning file from ``DATASOURCES`` below, so a uid is
-written down once.
+Datasource uids are fixed (``gpuscope.contract.uids``) so that dashboards,
+the exemplar link and alert links are portable; ``gpuscope generate`` also writes
+Grafana's datasource provisioning file from ``datasources_provisioning`` below.
 """
 
 from __future__ import annotations
@@ -23,22 +22,21 @@ import attr
 from grafanalib import core as g
 from grafanalib.core import Dashboard, Panel, Template, Templating, Time
 
-from gpuscope.alerting import names
-from gpuscope.catalogue import Metric
-from gpuscope.ports import PORTS
+from gpuscope.contract import names, parts, uids
+from gpuscope.contract.catalogue import Metric
+from gpuscope.contract.parts import PORTS
 
 # --- datasources --------------------------------------------------------------------------------------
 
-PROMETHEUS_UID = "gpuscope-prometheus"
-LOKI_UID = "gpuscope-loki"
-ALERTMANAGER_UID = "gpuscope-alertmanager"
-#: Grafana Tempo (compose: deploy/grafana/provisioning/datasources/tempo.yml, docs/tracing.md).
-TEMPO_UID = "gpuscope-tempo"
+PROMETHEUS_UID = uids.PROMETHEUS_DATASOURCE
+LOKI_UID = uids.LOKI_DATASOURCE
+ALERTMANAGER_UID = uids.ALERTMANAGER_DATASOURCE
+TEMPO_UID = uids.TEMPO_DATASOURCE
 PROMETHEUS = {"type": "prometheus", "uid": PROMETHEUS_UID}
 LOKI = {"type": "loki", "uid": LOKI_UID}
 
 #: Stream selector of the reference server's logs in Loki (its LokiHandler sets service and instance).
-SERVER_LOG_STREAM = '{service="gpuscope-server"}'
+SERVER_LOG_STREAM = f'{{service="{parts.SERVER.service}"}}'
 
 #: LogQL that the exemplar link opens: every log line of the request whose trace id the exemplar carries.
 #: ``TRACE_ID`` is replaced by Grafana's ``${__value.raw}``; tools/logql checks the LogQL with it filled in.
@@ -88,7 +86,7 @@ def datasources_provisioning() -> dict[str, Any]:
 
 
 # --- selectors ---------------------------------------------------------------------------------------
-# Panels read only normalised series (``gpuscope.alerting.names``), recorded by each source's layer, so
+# Panels read only normalised series (``gpuscope.contract.names``), recorded by each source's layer, so
 # every panel is the same for gpuscope, vLLM and dcgm-exporter (docs/sources.md). Rates and bucket
 # rates are recorded over the rule windows: panels show them as they are, no ``rate()`` of their own.
 

@@ -3,7 +3,7 @@ server's figure and each tenant's, where the tenant split exists (gpuscope serve
 
 from grafanalib.core import Panel
 
-from gpuscope.alerting import names
+from gpuscope.contract import names
 from gpuscope.dashboards.common import PromTarget, sel, timeseries
 
 T = "tenant"

@@ -1,8 +1,8 @@
 """GPU fleet: what every GPU is doing and how healthy it is, from the GPU source (gpuscope exporter or
 dcgm-exporter) through its normalised series."""
 
-from gpuscope.alerting import names as n
-from gpuscope.dashboards import uids
+from gpuscope.contract import names as n
+from gpuscope.contract import uids
 from gpuscope.dashboards.common import (
                     PromTarget,
                     dashboard,

@@ -1,9 +1,9 @@
 """Kernel timing: GPU time per op from ``gpuscope.timing`` histograms, and the timer's own health
 (gpuscope serve only: vLLM times no kernels)."""
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names as n
-from gpuscope.dashboards import uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names as n
+from gpuscope.contract import uids
 from gpuscope.dashboards.common import (
                     Heatmap,
                     PromTarget,

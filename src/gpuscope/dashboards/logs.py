@@ -1,8 +1,7 @@
 """Logs and alerts: the server's logs in Loki filtered by the dashboard's variables, and firing alerts."""
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-from gpuscope.dashboards import uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, uids
 from gpuscope.dashboards.common import (
                     SERVER_LOG_STREAM,
                     LokiTarget,

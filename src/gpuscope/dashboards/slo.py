@@ -1,9 +1,9 @@
 """Inference SLO: latency heatmaps and percentiles, throughput, outcomes, queue, batch and KV cache, for
 gpuscope serve or vLLM through the normalised series (vLLM's model_name is the tenant)."""
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names as n
-from gpuscope.dashboards import uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names as n
+from gpuscope.contract import uids
 from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,

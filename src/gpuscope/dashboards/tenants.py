@@ -2,9 +2,9 @@
 tenant: its queue, its tokens; GPU-time shares are gpuscope serve's, and those of the processes that
 `gpuscope share` holds to shares of one GPU, whose backlog is their threads held at the gate)."""
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import names
-from gpuscope.dashboards import energy, uids
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, uids
+from gpuscope.dashboards import energy
 from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.xid import NAME as XID

@@ -1,6 +1,6 @@
 """A past window judged from Prometheus: the recording rules' series over ``--since``, per host.
 
-Reads only normalised and derived series (``alerting/names.py``: whatever the sources), plus
+Reads only normalised and derived series (``contract/names.py``: whatever the sources), plus
 node_exporter's CPU for the whole-host figure. Series are keyed by ``host`` as the bottleneck rules
 key them (``alerting/bottleneck.py``: a ``host`` label the scrape sets, else the host part of
 ``instance``), so CPU, GPUs and the server of one machine meet in one :class:`Summary`.
@@ -15,10 +15,10 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
-from gpuscope.alerting import names
 from gpuscope.alerting.bottleneck import with_host
-from gpuscope.alerting.config import PRODUCTION
 from gpuscope.alerting.rules import duration
+from gpuscope.contract import names
+from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.diagnose.summary import GpuSummary, OpSummary, ServerSummary, Summary
 
 

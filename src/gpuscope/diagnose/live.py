@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.diagnose import scrape
 from gpuscope.diagnose.gpus import GpuSampler, Reading
 from gpuscope.diagnose.host import HostReading, HostSampler

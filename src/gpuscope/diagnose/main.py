@@ -13,12 +13,12 @@ import socket
 import sys
 import time
 
+from gpuscope.contract.parts import LOCAL_HOST, PORTS
 from gpuscope.diagnose import history, view
 from gpuscope.diagnose.live import LiveSampler
 from gpuscope.diagnose.summary import Summary
 from gpuscope.diagnose.verdicts import judge
-from gpuscope.flags import FlagParser, checked, parse_duration
-from gpuscope.ports import LOCAL_HOST, PORTS
+from gpuscope.util.flags import FlagParser, checked, parse_duration
 
 OK, PROBLEM, USAGE, UNOBSERVED = 0, 1, 2, 3
 _SINCE = re.compile(r"^(\d+)([smhd])$")

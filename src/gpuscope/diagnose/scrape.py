@@ -1,6 +1,6 @@
 """A server's /metrics (gpuscope serve, or vLLM under its own names), read into one flat reading.
 
-Names come from the catalogue (gpuscope) and ``alerting/upstream.py`` (vLLM): the same tables the
+Names come from the catalogue (gpuscope) and ``contract/upstream.py`` (vLLM): the same tables the
 normalisation layer uses, so ``diagnose`` reads what the alerts read. Series split by tenant, model
 or engine are summed (gauges, counters, histogram buckets); per-op series are kept per op.
 """
@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuscope import catalogue as cat
-from gpuscope.alerting import upstream as up
+from gpuscope.contract import catalogue as cat
+from gpuscope.contract import parts
+from gpuscope.contract import upstream as up
 
 #: quantity → (gpuscope sample name, vLLM sample names, newest first)
 GAUGES = {
@@ -56,7 +57,7 @@ def parse(text: str) -> ServerReading:
         for s in family.samples:
             samples[s.name].append(s)
     vllm = any(name.startswith("vllm:") for name in samples)
-    reading = ServerReading("vllm" if vllm else "gpuscope-server")
+    reading = ServerReading(parts.VLLM.job if vllm else parts.SERVER.job)
 
     def pick(own: str, theirs: tuple[str, ...], suffix: str = "") -> list:
         for name in (theirs if vllm else (own,)):

@@ -12,7 +12,7 @@ The three classic patterns (the thresholds of the well-known diagnostic script):
   Python thread feeding the GPU kernel by kernel); otherwise a hidden synchronisation.
 
 Then what the bundle knows beyond them (thresholds shared with the alert rules,
-``alerting/config.py``): ops whose kernels keep the GPU busy less than half their region time
+``contract/profiles.py``): ops whose kernels keep the GPU busy less than half their region time
 (``launch_bound_ops``), latency that is mostly queueing (``queueing``), preemptions with the KV cache
 full (``kv_preemption``), thermal or power throttling, XIDs, and memory that grows throughout
 (``memory_leak``).
@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from gpuscope.alerting.config import Thresholds
+from gpuscope.contract.profiles import Thresholds
 from gpuscope.diagnose.summary import Summary
 
 Severity = Literal["problem", "warning"]

@@ -1,6 +1,6 @@
 """Where gpuscope is deployed on Kubernetes, and how its server scales: one place for every name.
 
-The alerting configuration (``gpuscope.alerting.config``) stays the source of what is alerted on:
+The alerting configuration (``gpuscope.contract.profiles``) stays the source of what is alerted on:
 job names, the TTFT objective and the latency window come from there. This module holds only what
 a cluster adds: namespaces, the kube-prometheus-stack release the Prometheus Operator objects are
 labelled for, in-cluster URLs, the autoscaling targets, and the image tags (from pyproject.toml's
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from gpuscope.ports import PORTS
+from gpuscope.contract import parts
+from gpuscope.contract.parts import PORTS
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,10 @@ class Autoscaling:
 class Names:
     """Workload names. Services are named like the alert config's job names (a test checks it)."""
 
-    server: str = "gpuscope-server"
-    exporter: str = "gpuscope-exporter"
-    receiver: str = "gpuscope-receiver"
-    hpa: str = "gpuscope-server"
+    server: str = parts.SERVER.service
+    exporter: str = parts.EXPORTER.service
+    receiver: str = parts.RECEIVER.service
+    hpa: str = parts.SERVER.service
     prometheus_rule: str = "gpuscope"
     alertmanager_secret: str = "gpuscope-alertmanager"
     adapter_config: str = "gpuscope-prometheus-adapter"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuscope.alerting.config import PRODUCTION, Profile
 from gpuscope.alerting.rules import dump_yaml
+from gpuscope.contract.profiles import PRODUCTION, Profile
 from gpuscope.kube import autoscaling, monitoring
 from gpuscope.kube.config import DEPLOYMENT, IMAGE, IMAGE_SERVER, Deployment, ImageBuild, image_build
 

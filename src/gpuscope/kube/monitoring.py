@@ -21,12 +21,12 @@ from pathlib import Path
 import yaml
 
 from gpuscope.alerting import alertmanager
-from gpuscope.alerting.config import Profile
 from gpuscope.alerting.generate import prometheus_groups
 from gpuscope.alerting.rules import GENERATED_HEADER, duration
+from gpuscope.contract.parts import PORTS
+from gpuscope.contract.profiles import Profile
 from gpuscope.dashboards import render
 from gpuscope.kube.config import Deployment, job_of
-from gpuscope.ports import PORTS
 
 PART_OF = {"app.kubernetes.io/part-of": "gpuscope"}
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}

@@ -36,12 +36,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
-from gpuscope import procs
-from gpuscope.flags import FlagParser
 from gpuscope.loadtest import configs as config_sets
 from gpuscope.loadtest.configs import Config
 from gpuscope.loadtest.distributions import parse_distribution
 from gpuscope.loadtest.options import APIS, DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_SEED
+from gpuscope.loadtest.plots import plot_set
 from gpuscope.loadtest.recorder import load_samples
 from gpuscope.loadtest.report import ALL, RunResult, markdown, write_csv
 from gpuscope.loadtest.runtools import (
@@ -62,6 +61,8 @@ from gpuscope.loadtest.targets import (
     parse_target,
     resolve_model,
 )
+from gpuscope.ops import procs
+from gpuscope.util.flags import FlagParser
 
 PROG = "gpuscope compare"
 #: ``--sets`` value for no configuration sets (only ``--target`` endpoints).
@@ -405,8 +406,6 @@ def main(argv: Sequence[str] | None = None, progress: TextIO = sys.stdout) -> in
 
 def write_outputs(settings: Settings, results: Sequence[RunResult], head: dict[str, str],
                   progress: TextIO) -> list[Path]:
-    from gpuscope.loadtest.plots import plot_set  # matplotlib only when there is something to draw
-
     out = settings.out_dir
     out.mkdir(parents=True, exist_ok=True)
     stem = f"compare-{settings.name}"

@@ -46,13 +46,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpuscope import procs
-from gpuscope.alerting.config import TEST
 from gpuscope.alerting.generate import all_alerts
-from gpuscope.flags import FlagParser
+from gpuscope.contract.profiles import TEST
 from gpuscope.loadtest import runtools
 from gpuscope.loadtest.alertwatch import AlertSources, Seen, distinct, firing, first_of, rule_for_s
 from gpuscope.loadtest.runtools import duration_arg
+from gpuscope.ops import procs
+from gpuscope.ops.stack import Stack, StackOptions
+from gpuscope.util.flags import FlagParser
 
 PROG = "gpuscope drill"
 SERVER_TENANTS = "alpha:0.5,beta:0.5"
@@ -273,10 +274,6 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         parser.error("--users must be at least 2 (one per tenant)")
     if not runtools.locust_available():
         parser.error("locust is not installed (pip install 'gpuscope[loadtest]')")
-    try:
-        from gpuscope.stack import Stack, StackOptions
-    except ImportError as exc:
-        parser.error(f"gpuscope stack is not available: {exc}")
     import shlex
 
     run_dir = Path(ns["run_dir"] or tempfile.mkdtemp(prefix="gpuscope-alerts-"))

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuscope.contract.tenants import NAME_RULE, valid_tenant_name
 from gpuscope.loadtest.distributions import LengthDistribution, parse_distribution
 from gpuscope.loadtest.shapes import shape_names
-from gpuscope.tenants import NAME_RULE, valid_tenant_name
 
 DEFAULT_PROMPT_TOKENS = "lognormal:median=64,sigma=0.5,min=8,max=256"
 DEFAULT_OUTPUT_TOKENS = "uniform:min=16,max=64"

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpuscope.ports import LOCAL_HOST, PORTS
+from gpuscope.contract.parts import LOCAL_HOST, PORTS
 
 from .runtools import LOCUSTFILE, locust_available, locust_prefix
 

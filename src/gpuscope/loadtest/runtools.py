@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpuscope.flags import checked, parse_duration
+from gpuscope.util.flags import checked, parse_duration
 
 #: The locustfile both commands run (``loadtest/locustfile.py`` re-exports it).
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")

@@ -3,7 +3,7 @@
 The comparison command runs one server per configuration, and tests run a real
 server the same way; both need it on 127.0.0.1 only, on a port nobody else
 holds, ready (``/readyz``) before load starts, and gone afterwards. The child
-itself is a gpuscope.procs.Child.
+itself is a gpuscope.ops.procs.Child.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from gpuscope import procs
-from gpuscope.ports import free_port
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 
 READY_TIMEOUT_S = 120.0
 

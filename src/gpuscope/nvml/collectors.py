@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import pynvml
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.api import INVALID_ID, NOT_FOUND
 from gpuscope.nvml.calls import Calls
 from gpuscope.nvml.devices import Device

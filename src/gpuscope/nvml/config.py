@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuscope.flags import FlagParser, parse_duration, parse_listen_address
-from gpuscope.flags import checked as _checked
-from gpuscope.nvml.registry import registered
-from gpuscope.ports import default_listen_address
+from gpuscope.contract.parts import default_listen_address
+from gpuscope.nvml.collector_table import registered
+from gpuscope.util.flags import FlagParser, parse_duration, parse_listen_address
+from gpuscope.util.flags import checked as _checked
 
 _DEFAULT_LISTEN = default_listen_address("exporter")
 

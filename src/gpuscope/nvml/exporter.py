@@ -14,13 +14,13 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpuscope.nvml.api import NVMLError, error_text, real_nvml, text
 from gpuscope.nvml.calls import Calls
+from gpuscope.nvml.collector_table import registered
 from gpuscope.nvml.collectors import Collector, PodLabelled
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.devices import Device, discover
 from gpuscope.nvml.exposition import ExporterCollector, PinnedSnapshot, StalenessCollector
 from gpuscope.nvml.health import Health
 from gpuscope.nvml.podresources import PodResourcesWatcher
-from gpuscope.nvml.registry import registered
 from gpuscope.nvml.rendered import RenderedExposition
 from gpuscope.nvml.sampler import Sampler
 from gpuscope.nvml.store import Store

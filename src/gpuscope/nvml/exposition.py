@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.metrics_core import Metric as Family
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.devices import Device
 from gpuscope.nvml.health import Health
 from gpuscope.nvml.store import CollectorState, Store

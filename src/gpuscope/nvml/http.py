@@ -30,9 +30,9 @@ from http.server import ThreadingHTTPServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from gpuscope import catalogue as cat
-from gpuscope.httpjson import JsonRequestHandler
-from gpuscope.logsafe import quote
+from gpuscope.contract import catalogue as cat
+from gpuscope.util.httpjson import JsonRequestHandler
+from gpuscope.util.logsafe import quote
 
 log = logging.getLogger("gpuscope.exporter")
 

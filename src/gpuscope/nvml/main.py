@@ -12,12 +12,12 @@ import signal
 import sys
 import threading
 
-from gpuscope.flags import FlagParser, checked, parse_duration
-from gpuscope.logsafe import EscapingFilter
 from gpuscope.nvml import config as flags
 from gpuscope.nvml.config import parse
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, ExporterServer
+from gpuscope.util.flags import FlagParser, checked, parse_duration
+from gpuscope.util.logsafe import EscapingFilter
 
 log = logging.getLogger("gpuscope.exporter")
 #: How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The

@@ -84,6 +84,7 @@ class PodResourcesWatcher:
         self._failing = False  # in an outage that was already counted and logged
         self._channel: Any = None
         self._stub: Any = None
+        self._messages: Any = None  # the generated api_pb2 module, imported with grpc by _connect
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuscope-podresources", daemon=True)
         #: Refreshes tried, and those that succeeded (tests wait on them).
@@ -126,9 +127,7 @@ class PodResourcesWatcher:
             stub = self._connect()
             if stub is None:
                 raise FileNotFoundError(f"no socket at {self.socket_path}")
-            from gpuscope.nvml.podresources_v1 import api_pb2
-
-            response = stub.List(api_pb2.ListPodResourcesRequest(), timeout=self.timeout)
+            response = stub.List(self._messages.ListPodResourcesRequest(), timeout=self.timeout)
             owners = device_owners(response.pod_resources)
         except Exception as exc:  # grpc.RpcError, OSError, a malformed answer: never fatal
             self._failed(exc)
@@ -148,11 +147,12 @@ class PodResourcesWatcher:
         try:
             import grpc
 
-            from gpuscope.nvml.podresources_v1 import api_pb2_grpc
+            from gpuscope.nvml.podresources_v1 import api_pb2, api_pb2_grpc
         except ImportError as exc:
             self._stub = False
             raise RuntimeError(f"grpcio/protobuf not installed ({exc}); "
                                "pip install 'gpuscope[kubernetes]'") from None
+        self._messages = api_pb2
         if not os.path.exists(self.socket_path):
             return None
         self._channel = grpc.insecure_channel(

@@ -2,8 +2,8 @@
 
 A registration is the one place that names a collector, says whether it is on by default and what
 its ``--collector.NAME`` flag's help says, and points at the class that builds it. The flags
-(``config.py``) and the exporter's assembly (``exporter.py``) both read this table, so they cannot
-drift apart.
+(``config.py``) and the exporter's assembly (``exporter.py``) both read this table (through
+``collector_table``, which imports the modules that define collectors), so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ def register_collector(name: str, *, default: bool, help: str) -> Callable[[T], 
     return register
 
 
-def registered() -> dict[str, Registration]:
-    """Every collector, in registration order."""
-    # The modules that define collectors register them when imported.
-    from gpuscope.nvml import collectors, xid  # noqa: F401
-
+def registrations() -> dict[str, Registration]:
+    """The collectors registered so far, in registration order (``collector_table.registered()`` has
+    them all: it imports every module that defines one)."""
     return dict(_REGISTERED)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.api import INVALID_ID, TIMEOUT, NVMLError, error_code, error_text, handle_key
 from gpuscope.nvml.collectors import Sample
 from gpuscope.nvml.devices import Device

@@ -38,15 +38,17 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from prometheus_client import Counter
 from prometheus_client.exposition import choose_encoder
 
-from gpuscope import catalogue as c
-from gpuscope.logsafe import quote
+from gpuscope.contract import catalogue as c
+from gpuscope.util.logsafe import quote
 
 from .chat import ChatTemplate, parse_chat, template_for
 from .engine import Done, Failed, Request, Token
+from .errors import error_response
 from .faults import FaultError, FaultInjector
 from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
 from .limits import SUPPORTED as LIMITS_SUPPORTED
 from .loop_lag import LoopMonitor
+from .profile_api import add_routes as add_profile_routes
 from .protocol import (
     BadRequest,
     Completion,
@@ -79,12 +81,8 @@ CLIENT_ERROR_REASONS = ("malformed", "bad_body", "disconnect")
 MAX_REQUEST_LINE = 8190  # method, target and version (aiohttp's default)
 MAX_HEADER_FIELD = 8192  # one header field, name and value
 MAX_HEADERS = 128  # header fields per request (aiohttp's default)
-
-
-def error_response(status: int, message: str, code: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": code, "param": param, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+#: How long closing the tracing may take at shutdown (its exporter's last export).
+CLOSE_TRACING_S = 5.0
 
 
 def _first_line(exc: BaseException, limit: int = 200) -> str:
@@ -184,9 +182,8 @@ async def _on_cleanup(app: web.Application) -> None:
 
 async def _close_tracing(app: web.Application) -> None:
     # After _on_cleanup: the engine has finished (aborted) what was in flight, so those spans go too.
-    from .tracing import close_async
-
-    await close_async(app[TRACING])
+    # Closing joins threads and may wait on the exporter: off the event loop.
+    await asyncio.get_running_loop().run_in_executor(None, app[TRACING].close, CLOSE_TRACING_S)
 
 
 #: What a generation route makes of a body: the completion, its response shape, add special tokens.
@@ -468,8 +465,6 @@ def build_app(service: Service, tracing: RequestTracing | None = None) -> web.Ap
     app.router.add_get("/admin/faults", h.faults_list)
     app.router.add_post("/admin/faults/{name}", h.fault_set)
     app.router.add_delete("/admin/faults/{name}", h.fault_clear)
-    from .profile_api import add_routes as add_profile_routes  # it imports this module's error_response
-
     add_profile_routes(app, service.profile)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

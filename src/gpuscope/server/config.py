@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuscope.tenants import NAME_RULE, valid_tenant_name
+from gpuscope.contract.tenants import NAME_RULE, valid_tenant_name
 
 from .http_settings import HttpLimits, HttpSettingsError
 

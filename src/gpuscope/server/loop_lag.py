@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 
 INTERVAL_S = 0.025
 

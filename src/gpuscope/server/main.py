@@ -18,13 +18,17 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry
 
-from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
-from gpuscope.logsafe import EscapingFilter
-from gpuscope.ports import default_listen_address
+from gpuscope.contract import parts
+from gpuscope.contract.parts import default_listen_address
+from gpuscope.logs.loki_push import LokiHandler
+from gpuscope.util.flags import FlagParser, checked, parse_duration, parse_listen_address
+from gpuscope.util.logsafe import EscapingFilter
 
 from . import profile_config
+from .api import build_app, run
 from .config import ConfigError, ModelSpec, ServerConfig, parse_tenants, resolve_tracing
 from .http_settings import HttpLimits
+from .service import Service
 
 PROG = "gpuscope serve"
 
@@ -163,10 +167,8 @@ def setup_logging(config: ServerConfig, level: str, registry: CollectorRegistry)
     otel.propagate = False
     handlers: list[logging.Handler] = []
     if config.loki_url:
-        from gpuscope.loki_push import LokiHandler
-
         # The server's own registry: that is what its /metrics serves.
-        loki = LokiHandler(config.loki_url, service="gpuscope-server", instance=config.instance,
+        loki = LokiHandler(config.loki_url, service=parts.SERVER.service, instance=config.instance,
                            registry=registry)
         root.addHandler(loki)
         handlers.append(loki)
@@ -203,9 +205,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 2
-    from .api import build_app, run
-    from .service import Service
-
     log = logging.getLogger("gpuscope.server")
     tracing_class = None
     if config.tracing_endpoint is not None:

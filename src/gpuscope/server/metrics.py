@@ -6,7 +6,7 @@ usage, device memory and active faults are read at scrape time from state the
 engine already keeps, so a scrape never waits on the model.
 
 With ``--metrics.names vllm`` the same observations are exposed as vLLM's V1 engine exposes them
-(``VllmRequestMetrics``, ``VllmStateCollector``; definitions in ``gpuscope.alerting.upstream``), so the
+(``VllmRequestMetrics``, ``VllmStateCollector``; definitions in ``gpuscope.contract.upstream``), so the
 bundle's vLLM source can be run end to end against this server.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 import torch
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue as c
-from gpuscope.alerting import upstream as up
+from gpuscope.contract import catalogue as c
+from gpuscope.contract import upstream as up
 
 from .scheduler import Scheduler
 

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from .config import ModelSpec
 from .decode_graphs import DecodeGraphs
+from .step_timing import instrument_model
 
 BOS = 256
 EOS = 257
@@ -331,8 +332,6 @@ class TinyRunner:
         self.module.set_extra_passes(passes)
 
     def instrument(self, timer) -> Any:
-        from .step_timing import instrument_model
-
         return instrument_model(timer, self.module)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 
 from . import profile_trace as pt
 from .profile_config import MODES, ProfileConfig

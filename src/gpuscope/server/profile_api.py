@@ -15,7 +15,7 @@ import os
 
 from aiohttp import web
 
-from .api import error_response
+from .errors import error_response
 from .profile import ProfileCapture, ProfileError
 
 PROFILE = web.AppKey("profile", ProfileCapture)

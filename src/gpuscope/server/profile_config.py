@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuscope.flags import FlagParser
+from gpuscope.util.flags import FlagParser
 
 from .config import ConfigError
 

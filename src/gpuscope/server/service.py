@@ -14,8 +14,10 @@ from prometheus_client import CollectorRegistry
 from .config import ServerConfig
 from .engine import Deliver, Engine
 from .faults import FAULTS, FaultInjector
+from .hf import load_runner
 from .metrics import RequestMetrics, StateCollector, VllmRequestMetrics, VllmStateCollector
 from .model import ModelRunner, TinyRunner, build_model
+from .profile import ProfileCapture
 from .scheduler import Scheduler
 from .step_timing import build_timer, enable_kernel_busy
 
@@ -25,8 +27,6 @@ log = logging.getLogger("gpuscope.server")
 def build_runner(config: ServerConfig) -> ModelRunner:
     """The toy model's runner, or the Hugging Face one (ConfigError when the folder is not a model)."""
     if config.model.hf is not None:
-        from .hf import load_runner
-
         return load_runner(config.model)
     return TinyRunner(build_model(config.model))
 
@@ -56,8 +56,6 @@ class Service:
                         else RequestMetrics(self.registry, names))
         self.profile = None
         if config.profile is not None:
-            from .profile import ProfileCapture
-
             self.profile = ProfileCapture(config.profile, self.registry, timer=self.timer,
                                           instrumentation=self.instrumentation, device=self.device,
                                           instance=config.instance)

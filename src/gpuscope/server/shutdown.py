@@ -30,7 +30,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 
 from .engine import SHUTDOWN_MESSAGE, Done, Failed
 from .service import Service

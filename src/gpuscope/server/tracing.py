@@ -49,8 +49,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue as c
-from gpuscope.logsafe import quote
+from gpuscope.contract import catalogue as c
+from gpuscope.contract import parts
+from gpuscope.contract.spans import OUTCOME, TENANT, TTFT_MS
+from gpuscope.util.logsafe import quote
 
 from .config import ServerConfig
 from .protocol import parse_traceparent
@@ -60,7 +62,7 @@ log = logging.getLogger("gpuscope.server.tracing")
 
 #: Resource ``service.name`` unless OTEL_SERVICE_NAME says otherwise: the ``service`` label of the
 #: server's Loki stream, so a trace and its logs share the name.
-SERVICE_NAME = "gpuscope-server"
+SERVICE_NAME = parts.SERVER.service
 ROOT_SPAN = "POST /v1/completions"
 #: The generation routes and their GenAI operation names (OpenTelemetry's gen_ai.operation.name).
 OPERATIONS = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
@@ -72,14 +74,10 @@ _POLL_S = 0.05
 DROP_REASONS = ("backlog_full", "queue_full", "export_failed")
 
 # Span attributes. GenAI and HTTP semantic-convention names where one fits; the server's own under
-# ``gpuscope.``. The Collector's tail-sampling policy reads OUTCOME and TTFT_MS
-# (gpuscope.server.collector_config), Grafana's trace-to-metrics links read TENANT.
-TENANT = "gpuscope.tenant"
+# ``gpuscope.``. TENANT, OUTCOME and TTFT_MS, which others read, are the contract's (imported above).
 PRIORITY = "gpuscope.priority"
-OUTCOME = "gpuscope.outcome"  # stop, length, abort, error, rejected, invalid
 STREAM = "gpuscope.stream"
 QUEUE_MS = "gpuscope.queue_ms"  # arrival → scheduled, whole ms rounded up
-TTFT_MS = "gpuscope.ttft_ms"  # arrival → first token, whole ms rounded up (> objective ⇔ ≥ objective + 1)
 WAITING = "gpuscope.queue.waiting_at_arrival"  # requests queued (all tenants) when it was submitted
 PREEMPTIONS = "gpuscope.preemptions"
 STEPS = "gpuscope.steps"

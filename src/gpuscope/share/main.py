@@ -17,10 +17,13 @@ import threading
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import start_http_server
 
-from gpuscope.flags import FlagParser, checked, parse_duration, parse_listen_address
-from gpuscope.ports import LOCAL_HOST, SHARE_PORT
+from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
+from gpuscope.share.controller import Controller
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.nvml_source import nvml_utilization
 from gpuscope.share.preload import DEFAULT_LEDGER, library_path
+from gpuscope.util.flags import FlagParser, checked, parse_duration, parse_listen_address
 
 
 def parse_shares(text: str) -> list[TenantPolicy]:
@@ -89,14 +92,9 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
-    from gpuscope.share.controller import Controller
-    from gpuscope.share.metrics import ShareCollector
-
     utilization = None
     if args.accounting == "nvml":
         try:
-            from gpuscope.share.nvml_source import nvml_utilization
-
             utilization = nvml_utilization(args.gpu)
         except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
             parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.share.controller import Controller
 
 _PER_PROCESS = (  # catalogue metric, ledger counter, scale

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 
 if TYPE_CHECKING:
     from gpuscope.timing.budget import BudgetController

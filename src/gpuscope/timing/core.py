@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from gpuscope.catalogue import REGION_SECONDS_BUCKETS
+from gpuscope.contract.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing import capture, hot
 from gpuscope.timing.histogram import BucketHistogram
 from gpuscope.timing.routes import Route, on_device

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from gpuscope.timing.budget import BudgetController
 from gpuscope.timing.busy import CuptiTrace, KernelBusy, KernelTrace
+from gpuscope.timing.collector import TimerCollector
 from gpuscope.timing.core import DROP_REASONS, OpState, TimerCore, current_trace_id, trace
 from gpuscope.timing.graphs import TimedGraph
 from gpuscope.timing.instrument import Instrumentation, instrument
@@ -140,8 +141,6 @@ class Timer:
         self._local = threading.local()
         self.resolver.start()
         if registry is not None:
-            from gpuscope.timing.collector import TimerCollector
-
             registry.register(TimerCollector(self.core, self.resolver, self.budget_controller))
         self._registry = registry
         ref = weakref.ref(self)
