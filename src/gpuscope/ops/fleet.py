@@ -284,7 +284,7 @@ class Fleet(Parts):
     def _vmalert(self) -> tuple[list[str], dict[str, str]]:
         rules = rule_dir(self.options.root, self.options.profile)
         if not list(rules.glob("*.yml")):
-            raise StackError(f"no rule files in {rules} (python -m gpuscope.alerting.generate writes them)")
+            raise StackError(f"no rule files in {rules} (`gpuscope generate` writes them)")
         return [find_binary("vmalert", ("vmalert",), PACKAGE),
                 f"-httpListenAddr={self._address('vmalert')}", f"-rule={rules / '*.yml'}",
                 *self._flags("vmalert")], self._own_env()
