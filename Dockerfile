@@ -16,7 +16,7 @@ RUN test -n "${TORCH_VERSION}" || { echo "build with docker compose, or pass --b
 
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
-COPY exporter ./exporter
+COPY src ./src
 # gcc only for the build: it compiles the timer's C hot path (gpuscope/timing/_hotpath.c; without it
 # the timer runs its Python hot path), then leaves the image.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \

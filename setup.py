@@ -12,9 +12,9 @@ anything from CUDA, so CPU-only machines build and test them too.
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("gpuscope.timing._hotpath", ["exporter/gpuscope/timing/_hotpath.c"],
+    Extension("gpuscope.timing._hotpath", ["src/gpuscope/timing/_hotpath.c"],
               extra_compile_args=["-O2"], optional=True),
-    Extension("gpuscope.share._preload", ["exporter/gpuscope/share/_preload.c"],
+    Extension("gpuscope.share._preload", ["src/gpuscope/share/_preload.c"],
               extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
               extra_link_args=["-ldl", "-lpthread"],
               optional=True),

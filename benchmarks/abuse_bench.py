@@ -43,13 +43,13 @@ import requests
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 
 from benchlib import logger, rnd  # noqa: E402
 
-from gpuscope import procs  # noqa: E402
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.ops import procs  # noqa: E402
 from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
+from gpuscope.util.freeport import free_port  # noqa: E402
 
 log = logger("abuse_bench")
 SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "1024", "--request.max-tokens", "900"]
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="abuse_bench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON report to write")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: fewer sockets, requests, tokens")
-    parser.add_argument("--server-path", type=Path, default=ROOT / "exporter",
+    parser.add_argument("--server-path", type=Path, default=ROOT / "src",
                         help="the gpuscope package folder the servers run from (default: this checkout's)")
     parser.add_argument("--sockets", type=int, default=None, help="stalled sockets (default 2000; quick 40)")
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(tmp) / "tiny"
         folder.mkdir()
         report["model"] = build_model(folder, quick=True)
-        env = {"PYTHONPATH": str(ROOT / "exporter"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
         server = ServerProcess(["--model.hf", str(folder), "--model.context", "1024",
                                 "--request.max-tokens", str(args.max_tokens), "--log.level", "warning"],
                                log_path=Path(tmp) / "serve.log", env=env, ready_timeout_s=300)

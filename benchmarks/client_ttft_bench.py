@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         folder.mkdir()
         report["model"] = build_model(folder, args.quick)
         log(f"model built in {report['model']['wall_s']} s")
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "exporter"), os.environ.get("PYTHONPATH"))
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
                                              if p), "HF_HUB_OFFLINE": "1"}
         server = ServerProcess(["--model.hf", str(folder), "--batch.max-size", str(args.streams),
                                 "--queue.max-per-tenant", str(4 * args.streams), "--model.context", "1024",

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hf_serve_bench as hf  # noqa: E402
@@ -200,7 +200,7 @@ def diagnose(server: ServerProcess, args, name: str, workdir: Path) -> dict[str,
     json_path = workdir / f"{name}.json"
     cmd = [sys.executable, "-m", "gpuscope", "diagnose", "--duration", f"{args.diagnose_s}s",
            "--interval", "0.5s", "--server", server.url + "/metrics", "--json-file", str(json_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.diagnose_s + 60, env=env)
     document = json.loads(json_path.read_text()) if json_path.exists() else {}
     findings = [f["code"] for s in document.get("summaries", []) for f in s["findings"]]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="diagnose-bench-") as tmp:
         workdir = Path(tmp)
         report["model"] = hf.build_model(workdir / "model", args.quick)
-        env = {"PYTHONPATH": str(ROOT / "exporter"), "HF_HUB_OFFLINE": "1"}
+        env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
         server = ServerProcess(["--model.hf", str(workdir / "model"), "--tenants", "alpha:0.5,beta:0.5",
                                 "--batch.max-size", "32", "--queue.max-per-tenant", "128",
                                 "--model.context", "512", "--request.max-tokens", str(args.max_tokens),

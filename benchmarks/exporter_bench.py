@@ -10,7 +10,7 @@ Runs ``gpuscope exporter`` as a subprocess on real NVML (default settings, 1 s s
    one scrape every 15 s (Prometheus's usual interval), read from /proc/<pid>/stat.
 
 Needs only the standard library, pynvml and prometheus_client (gpuscope is imported from
-``exporter/`` by path). Without a GPU it still runs and reports zero devices. Writes
+``src/`` by path). Without a GPU it still runs and reports zero devices. Writes
 ``--out`` (default ``benchmarks/results/exporter-h200.json``) and prints a table last. About 75 s
 with defaults.
 
@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 
 from benchlib import logger, percentile  # noqa: E402
 
-from gpuscope import procs  # noqa: E402
-from gpuscope.ports import free_port  # noqa: E402
+from gpuscope.ops import procs  # noqa: E402
+from gpuscope.util.freeport import free_port  # noqa: E402
 
 SMI_QUERY = ("timestamp,name,pci.bus_id,driver_version,pstate,temperature.gpu,utilization.gpu,"
              "utilization.memory,memory.total,memory.free,memory.used,power.draw,clocks.sm,clocks.mem")
@@ -87,7 +87,7 @@ def start_exporter(port: int, interval: str, extra: list[str]) -> procs.Child:
     """``gpuscope exporter`` from this checkout on 127.0.0.1:``port``; ``wait_ready()`` waits for it."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from gpuscope.nvml.main import main; "
             "raise SystemExit(main(sys.argv[2:]))")
-    argv = [sys.executable, "-c", code, str(ROOT / "exporter"), f"--web.listen-address=127.0.0.1:{port}",
+    argv = [sys.executable, "-c", code, str(ROOT / "src"), f"--web.listen-address=127.0.0.1:{port}",
             f"--sampling.interval={interval}", *extra]
 
     def ready() -> bytes | None:

@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from benchlib import logger  # noqa: E402

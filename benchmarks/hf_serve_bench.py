@@ -21,7 +21,7 @@ naming it on stderr, in the table and under ``failures``:
    carries the per-module regions (``op="model.layers.0.self_attn"``...).
 
 Needs only torch, transformers, tokenizers, aiohttp, prometheus-client, nvidia-ml-py and pyyaml
-(gpuscope comes from ``exporter/`` by path). Writes ``--out``, progress on stderr, a table last.
+(gpuscope comes from ``src/`` by path). Writes ``--out``, progress on stderr, a table last.
 
     python benchmarks/hf_serve_bench.py --out benchmarks/results/hf-serve-h200.json   # GPU host, ~4 min
     python benchmarks/hf_serve_bench.py --quick --out /tmp/hf.json                     # CPU smoke
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "exporter"))
+sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from benchlib import logger, rnd  # noqa: E402
@@ -130,7 +130,7 @@ class Server(ServerProcess):
         self.timing = timing
         batch = max(max(args.streams), args.timing_streams)
         env = {"PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT / "exporter"), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1"}
+            p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p), "HF_HUB_OFFLINE": "1"}
         if not torch.cuda.is_available():
             # Three CPU servers share the host: torch's per-process thread pools would oversubscribe it
             # (a spinning pool on a busy host makes a step 10-100x slower).

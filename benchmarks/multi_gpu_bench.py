@@ -24,7 +24,7 @@ and a part that cannot run here says ``{"skipped": reason}``:
    ``device="N"`` and nowhere else.
 
 Imports only the standard library, torch, pynvml (through the exporter), prometheus_client and gpuscope
-(from ``exporter/`` by path). Without two CUDA devices the GPU parts are skipped with the reason;
+(from ``src/`` by path). Without two CUDA devices the GPU parts are skipped with the reason;
 ``--cpu-stand-in 2`` runs them on CPU stand-ins instead (a code-path check: the numbers mean nothing).
 Writes ``--out`` (default ``benchmarks/results/multi-gpu.json``), progress on stderr, a table last.
 About 4 min with defaults on 2×H200 (``--deadline`` stops it, writing what it has, at 420 s); exit
@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # exporter_bench's and tenancy_bench's helpers
 
 import torch
@@ -70,8 +70,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tenancy_bench import SIZES, Size, measure_shares, warm_up
 
-from gpuscope import catalogue as cat
-from gpuscope import procs
+from gpuscope.contract import catalogue as cat
+from gpuscope.ops import procs
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model
 from gpuscope.timing import Timer

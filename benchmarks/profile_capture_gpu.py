@@ -252,7 +252,7 @@ def main() -> int:
         "GPUSCOPE_PROFILE_TOKEN": TOKEN,
         "GPUSCOPE_FAULTS_TOKEN": TOKEN,
         "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.path.join(ROOT, "exporter") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     serve = [
         sys.executable,

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "exporter"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from benchlib import logger, percentile  # noqa: E402
 from prometheus_client.exposition import choose_encoder  # noqa: E402

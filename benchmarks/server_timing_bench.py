@@ -25,14 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tenancy_bench's harness
 
 import torch
 from prometheus_client import CollectorRegistry
 from tenancy_bench import Harness, Size
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.server.config import ModelSpec
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model

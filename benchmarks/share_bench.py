@@ -165,7 +165,7 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
 # Orchestration
 
 def _lib() -> str:
-    sys.path.insert(0, os.path.join(ROOT, "exporter"))
+    sys.path.insert(0, os.path.join(ROOT, "src"))
     from gpuscope.share.preload import library_path
 
     lib = library_path()
@@ -196,7 +196,7 @@ class Controller:
     """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
 
     def __init__(self, shares: str, accounting: str, port: int, *extra: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "exporter"))
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
         self.port = port
         self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share", shares,
                                    "--share.accounting", accounting, "--share.ledger", LEDGER,

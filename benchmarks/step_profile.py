@@ -29,7 +29,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel

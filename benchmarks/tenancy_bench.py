@@ -20,7 +20,7 @@ what explains a run: step-time statistics, batch rows per tenant, preemptions, G
 tenant per phase, the worst hi requests, scheduler accounting and the timer's drop counters.
 
 Imports only torch, prometheus_client, the standard library and gpuscope (from
-``exporter/`` next to this file), so it runs where aiohttp is not installed.
+``src/`` next to this file), so it runs where aiohttp is not installed.
 
     python benchmarks/tenancy_bench.py --size cpu            # CI-sized smoke, ~1 min on 2 cores
     python benchmarks/tenancy_bench.py --size h200 --out benchmarks/results/tenancy-h200.json
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "exporter"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
 

@@ -28,7 +28,7 @@ Two parts, each a JSON section:
 CPU by default (a busy 2-core VM: the CPU µs are the figure there). On a GPU host, ``--device cuda``
 serves a bigger model (``--layers/--dim/--heads``) on the GPU: tokens/s on against off is the figure.
 Needs torch, aiohttp and the OpenTelemetry packages (``pip install -e '.[tracing]'``: opentelemetry-sdk,
--exporter-otlp-proto-http, -proto); gpuscope itself comes from exporter/ by path.
+-exporter-otlp-proto-http, -proto); gpuscope itself comes from src/ by path.
 
     python benchmarks/tracing_bench.py --out benchmarks/results/tracing-cpu.json
     python benchmarks/tracing_bench.py --device cuda --out benchmarks/results/tracing-h200.json
@@ -53,7 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "exporter"), str(ROOT / "benchmarks")]  # benchmarks/: run through runpy too
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]  # benchmarks/: run through runpy too
 from benchlib import logger  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess  # noqa: E402
@@ -293,7 +293,7 @@ def run_round(server: Server, args, receiver: OtlpSink | None) -> dict:
 def measure_served(args) -> dict:
     receiver = OtlpSink(keep=False)  # counts only: every kept request would stay in memory
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env["PYTHONPATH"] = str(ROOT / "exporter") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     flags = ["--model.device", args.device, "--model.layers", str(args.layers), "--model.dim", str(args.dim),
              "--model.heads", str(args.heads), "--model.context", "512", "--request.max-tokens",
              str(args.max_tokens), "--batch.max-size", str(args.batch_size), "--queue.max-per-tenant", "1024"]

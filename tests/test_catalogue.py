@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuscope import catalogue
+from gpuscope.contract import catalogue
 from tests.conftest import promtool_check_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from gpuscope.loadtest.runtools import LOCUSTFILE, locust_available
 from tests.conftest import usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
 def gpuscope(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,6 @@
 import pytest
 
-from gpuscope.flags import FlagParser, checked, parse_duration
+from gpuscope.util.flags import FlagParser, checked, parse_duration
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("1s", 1.0), ("500ms", 0.5), ("2m", 120.0), ("1.5", 1.5)])

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuscope import generate
+from gpuscope.ops import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ def test_every_committed_generated_file_is_current():
 def checkout_copy(tmp_path: Path) -> Path:
     """The parts of the checkout the generators read and write."""
     root = tmp_path / "repo"
-    (root / "exporter" / "gpuscope").mkdir(parents=True)
+    (root / "src" / "gpuscope").mkdir(parents=True)
     for folder in ("alerts", "dashboards/json", "docs", "deploy"):
         shutil.copytree(ROOT / folder, root / folder)
     for name in ("pyproject.toml", "docker-compose.yml", "docker-compose.gpu.yml"):
@@ -56,4 +56,4 @@ def test_a_root_that_is_not_a_checkout_is_one_line_and_status_2(tmp_path):
     result = gpuscope("--check", "--root", str(tmp_path))
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last.endswith("is not a gpuscope checkout (no exporter/gpuscope/ there)")
+    assert last.endswith("is not a gpuscope checkout (no src/gpuscope/ there)")

@@ -1,4 +1,4 @@
-"""gpuscope.loki_push against a local receiver that checks Loki's documented push format.
+"""gpuscope.logs.loki_push against a local receiver that checks Loki's documented push format.
 
 Loki's ``POST /loki/api/v1/push`` takes ``{"streams": [{"stream": {label: value},
 "values": [["<unix ns as string>", "<line>", {metadata}]]}]}``; the third
@@ -20,8 +20,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gpuscope.loki_push import LokiHandler, push_url
-from gpuscope.ports import free_port
+from gpuscope.logs.loki_push import LokiHandler, push_url
+from gpuscope.util.freeport import free_port
 from tests.conftest import wait_for
 
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope import ports, receiver
 from gpuscope.nvml.http import ExporterServer
+from gpuscope.receiver import main as receiver
+from gpuscope.util.freeport import free_port
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,9 +132,9 @@ def test_receiver_closes_a_connection_that_stops_mid_request():
 
 
 def test_receiver_command_logs_one_line_per_malformed_request_and_no_traceback(tmp_path):
-    port = ports.free_port()
+    port = free_port()
     err = tmp_path / "receiver.err"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with err.open("w") as stderr:
         child = subprocess.Popen([sys.executable, "-m", "gpuscope", "receiver", "--web.listen-address",
                                   f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=stderr, env=env)

@@ -1,4 +1,4 @@
-"""gpuscope.procs with real children (tiny Python programs): start, readiness, stop, output.
+"""gpuscope.ops.procs with real children (tiny Python programs): start, readiness, stop, output.
 
 Every wait is on something the child does (a file it writes once it is in the state the test needs,
 a port it answers on), polled against a deadline far longer than a busy machine needs; nothing
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope import procs
-from gpuscope.ports import free_port
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 
 #: Generous: a Python child on a loaded 2-core machine can take seconds to start.
 DEADLINE_S = 120.0

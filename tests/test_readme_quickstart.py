@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope import procs
-from gpuscope.stack import Stack, StackOptions
+from gpuscope.ops import procs
+from gpuscope.ops.stack import Stack, StackOptions
 from tests.test_loki import Receiver, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpuscope.flags import parse_duration
-from gpuscope.settings import Choice, LogLevel, declared, group, parser_for, setting, toggles
+from gpuscope.util.flags import parse_duration
+from gpuscope.util.settings import Choice, LogLevel, declared, group, parser_for, setting, toggles
 
 
 class Colour(Choice):
@@ -130,14 +130,14 @@ def test_server_and_exporter_accept_warn_and_warning_alike(text, monkeypatch):
 
 def _command_settings() -> dict[str, type]:
     from gpuscope.diagnose.main import DiagnoseSettings
-    from gpuscope.generate import GenerateSettings
     from gpuscope.loadtest.compare import CompareFlags
     from gpuscope.loadtest.fault_drill import DrillSettings
     from gpuscope.nvml.config import Config
-    from gpuscope.receiver import ReceiverSettings
+    from gpuscope.ops.generate import GenerateSettings
+    from gpuscope.ops.stack_command import StackSettings
+    from gpuscope.receiver.main import ReceiverSettings
     from gpuscope.server.config import ServerConfig
     from gpuscope.share.main import ShareSettings
-    from gpuscope.stack import StackSettings
 
     return {"serve": ServerConfig, "exporter": Config, "receiver": ReceiverSettings, "stack": StackSettings,
             "generate": GenerateSettings, "share": ShareSettings, "diagnose": DiagnoseSettings,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuscope import catalogue
-from gpuscope.alerting import dcgm, sources, upstream
-from gpuscope.alerting.config import PROFILES
+from gpuscope.alerting import dcgm, sources
+from gpuscope.contract import catalogue, upstream
+from gpuscope.contract.profiles import PROFILES
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sources"
 FIXTURES_OF = {"vllm": ("vllm-0.12.prom", "vllm-0.10.prom"),
@@ -150,7 +150,7 @@ def test_the_stack_runs_the_vllm_source(tmp_path):
     import yaml
 
     from gpuscope.alerting import generate
-    from gpuscope.stack import Stack, StackOptions
+    from gpuscope.ops.stack import Stack, StackOptions
 
     root = Path(__file__).resolve().parents[1]
     stack = Stack(StackOptions(profile="test", ports="free", source="vllm", run_dir=tmp_path, root=root,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import yaml
 
-from gpuscope.flags import parse_duration
 from gpuscope.server.http_settings import HttpLimits
 from gpuscope.server.main import build_parser
 from gpuscope.server.shutdown import EXIT_AFTER_GRACE_S
+from gpuscope.util.flags import parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 

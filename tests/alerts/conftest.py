@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpuscope import procs
-from gpuscope.ports import free_port
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]

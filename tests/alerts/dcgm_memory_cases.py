@@ -1,7 +1,7 @@
 """GPUFramebufferRunningOut on dcgm-exporter's framebuffer series, as promtool unit tests for both profiles.
 
-``python -m tests.alerts.dcgm_memory_cases`` rewrites ``alerts/tests/sources/dcgm-memory.test.yml``
-(production) and ``alerts/tests/sources/test-profile/dcgm-memory.test.yml`` (time compressed 15×);
+``python -m tests.alerts.dcgm_memory_cases`` rewrites ``tests/alerts/cases/sources/dcgm-memory.test.yml``
+(production) and ``tests/alerts/cases/sources/test-profile/dcgm-memory.test.yml`` (time compressed 15×);
 ``tests/alerts/test_source_cases.py`` keeps both current and runs the test-profile one.
 
 Series as dcgm-exporter writes them (NVIDIA/dcgm-exporter ``etc/default-counters.csv`` and its
@@ -26,9 +26,9 @@ from tests.alerts import memory_shapes as shapes
 from tests.alerts.memory_shapes import PROFILES, Profile
 
 CAPACITY_MIB = 80 * 1024
-PATHS = {"production": "alerts/tests/sources/dcgm-memory.test.yml",
-         "test": "alerts/tests/sources/test-profile/dcgm-memory.test.yml"}
-UP = {"production": "../..", "test": "../../.."}
+PATHS = {"production": "tests/alerts/cases/sources/dcgm-memory.test.yml",
+         "test": "tests/alerts/cases/sources/test-profile/dcgm-memory.test.yml"}
+UP = {"production": "../../../../alerts", "test": "../../../../../alerts"}
 HOST = "gpu-node-1:9400"
 RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
 SILENT = {"0": shapes.restart, "1": shapes.cycles15, "2": shapes.cache95}
@@ -54,8 +54,8 @@ def _values(fn: Callable[[float], float | None], minutes: int, step_s: int, free
 
 
 def _group_order(p: Profile) -> list[str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.generate import group_order
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     rest = [g for g in group_order(ALERT_PROFILES[p.name]) if not g.startswith("gpuscope-source-")]
     return ["group_eval_order:", "  - gpuscope-source-dcgm-exporter", *(f"  - {g}" for g in rest)]
@@ -75,8 +75,8 @@ def _series(gpus: dict[str, Callable], minutes: int, step_s: int) -> list[str]:
 
 
 def render(p: Profile) -> str:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     horizon = duration(ALERT_PROFILES[p.name].windows.leak_near_full_horizon)
     up = UP[p.name]

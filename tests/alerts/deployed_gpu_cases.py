@@ -1,8 +1,8 @@
 """The GPU sources as deployed (dcgm-exporter; the bundle's exporter with pod attribution), as promtool
 unit tests for both alert profiles.
 
-``python -m tests.alerts.deployed_gpu_cases`` rewrites ``alerts/tests/sources/gpu-deployed.test.yml``
-(production) and ``alerts/tests/sources/test-profile/gpu-deployed.test.yml`` (time compressed 15×:
+``python -m tests.alerts.deployed_gpu_cases`` rewrites ``tests/alerts/cases/sources/gpu-deployed.test.yml``
+(production) and ``tests/alerts/cases/sources/test-profile/gpu-deployed.test.yml`` (time compressed 15×:
 scrape interval and evaluation times; values unchanged); ``tests/alerts/test_deployed_gpu_cases.py`` fails
 when either is stale and runs both with promtool. Series are written as dcgm-exporter writes them
 (NVIDIA/dcgm-exporter ``internal/pkg/collector/gpu_collector.go`` and
@@ -39,14 +39,14 @@ from pathlib import Path
 import yaml
 
 from gpuscope.alerting import generate
-from gpuscope.alerting.config import PRODUCTION, TEST, TEST_COMPRESSION, Profile
 from gpuscope.alerting.rules import duration
+from gpuscope.contract.profiles import PRODUCTION, TEST, TEST_COMPRESSION, Profile
 from tests.alerts import case_files
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = {"production": "alerts/tests/sources/gpu-deployed.test.yml",
-         "test": "alerts/tests/sources/test-profile/gpu-deployed.test.yml"}
-RULES = {"production": "../..", "test": "../../.."}
+PATHS = {"production": "tests/alerts/cases/sources/gpu-deployed.test.yml",
+         "test": "tests/alerts/cases/sources/test-profile/gpu-deployed.test.yml"}
+RULES = {"production": "../../../..", "test": "../../../../.."}
 JOB = "dcgm-exporter"
 #: Both GPU sources' layers, as a fleet running both loads them.
 SOURCES = (JOB, "gpuscope-exporter")
@@ -383,7 +383,7 @@ def _series_text(name: str, labels: dict[str, str]) -> str:
 def render(p: Profile) -> str:
     rules = RULES[p.name]
     doc: dict = {
-        "rule_files": [f"{rules}/{path.removeprefix('alerts/')}" for path in
+        "rule_files": [f"{rules}/{path}" for path in
                        (*(generate.source_rules_path(p, s) for s in SOURCES),
                         generate.prometheus_rules_path(p))],
         "group_eval_order": generate.group_order(p, SOURCES),

@@ -1,7 +1,7 @@
 """vLLM data-parallel engines: starvation per engine, as promtool unit tests for both alert profiles.
 
-``python -m tests.alerts.engine_cases`` rewrites ``alerts/tests/sources/vllm-engines.test.yml``
-(production) and ``alerts/tests/sources/test-profile/vllm-engines.test.yml`` (the same series and
+``python -m tests.alerts.engine_cases`` rewrites ``tests/alerts/cases/sources/vllm-engines.test.yml``
+(production) and ``tests/alerts/cases/sources/test-profile/vllm-engines.test.yml`` (the same series and
 checks, time compressed 15×); ``tests/alerts/test_source_cases.py`` keeps both current and runs the
 test-profile one.
 
@@ -23,10 +23,10 @@ from tests.alerts.memory_shapes import PROFILES, Profile
 
 MODEL = "llama-3-8b"
 RUNBOOK = "https://github.com/gpuscope/gpuscope/blob/main/docs/runbooks.md"
-PATHS = {"production": "alerts/tests/sources/vllm-engines.test.yml",
-         "test": "alerts/tests/sources/test-profile/vllm-engines.test.yml"}
+PATHS = {"production": "tests/alerts/cases/sources/vllm-engines.test.yml",
+         "test": "tests/alerts/cases/sources/test-profile/vllm-engines.test.yml"}
 #: From each file to alerts/ (the test-profile file is one folder deeper).
-UP = {"production": "../..", "test": "../../.."}
+UP = {"production": "../../../../alerts", "test": "../../../../../alerts"}
 
 
 def _series(name: str, instance: str, engine: str) -> str:
@@ -50,8 +50,8 @@ FIRING = 32
 
 
 def _group_order(p: Profile) -> list[str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.generate import group_order
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     rest = [g for g in group_order(ALERT_PROFILES[p.name]) if not g.startswith("gpuscope-source-")]
     return ["group_eval_order:", "  - gpuscope-source-vllm", *(f"  - {g}" for g in rest)]
@@ -62,8 +62,8 @@ def _seconds(minutes: float, p: Profile) -> str:
 
 
 def render(p: Profile) -> str:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     window = duration(ALERT_PROFILES[p.name].windows.starvation)
     up = UP[p.name]

@@ -15,7 +15,7 @@ What each part follows (the labels and values its upstream writes):
   default) the workload's labels become ``exported_pod`` / ``exported_namespace`` /
   ``exported_container``; with ``honorLabels: true`` they win, and GPUs without a workload carry none.
 - vLLM: ``vllm/v1/metrics/loggers.py`` (v0.12), two data-parallel engines (``engine="0"``, ``"1"``) of
-  one served model, every family of ``gpuscope.alerting.upstream``.
+  one served model, every family of ``gpuscope.contract.upstream``.
 - The bundle's own server and exporter: every catalogue metric of their areas, with its labels; the
   exporter with pod attribution on, GPU 0's workload pod replaced 10 minutes ago.
 
@@ -37,8 +37,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gpuscope import catalogue as m
-from gpuscope.alerting import upstream as up
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import upstream as up
 
 DRIVER = "550.54.15"
 MODEL = "NVIDIA H100 80GB HBM3"

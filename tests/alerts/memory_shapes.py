@@ -1,7 +1,7 @@
 """Memory shapes for the leak rules, written as promtool unit tests for both alert profiles.
 
-``python -m tests.alerts.memory_shapes`` rewrites ``alerts/tests/memory.test.yml`` (production) and
-``alerts/tests/test-profile/memory.test.yml``; ``tests/alerts/test_rules.py`` fails when either is
+``python -m tests.alerts.memory_shapes`` rewrites ``tests/alerts/cases/memory.test.yml`` (production) and
+``tests/alerts/cases/test-profile/memory.test.yml``; ``tests/alerts/test_rules.py`` fails when either is
 stale. Each shape is one function of time, in production minutes and fractions of an 80 GiB device,
 so both profiles see the same shape: the test profile's file compresses time 15× (scrape interval,
 evaluation times) and keeps the values. Horizons that are thresholds (``leak_horizon_s``) are not
@@ -73,8 +73,10 @@ class Profile:
 
 
 PROFILES = (
-    Profile("production", 1, 30, "alerts/tests/memory.test.yml", "../prometheus/production"),
-    Profile("test", 15, 5, "alerts/tests/test-profile/memory.test.yml", "../../prometheus/test"),
+    Profile("production", 1, 30, "tests/alerts/cases/memory.test.yml",
+            "../../../alerts/prometheus/production"),
+    Profile("test", 15, 5, "tests/alerts/cases/test-profile/memory.test.yml",
+            "../../../../alerts/prometheus/test"),
 )
 
 
@@ -365,8 +367,8 @@ def _values(fn: Callable[[float], float | None], case: Case) -> str:
 
 
 def _windows(p: Profile) -> dict[str, str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     w = ALERT_PROFILES[p.name].windows
     span = w.leak - w.leak_floor
@@ -381,8 +383,8 @@ def _annotations(f: Firing, p: Profile) -> list[str]:
              "GPUMemoryRunningOut": "Memory of {i} ({d}) runs out within {h}",
              "GPUFramebufferFillingUp": "GPU {g} on {i} fills its memory",
              "GPUFramebufferRunningOut": "GPU {g} on {i} runs out of memory within {h}"}[f.alertname]
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     w = ALERT_PROFILES[p.name].windows
     horizon = duration(w.leak_near_full_horizon if f.trigger == "near_full" else w.leak_fast_horizon)
@@ -394,8 +396,8 @@ def _annotations(f: Firing, p: Profile) -> list[str]:
 
 
 def _group_order(p: Profile) -> list[str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.generate import group_order
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     return ["group_eval_order:", *(f"  - {name}" for name in group_order(ALERT_PROFILES[p.name]))]
 

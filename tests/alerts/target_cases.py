@@ -1,7 +1,7 @@
 """Targets that leave discovery, on Kubernetes and off it, as promtool unit tests for both alert profiles.
 
-``python -m tests.alerts.target_cases`` rewrites ``alerts/tests/targets.test.yml`` (production) and
-``alerts/tests/test-profile/targets.test.yml`` (the same series and checks, time compressed 15×);
+``python -m tests.alerts.target_cases`` rewrites ``tests/alerts/cases/targets.test.yml`` (production) and
+``tests/alerts/cases/test-profile/targets.test.yml`` (the same series and checks, time compressed 15×);
 ``tests/alerts/test_target_cases.py`` fails when either is stale.
 
 Series are written as the upstream parts emit them:
@@ -151,16 +151,16 @@ def _seconds(minutes: float, p: Profile) -> str:
 
 
 def _windows(p: Profile) -> dict[str, str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.rules import duration
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     w = ALERT_PROFILES[p.name].windows
     return {"ago": duration(w.target_missing), "down_for": duration(w.scrape_down_for)}
 
 
 def _group_order(p: Profile) -> list[str]:
-    from gpuscope.alerting.config import PROFILES as ALERT_PROFILES
     from gpuscope.alerting.generate import group_order
+    from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     return ["group_eval_order:", *(f"  - {name}" for name in group_order(ALERT_PROFILES[p.name]))]
 
@@ -215,8 +215,8 @@ def render(p: Profile) -> str:
 
 
 def outputs() -> dict[str, str]:
-    paths = {"production": "alerts/tests/targets.test.yml",
-             "test": "alerts/tests/test-profile/targets.test.yml"}
+    paths = {"production": "tests/alerts/cases/targets.test.yml",
+             "test": "tests/alerts/cases/test-profile/targets.test.yml"}
     return {paths[p.name]: render(p) for p in PROFILES}
 
 

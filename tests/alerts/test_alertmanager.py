@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from gpuscope.alerting import alertmanager, composite
-from gpuscope.alerting.config import PROFILES, TEST
 from gpuscope.alerting.generate import alertmanager_path, all_alerts
+from gpuscope.contract.profiles import PROFILES, TEST
 from tests.alerts.conftest import Alertmanager, Sink, start_alertmanager
 from tests.conftest import require_binary, wait_for
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.distro
 CONFIGS = [alertmanager_path(p) for p in PROFILES.values()]
-ROUTE_CASES = yaml.safe_load((ROOT / "alerts/tests/routes.yml").read_text())["cases"]
+ROUTE_CASES = yaml.safe_load((ROOT / "tests/alerts/cases/routes.yml").read_text())["cases"]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

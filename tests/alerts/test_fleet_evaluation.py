@@ -25,10 +25,11 @@ import pytest
 import requests
 import yaml
 
-from gpuscope import procs
-from gpuscope.alerting import generate, names, sources
-from gpuscope.alerting.config import PROFILES, Profile
-from gpuscope.ports import free_port
+from gpuscope.alerting import generate, sources
+from gpuscope.contract import names
+from gpuscope.contract.profiles import PROFILES, Profile
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 from tests.alerts import fleet
 from tests.conftest import require_binary
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope.alerting import composite, generate, names, slo, sources
-from gpuscope.alerting.config import (
+from gpuscope.alerting import composite, generate, slo, sources
+from gpuscope.alerting.rules import DASHBOARDS
+from gpuscope.contract import names
+from gpuscope.contract.profiles import (
     PRODUCTION,
     PROFILES,
     TEST,
@@ -20,16 +22,15 @@ from gpuscope.alerting.config import (
     TEST_MIN_WINDOW_S,
     Thresholds,
 )
-from gpuscope.alerting.rules import DASHBOARDS
 from tests.alerts import memory_shapes
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Production cases (the default sources', and each other source's under sources/), and test-profile
 #: copies of some of them (the same series, time compressed 15×).
-UNIT_TESTS = sorted([*(ROOT / "alerts/tests").glob("*.test.yml"),
-                     *(ROOT / "alerts/tests/sources").glob("*.test.yml")])
-TEST_PROFILE_CASES = sorted((ROOT / "alerts/tests/test-profile").glob("*.test.yml"))
+UNIT_TESTS = sorted([*(ROOT / "tests/alerts/cases").glob("*.test.yml"),
+                     *(ROOT / "tests/alerts/cases/sources").glob("*.test.yml")])
+TEST_PROFILE_CASES = sorted((ROOT / "tests/alerts/cases/test-profile").glob("*.test.yml"))
 #: Alerts whose cases run in both profiles: each is asserted silent and firing in the test profile too.
 BOTH_PROFILES = {"GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp",
                  "GPUFramebufferRunningOut", "GPUServiceDegraded", "GPUServerTargetMissing",
@@ -50,7 +51,7 @@ def test_generated_file_is_current(rel: str) -> None:
 
 
 def test_generate_check_reports_stale_alerting_files(tmp_path: Path) -> None:
-    (tmp_path / "exporter" / "gpuscope").mkdir(parents=True)  # a checkout's shape, without its files
+    (tmp_path / "src" / "gpuscope").mkdir(parents=True)  # a checkout's shape, without its files
     cmd = [sys.executable, "-m", "gpuscope", "generate", "--only", "alerting", "--root", str(tmp_path)]
     stale = subprocess.run([*cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert stale.returncode == 1 and "alerts/alertmanager.yml" in stale.stderr
@@ -117,9 +118,9 @@ def _checks(group: dict, scale: int) -> list[tuple]:
 @pytest.mark.parametrize("path", TEST_PROFILE_CASES, ids=lambda p: p.name)
 def test_test_profile_cases_are_production_cases_compressed(path: Path) -> None:
     """Same series and values, same checks and labels at times ÷ 15, against the test rules."""
-    production = yaml.safe_load((ROOT / "alerts/tests" / path.name).read_text())
+    production = yaml.safe_load((ROOT / "tests/alerts/cases" / path.name).read_text())
     doc = yaml.safe_load(path.read_text())
-    assert doc["rule_files"] == [f"../../{path.removeprefix('alerts/')}" for path in
+    assert doc["rule_files"] == [f"../../../../{path}" for path in
                                  (generate.sources_rules_path(TEST), generate.prometheus_rules_path(TEST))]
     assert doc["group_eval_order"] == generate.group_order(TEST)
     assert _seconds(doc["evaluation_interval"]) == TEST.evaluation_interval

@@ -1,6 +1,6 @@
 """Generated cases on other sources' series (vLLM's engines, dcgm-exporter's framebuffer): current, and
 their test-profile copies pass promtool (the production ones run with every file under
-alerts/tests/sources/ in test_rules.py)."""
+tests/alerts/cases/sources/ in test_rules.py)."""
 
 from __future__ import annotations
 

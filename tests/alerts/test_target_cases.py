@@ -1,5 +1,5 @@
 """The generated target-missing cases are current, and check what they claim (promtool runs them with
-every other file under alerts/tests/ in test_rules.py)."""
+every other file under tests/alerts/cases/ in test_rules.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_target_cases_are_current(rel: str) -> None:
 
 
 def test_healthy_start_asserts_no_pending_state_through_the_first_minutes() -> None:
-    doc = yaml.safe_load((ROOT / "alerts/tests/targets.test.yml").read_text())
+    doc = yaml.safe_load((ROOT / "tests/alerts/cases/targets.test.yml").read_text())
     start = next(case for case in doc["tests"] if case["name"] == "healthy_start")
     checks = start["promql_expr_test"]
     assert all(c["expr"].startswith("ALERTS{") and c["exp_samples"] == [] for c in checks)
@@ -29,7 +29,7 @@ def test_healthy_start_asserts_no_pending_state_through_the_first_minutes() -> N
 
 def test_the_desired_count_selectors_pick_the_kube_state_metrics_series_of_the_cases() -> None:
     """The rules' selectors name kube-state-metrics' series and labels as the cases write them."""
-    from gpuscope.alerting.config import PRODUCTION
+    from gpuscope.contract.profiles import PRODUCTION
 
     for selector, series in ((PRODUCTION.selectors.server_desired, target_cases.DEPLOYMENT),
                              (PRODUCTION.selectors.exporter_desired, target_cases.DAEMONSET)):

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from gpuscope import catalogue
-from gpuscope.stack import Stack, StackOptions
+from gpuscope.contract import catalogue
+from gpuscope.ops.stack import Stack, StackOptions
 from tests.conftest import require_binary, wait_for
 
 TENANTS = ("alpha", "beta")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuscope.dashboards import uids
+from gpuscope.contract import uids
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON_DIR = ROOT / "dashboards" / "json"

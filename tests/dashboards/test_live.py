@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from gpuscope import catalogue
+from gpuscope.contract import catalogue
 from gpuscope.dashboards import common
 from tests.conftest import wait_for
 from tests.dashboards.conftest import SCRAPE_INTERVAL_S

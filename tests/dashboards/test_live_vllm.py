@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from gpuscope.alerting.config import TEST
-from gpuscope.alerting.support import Support
-from gpuscope.stack import Stack, StackOptions
+from gpuscope.contract.profiles import TEST
+from gpuscope.docgen.sources import Support
+from gpuscope.ops.stack import Stack, StackOptions
 from tests.conftest import require_binary, wait_for
 from tests.dashboards.conftest import TENANTS, prom_query, send_traffic
 from tests.dashboards.no_data_allowlist import ALLOWED_EMPTY, MAY_BE_EMPTY

@@ -7,9 +7,9 @@ import re
 import pytest
 import yaml
 
-from gpuscope import catalogue
-from gpuscope.alerting import generate, names, sources
-from gpuscope.alerting.config import PRODUCTION
+from gpuscope.alerting import generate, sources
+from gpuscope.contract import catalogue, names
+from gpuscope.contract.profiles import PRODUCTION
 from tests.dashboards.panels import ROOT, UIDS, dashboards, panels, queries
 
 MODERN = {"timeseries", "stat", "heatmap", "table", "logs"}

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuscope import catalogue as cat
-from gpuscope.alerting import upstream as up
+from gpuscope.contract import catalogue as cat
+from gpuscope.contract import upstream as up
 from gpuscope.diagnose.host import HostReading
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gpuscope.ports import free_port
+from gpuscope.util.freeport import free_port
 from tests.conftest import usage_error
 
 

@@ -1,6 +1,6 @@
 """``--prometheus URL --since``: a past window judged from recorded series in a real Prometheus.
 
-The recorded series (names from ``alerting/names.py``, labels as the generated rules record them)
+The recorded series (names from ``contract/names.py``, labels as the generated rules record them)
 are backfilled with ``promtool tsdb create-blocks-from openmetrics`` into a fresh TSDB, a real
 Prometheus serves it, and the command's queries run against it. Two hosts: ``gpuhost`` tokenizes on
 every core with an idle GPU and a launch-bound op; ``memhost`` has a full, swinging GPU that
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuscope import procs
-from gpuscope.alerting import names
-from gpuscope.ports import free_port
+from gpuscope.contract import names
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 from tests.conftest import require_binary
 
 STEP_S = 15

@@ -8,13 +8,13 @@ import json
 import pytest
 import yaml
 
-from gpuscope import generate as gpuscope_generate
 from gpuscope.alerting import alertmanager
-from gpuscope.alerting.config import PRODUCTION
 from gpuscope.alerting.generate import prometheus_rules_path, sources_rules_path
+from gpuscope.contract.parts import PORTS
+from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.kube import generate, render
 from gpuscope.kube.config import DEPLOYMENT, image_build, job_of
-from gpuscope.ports import PORTS
+from gpuscope.ops import generate as gpuscope_generate
 from tests.kube.conftest import ROOT, find, rendered
 
 

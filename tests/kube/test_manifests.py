@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscope.alerting.config import PRODUCTION
-from gpuscope.flags import env_name
+from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.kube.config import DEPLOYMENT
 from gpuscope.kube.render import OVERLAYS
 from gpuscope.nvml.podresources import DEFAULT_SOCKET
-from gpuscope.stack import SERVER_TENANTS
+from gpuscope.ops.stack import SERVER_TENANTS
+from gpuscope.util.flags import env_name
 from tests.kube.conftest import all_rendered, find, rendered
 
 N = DEPLOYMENT.names

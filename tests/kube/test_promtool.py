@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope.alerting import names
-from gpuscope.alerting.config import PRODUCTION
 from gpuscope.alerting.generate import prometheus_rules_path, sources_rules_path
+from gpuscope.contract import names
+from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.kube.config import DEPLOYMENT
 from tests.conftest import require_binary
 from tests.kube.conftest import ROOT, find

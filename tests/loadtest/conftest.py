@@ -38,8 +38,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gpuscope import procs
 from gpuscope.loadtest.runtools import locust_ignored_ctrl_c
+from gpuscope.ops import procs
 
 REPO = Path(__file__).resolve().parents[2]
 LOCUSTFILE_DIR = REPO / "loadtest"

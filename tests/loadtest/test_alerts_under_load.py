@@ -104,7 +104,7 @@ def test_the_rule_that_fired_is_found_by_its_labels():
 
 
 def test_every_alert_a_scenario_accepts_has_an_evidence_window_in_the_config():
-    from gpuscope.alerting.config import TEST
+    from gpuscope.contract.profiles import TEST
 
     accepted = {name for scenario in alerts.SCENARIOS.values() for name in scenario.alerts}
     windows = {name: alerts.evidence_s(name, {"severity": "critical"}) or alerts.evidence_s(name)
@@ -182,8 +182,8 @@ def test_the_restart_falls_in_the_middle_of_the_steady_window():
 
 
 def test_the_alerts_a_restart_may_raise_are_the_server_down_alert_of_the_rules():
-    from gpuscope.alerting.config import TEST
     from gpuscope.alerting.generate import all_alerts
+    from gpuscope.contract.profiles import TEST
 
     down = {a.name for a in all_alerts(TEST) if a.expr.endswith("== 0") and a.name.startswith("GPUServer")}
     assert down == alerts.RESTART_ALERTS

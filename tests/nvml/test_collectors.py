@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pynvml
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.calls import Calls
 from gpuscope.nvml.collectors import ClockEventCollector
 from gpuscope.nvml.devices import discover

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.config import COLLECTORS, Config
 from gpuscope.nvml.exporter import Exporter
 from tests.conftest import wait_for

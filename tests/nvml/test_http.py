@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from gpuscope import catalogue as cat
-from gpuscope import procs
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.http import ExporterServer
-from gpuscope.ports import free_port
+from gpuscope.ops import procs
+from gpuscope.util.freeport import free_port
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.nvml.conftest import value, wait_first_rounds
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from tests.conftest import wait_for
 from tests.nvml.conftest import value
 from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess

@@ -18,7 +18,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
-from gpuscope import catalogue as cat  # noqa: E402
+from gpuscope.contract import catalogue as cat  # noqa: E402
 from gpuscope.nvml.config import parse  # noqa: E402
 from gpuscope.nvml.devices import Device  # noqa: E402
 from gpuscope.nvml.health import Health  # noqa: E402

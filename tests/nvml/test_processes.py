@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.procinfo import ProcessNames, container_id
 from tests.conftest import wait_for
 from tests.nvml.conftest import value

@@ -3,10 +3,11 @@
 import pytest
 
 from gpuscope.nvml.calls import Calls
+from gpuscope.nvml.collector_table import registered
 from gpuscope.nvml.collectors import Collector
 from gpuscope.nvml.config import Config, parse
 from gpuscope.nvml.health import Health
-from gpuscope.nvml.registry import register_collector, registered
+from gpuscope.nvml.registry import register_collector
 from tests.nvml.fake_nvml import FakeNvml
 
 

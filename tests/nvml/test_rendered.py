@@ -7,7 +7,7 @@ import threading
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.rendered import RenderedExposition
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.nvml.conftest import wait_first_rounds

@@ -8,7 +8,7 @@ import time
 
 import pynvml
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.exporter import Exporter
 from tests.conftest import wait_for

@@ -6,7 +6,7 @@ import time
 
 import pynvml
 
-from gpuscope import catalogue as cat
+from gpuscope.contract import catalogue as cat
 from gpuscope.nvml.config import Config
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.xid import WELL_KNOWN_XIDS

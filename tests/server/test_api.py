@@ -8,7 +8,7 @@ import socket
 import pytest
 import requests
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.server.conftest import ServerThread, small_config
 

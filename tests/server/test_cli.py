@@ -16,7 +16,7 @@ from tests.conftest import usage_error, wait_for
 from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "256", "--request.max-tokens", "32"]
 
 

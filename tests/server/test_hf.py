@@ -35,7 +35,7 @@ from tests.server.conftest import ServerThread, small_config
 from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 SENTENCES = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo ✓ unicode",
              "gpuscope serves a tiny llama", "tokens stream as server-sent events"]
 PROMPTS = ["hello", "the quick brown fox", "héllo ✓ wide", "x"]

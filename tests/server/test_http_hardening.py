@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpuscope import catalogue as cat
-from gpuscope import procs
+from gpuscope.contract import catalogue as cat
+from gpuscope.ops import procs
 from tests.conftest import wait_for
 from tests.test_loki import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT / "exporter"), "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
 SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "256", "--request.max-tokens", "32"]
 CLIENT_ERRORS = cat.HTTP_CLIENT_ERRORS.name
 #: Log lines that would page someone: ERROR records, tracebacks, aiohttp's own error report.

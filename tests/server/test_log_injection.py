@@ -14,9 +14,9 @@ import uuid
 import pytest
 import requests
 
-from gpuscope import logsafe
 from gpuscope.server.otlp_sink import OtlpSink
 from gpuscope.server.tracestate import valid_tracestate
+from gpuscope.util import logsafe
 from tests.conftest import wait_for
 from tests.server.test_http_hardening import ServeProcess
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from gpuscope import catalogue as c
+from gpuscope.contract import catalogue as c
 from gpuscope.server import profile_trace as pt
 from gpuscope.server.config import ConfigError
 from gpuscope.server.main import load_config

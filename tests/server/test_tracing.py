@@ -457,7 +457,7 @@ print("off: ok")
 
 
 def test_tracing_off_imports_nothing_and_hooks_nothing():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "exporter"), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     for name in [k for k in env if k.startswith("OTEL_")]:
         del env[name]
     result = subprocess.run([sys.executable, "-c", OFF], capture_output=True, text=True, timeout=300,
@@ -503,7 +503,7 @@ def test_ttft_ms_rounds_up_so_the_policy_threshold_is_exact():
 
 
 def serve(*args: str, env: dict | None = None, code: str = "") -> subprocess.CompletedProcess:
-    base = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+    base = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     prelude = code + "import sys; from gpuscope.cli import main; sys.exit(main(['serve', *sys.argv[1:]]))"
     return subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, text=True, timeout=120,
                           env={**base, **(env or {})})

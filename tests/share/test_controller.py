@@ -13,7 +13,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuscope import catalogue
+from gpuscope.contract import catalogue
 from gpuscope.share.controller import Controller
 from gpuscope.share.ledger import TenantPolicy, proc_paths
 from gpuscope.share.main import main as share_main
@@ -183,7 +183,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
 def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
     import urllib.request
 
-    from gpuscope.ports import free_port
+    from gpuscope.util.freeport import free_port
 
     port = free_port()
     ledger = str(tmp_path / "ledger")

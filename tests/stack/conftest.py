@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope import ports, procs
+from gpuscope.ops import procs
+from gpuscope.util import freeport
 
 
 @pytest.fixture
 def free_port() -> int:
-    return ports.free_port()
+    return freeport.free_port()
 
 
 class StackCommand:

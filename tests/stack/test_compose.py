@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope.ports import PORTS
-from gpuscope.stack import Stack, StackOptions
+from gpuscope.contract.parts import PORTS
+from gpuscope.ops.stack import Stack, StackOptions
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ VALIDATED = {
     "deploy/prometheus/prometheus.yml": "test_prometheus_config_passes_promtool, "
                                         "test_prometheus_jobs_and_ports",
     "alerts/prometheus/production": "test_rendered_stack_configs_pass_promtool_and_amtool (promtool "
-                                    "loads the rules); alerts/tests via promtool test rules",
+                                    "loads the rules); tests/alerts/cases via promtool test rules",
     "alerts/alertmanager.yml": "test_rendered_stack_configs_pass_promtool_and_amtool (amtool check-config)",
     "alerts/loki/production": "tests/dashboards/test_logql.py (Grafana's LogQL grammar), test_loki_config",
     "deploy/loki/loki.yml": "test_loki_config",
@@ -172,7 +172,7 @@ def test_dockerfile_runs_as_non_root_and_installs_the_server_extra():
     # kubernetes: grpcio for the exporter's pod attribution; tracing: the server's OTLP spans.
     assert 'pip install ".[server,loadtest,kubernetes,tracing]"' in text
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {"!exporter/", "!loadtest/", "!pyproject.toml", "!setup.py"} <= set(ignored)
+    assert {"!src/", "!loadtest/", "!pyproject.toml", "!setup.py"} <= set(ignored)
     # The timer's C hot path is built in the image (the build fails rather than ship the fallback).
     assert re.search(r"^COPY pyproject.toml setup.py README.md \./$", text, re.M)
     assert "hot.native_available()" in text

@@ -1,4 +1,4 @@
-"""The fleet profile (gpuscope.fleet, deploy/fleet/): configs, options, and a live fleet on loopback.
+"""The fleet profile (gpuscope.ops.fleet, deploy/fleet/): configs, options, and a live fleet on loopback.
 
 The live tests run two "hosts" (server, exporter, node_exporter and vmagent each) remote-writing to
 one VictoriaMetrics, with vmalert evaluating the test profile's generated rules and Alertmanager
@@ -23,8 +23,10 @@ import pytest
 import requests
 import yaml
 
-from gpuscope import fleet as fl
-from gpuscope import stack as st
+from gpuscope.contract import uids
+from gpuscope.dashboards import render as dashboards_render
+from gpuscope.ops import fleet as fl
+from gpuscope.ops import stack as st
 from tests.conftest import require_binary, usage_error, wait_for
 from tests.dashboards.conftest import SCRAPE_INTERVAL_S, TTFT_COUNT, LokiSink, send_traffic
 from tests.dashboards.panels import queries
@@ -65,15 +67,15 @@ def test_agent_scrapes_what_the_single_host_prometheus_scrapes():
 
 
 def test_fleet_datasources_are_composes_with_victoria_metrics_for_prometheus():
-    compose = yaml.safe_load((ROOT / fl.COMPOSE_DATASOURCES).read_text())
-    committed = (ROOT / fl.FLEET_DATASOURCES).read_text()
-    assert committed == fl.datasources(), "stale: run gpuscope generate"
+    compose = yaml.safe_load((ROOT / dashboards_render.DATASOURCES).read_text())
+    committed = (ROOT / dashboards_render.FLEET_DATASOURCES).read_text()
+    assert committed == dashboards_render.fleet_datasources_yaml(), "stale: run gpuscope generate"
     fleet = yaml.safe_load(committed)
-    prometheus = next(d for d in fleet["datasources"] if d["uid"] == fl.PROMETHEUS_UID)
+    prometheus = next(d for d in fleet["datasources"] if d["uid"] == uids.PROMETHEUS_DATASOURCE)
     assert prometheus["url"] == f"http://victoria-metrics:{fl.FLEET_PORTS['victoria-metrics']}"
     for config in (compose, fleet):
         for source in config["datasources"]:
-            if source["uid"] == fl.PROMETHEUS_UID:
+            if source["uid"] == uids.PROMETHEUS_DATASOURCE:
                 source.pop("url"), source.pop("name")
     assert fleet == compose
 

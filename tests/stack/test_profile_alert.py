@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpuscope import catalogue as c
-from gpuscope import procs, profile_trigger
-from gpuscope.ports import free_ports
+from gpuscope.contract import catalogue as c
+from gpuscope.ops import procs
+from gpuscope.receiver import profile_trigger
+from gpuscope.util.freeport import free_ports
 from tests.alerts.conftest import start_alertmanager
 from tests.conftest import wait_for
 from tests.stack.test_receiver import notification
@@ -167,7 +168,7 @@ def test_firing_latency_alert_captures_a_profile_linked_from_the_notification(ch
 
 def test_default_alerts_are_the_latency_alerts_and_their_composite():
     from gpuscope.alerting import composite, latency
-    from gpuscope.alerting.config import PROFILES
+    from gpuscope.contract.profiles import PROFILES
 
     names = {a.name for g in latency.groups(PROFILES["production"]) for a in g.alerts()}
     assert set(profile_trigger.DEFAULT_ALERTS) == (

@@ -13,7 +13,9 @@ import pytest
 import requests
 from prometheus_client import CollectorRegistry
 
-from gpuscope import catalogue, procs, receiver
+from gpuscope.contract import catalogue
+from gpuscope.ops import procs
+from gpuscope.receiver import main as receiver
 from tests.conftest import promtool_check_metrics
 
 COUNTER = catalogue.RECEIVER_NOTIFICATIONS.name

@@ -10,9 +10,9 @@ import pytest
 import requests
 import yaml
 
-from gpuscope import ports
-from gpuscope import stack as st
-from gpuscope.ports import PORTS
+from gpuscope.contract.parts import PORTS
+from gpuscope.ops import stack as st
+from gpuscope.util import freeport
 from tests.conftest import require_binary, usage_error, wait_for
 from tests.stack.conftest import StackCommand
 
@@ -97,14 +97,14 @@ class LowestFreePort:
 
 
 def test_free_ports_are_distinct_even_where_a_closed_port_comes_straight_back(monkeypatch):
-    monkeypatch.setattr(ports, "socket", SimpleNamespace(socket=LowestFreePort))
+    monkeypatch.setattr(freeport, "socket", SimpleNamespace(socket=LowestFreePort))
     stack = st.Stack(st.StackOptions(ports="free"), log=lambda line: None)
     chosen = [int(stack.url(name).rsplit(":", 1)[1]) for name in st.COMPONENTS]
     assert len(set(chosen)) == len(chosen) == len(st.COMPONENTS)
     assert not LowestFreePort.held, "every socket is closed once the ports are chosen"
 
 
-def test_default_ports_are_the_ports_module():
+def test_default_ports_are_the_parts_table():
     stack = st.Stack(st.StackOptions(), log=lambda line: None)
     assert {name: int(stack.url(name).rsplit(":", 1)[1]) for name in st.COMPONENTS} == \
         {name: PORTS[name] for name in st.COMPONENTS}

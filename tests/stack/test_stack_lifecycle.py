@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpuscope import stack as st
+from gpuscope.ops import stack as st
+from gpuscope.ops import stack_command
 from tests.conftest import require_binary, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,12 +36,12 @@ def _old_run(run_dir: Path) -> list[Path]:
 
 def test_clear_data_removes_each_parts_stored_data_and_nothing_else(tmp_path):
     made = _old_run(tmp_path)
-    assert sorted(st.clear_data(tmp_path)) == sorted(made)
+    assert sorted(stack_command.clear_data(tmp_path)) == sorted(made)
     assert not any(path.exists() for path in made)
     assert (tmp_path / "logs" / "server.log").read_text() == "old log\n"
     assert (tmp_path / "prometheus.yml").exists() and (tmp_path / "notes-data").is_dir()
-    assert st.clear_data(tmp_path) == []  # nothing left to remove
-    assert st.clear_data(tmp_path / "never-made") == []
+    assert stack_command.clear_data(tmp_path) == []  # nothing left to remove
+    assert stack_command.clear_data(tmp_path / "never-made") == []
 
 
 def test_clear_data_leaves_what_a_link_points_to(tmp_path):
@@ -49,15 +50,15 @@ def test_clear_data_leaves_what_a_link_points_to(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "prometheus-data").symlink_to(elsewhere)
-    assert st.clear_data(run_dir) == []
+    assert stack_command.clear_data(run_dir) == []
     assert (elsewhere / "chunks").is_dir()
 
 
 def test_keep_data_flag_and_its_environment_variable(monkeypatch):
-    assert st._parser().parse_settings([]).keep_data is False
-    assert st._parser().parse_settings(["--stack.keep-data"]).keep_data is True
+    assert stack_command._parser().parse_settings([]).keep_data is False
+    assert stack_command._parser().parse_settings(["--stack.keep-data"]).keep_data is True
     monkeypatch.setenv("GPUSCOPE_STACK_KEEP_DATA", "true")
-    assert st._parser().parse_settings([]).keep_data is True
+    assert stack_command._parser().parse_settings([]).keep_data is True
 
 
 def _alive(pid: int) -> bool:
@@ -91,7 +92,7 @@ def test_background_stack_stops_on_sigint_with_every_part_gone_and_starts_withou
     out, err = tmp_path / "stack.out", tmp_path / "stack.err"
     argv = [sys.executable, "-m", "gpuscope", "stack", "--stack.free-ports", "--stack.run-dir", str(run_dir),
             *(["--stack.keep-data"] if keep else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with out.open("w") as stdout, err.open("w") as stderr:
         command = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=ROOT,
                                    env=env, preexec_fn=_ignore_sigint)

@@ -25,14 +25,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuscope import catalogue
-from gpuscope.alerting.config import PRODUCTION
+from gpuscope.contract import catalogue
+from gpuscope.contract.profiles import PRODUCTION
 from tests.conftest import require_binary
 from tests.stack.test_compose import COMPOSE, ROOT, compose_config
 
 pytest.importorskip("opentelemetry.sdk", reason="needs the tracing extra: pip install -e '.[tracing]'")
 
-from gpuscope.server import collector_config, tracing
+from gpuscope.otelcol import config as collector_config
+from gpuscope.server import tracing
 
 COLLECTOR = ROOT / "deploy" / "otel-collector" / "config.yaml"
 TEMPO = ROOT / "deploy" / "tempo" / "tempo.yml"

@@ -180,7 +180,7 @@ timer.close()
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_timer_made_before_the_device_is_chosen_times_the_second_gpu():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "exporter")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     proc = subprocess.run([sys.executable, "-c", SERVE_ORDER], capture_output=True, text=True, timeout=120,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

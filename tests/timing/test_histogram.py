@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from gpuscope.catalogue import REGION_SECONDS_BUCKETS
+from gpuscope.contract.catalogue import REGION_SECONDS_BUCKETS
 from gpuscope.timing import histogram
 from tests.timing.conftest import require_native
 

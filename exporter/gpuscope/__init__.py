@@ -1,8 +1,0 @@
-"""gpuscope: GPU observability for model-inference services.
-
-Subpackages: ``gpuscope.timing`` (CUDA-event kernel timer), ``gpuscope.nvml``
-(node exporter), ``gpuscope.server`` (reference inference server),
-``gpuscope.loki_push`` (log shipping); ``gpuscope.catalogue`` names every metric.
-"""
-
-__version__ = "0.1.0"

@@ -1,0 +1,89 @@
+"""Flags of ``gpuscope exporter``, validated in one place into a :class:`Config`.
+
+Every flag is also an environment variable (``--sampling.interval`` ↔
+``GPUSCOPE_SAMPLING_INTERVAL``); a bad value prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuscope.contract.parts import default_listen_address
+from gpuscope.nvml.collector_table import registered
+from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
+from gpuscope.util.flags import parse_duration, parse_listen_address
+from gpuscope.util.settings import LogLevel, SettingsParser, parser_for, setting, toggles
+
+PROG = "gpuscope exporter"
+
+#: Collector toggles and their defaults, from the collectors' own registrations. Opt-in ones cost
+#: more (PCIe: 2 × 20 ms per GPU per round) or expose PIDs and container ids, which not every
+#: operator wants on /metrics.
+COLLECTORS: dict[str, tuple[bool, str]] = {name: (r.default, r.help) for name, r in registered().items()}
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"{text!r} is not a whole number")
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{text!r} must be at least 1")
+    return value
+
+
+def _connections(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of ``gpuscope exporter``, each field its flag."""
+
+    listen: tuple[str, int] = setting(
+        "--web.listen-address", parse_listen_address(default_listen_address("exporter")),
+        "where to serve /metrics (containers: 0.0.0.0 and the same port)", parse=parse_listen_address,
+        metavar="HOST:PORT")
+    interval: float = setting("--sampling.interval", 1.0, "fast sampling interval (default 1s)",
+                              parse=parse_duration, metavar="DURATION")
+    slow_interval: float = setting(
+        "--sampling.slow-interval", 10.0, "interval for expensive calls: energy, processes, PCIe, NVLink "
+        "(default 10s)", parse=parse_duration, metavar="DURATION")
+    call_timeout: float = setting(
+        "--nvml.call-timeout", 2.0, "longest wait for one GPU's calls in a round; then its values go stale "
+        "(default 2s)", parse=parse_duration, metavar="DURATION")
+    processes_max: int = setting(
+        "--processes.max", 32, "most processes exported per GPU, largest memory first (default 32)",
+        parse=_positive_int, metavar="N")
+    #: kubelet PodResources socket; "" = no pod attribution
+    pod_resources_socket: str = setting(
+        "--kubernetes.pod-resources-socket", "", "kubelet PodResources socket (Kubernetes: "
+        "/var/lib/kubelet/pod-resources/kubelet.sock): adds namespace, pod and container of the GPU's pod to "
+        "GPU series (default off)", metavar="PATH")
+    log_level: LogLevel = setting("--log.level", LogLevel.INFO, "log level (default info)")
+    #: The HTTP server's connection limits (``nvml.http.ExporterServer``).
+    max_connections: int = setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
+        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=_connections, metavar="N")
+    read_timeout: float = setting(
+        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request within "
+        f"this (idle keep-alive time included), else it is closed (default {DEFAULT_READ_TIMEOUT:g}s)",
+        parse=parse_duration, metavar="DURATION")
+    collectors: frozenset[str] = toggles("collector", COLLECTORS)
+
+
+def build_parser() -> SettingsParser[Config]:
+    return parser_for(Config, prog=PROG, description="NVML node exporter: GPU metrics on /metrics, "
+                                                          "sampled in the background.")
+
+
+def parse(argv: list[str]) -> Config:
+    """Config from flags and environment; exits 2 with one line on a bad value."""
+    parser = build_parser()
+    config = parser.parse_settings(argv)
+    if config.call_timeout > 60:
+        parser.error(f"--nvml.call-timeout {config.call_timeout:g}s is over a minute; "
+                     "values would be stale that long")
+    return config

@@ -1,0 +1,139 @@
+"""gpuscope share: hold separate processes on one GPU to shares of its time, measured by CUDA events.
+
+Start the controller, then start each process with the preload library and its tenant's name:
+
+    gpuscope share --share online=0.3:1,batch=0.7
+    LD_PRELOAD=$(python -m gpuscope.share.preload) GPUSCOPE_SHARE_TENANT=online python serve.py
+
+docs/share.md explains the mechanism, its limits and its security model.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import start_http_server
+
+from gpuscope.contract.choices import Choice
+from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
+from gpuscope.share.controller import DEFAULT_SLICE_S, Controller
+from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.nvml_source import nvml_utilization
+from gpuscope.share.preload import DEFAULT_LEDGER, library_path
+from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
+from gpuscope.util.settings import SettingsParser, parser_for, setting
+
+
+def parse_shares(text: str) -> list[TenantPolicy]:
+    """``NAME=FRACTION[:PRIORITY],...`` → tenants; fractions in (0, 1] summing to at most 1."""
+    tenants: list[TenantPolicy] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, rest = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY]")
+        if len(name.encode()) >= NAME_LEN or not all(ch.isalnum() or ch in "-_." for ch in name):
+            raise ValueError(f"tenant name {name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} bytes")
+        fraction, _, priority = rest.partition(":")
+        try:
+            share = float(fraction)
+            prio = int(priority) if priority else 0
+        except ValueError:
+            raise ValueError(f"{item!r}: FRACTION must be a number and PRIORITY an integer") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"{item!r}: the share must be in (0, 1]")
+        if not 0 <= prio <= 1000:
+            raise ValueError(f"{item!r}: the priority must be between 0 and 1000")
+        if any(t.name == name for t in tenants):
+            raise ValueError(f"tenant {name!r} named twice")
+        tenants.append(TenantPolicy(name, share, prio))
+    if not tenants:
+        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY],...")
+    if len(tenants) > MAX_TENANTS:
+        raise ValueError(f"at most {MAX_TENANTS} tenants")
+    if sum(t.share for t in tenants) > 1.0 + 1e-9:
+        raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
+    return tenants
+
+
+class Accounting(Choice):
+    """``--share.accounting``: what a tenant's GPU time is charged from."""
+
+    EVENTS = "events"
+    NVML = "nvml"
+
+
+@dataclass(frozen=True)
+class ShareSettings:
+    """The flags of ``gpuscope share``."""
+
+    shares: list[TenantPolicy] | None = setting(
+        "--share", None, "tenants and their shares: NAME=FRACTION[:PRIORITY],... (higher priority first)",
+        parse=parse_shares)
+    accounting: Accounting = setting(
+        "--share.accounting", Accounting.EVENTS, "events: slices charged by the tenants' CUDA events; nvml: "
+        "token buckets fed by NVML utilization every 100 ms (what the peer projects do)")
+    ledger: str = setting("--share.ledger", DEFAULT_LEDGER, "path prefix of the shared-memory ledger "
+                          "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
+    slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
+                           parse=parse_duration)
+    drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for the previous holder's "
+                                   "queued work at a hand-over", parse=parse_duration)
+    window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
+                            "events per window)", parse=parse_duration)
+    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
+    listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
+                          parse=listen_address, metavar="HOST:PORT")
+
+
+def _parser() -> SettingsParser[ShareSettings]:
+    return parser_for(ShareSettings, prog="gpuscope share", description=__doc__.splitlines()[0])
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_settings(argv)
+    if args.shares is None:
+        parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
+    host, port = parse_listen_address(args.listen)
+    if library_path() is None:
+        parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
+
+    utilization = None
+    if args.accounting == Accounting.NVML:
+        try:
+            utilization = nvml_utilization(args.gpu)
+        except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
+            parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")
+    try:
+        controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
+                                drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
+                                utilization=utilization)
+    except OSError as exc:
+        parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
+        signal.signal(sig, lambda *_: stop.set())
+    registry = CollectorRegistry()
+    registry.register(ShareCollector(controller))
+    try:
+        server, _ = start_http_server(port, host, registry=registry)
+    except OSError as exc:
+        controller.close()
+        parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" for t in args.shares)
+    sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
+                     f"/metrics on http://{args.listen}/metrics\n")
+    try:
+        controller.run(stop)
+    finally:
+        server.shutdown()
+        controller.close()
+    return 0

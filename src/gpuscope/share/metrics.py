@@ -1,0 +1,54 @@
+"""``/metrics`` of the share controller: the tenants' counters, read from their ledger slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gpuscope.contract import catalogue as cat
+from gpuscope.share.controller import Controller
+
+_PER_PROCESS = (  # catalogue metric, ledger counter, scale
+    (cat.SHARE_GPU_SECONDS, "gpu_ns", 1e-9),
+    (cat.SHARE_THROTTLED_SECONDS, "throttled_ns", 1e-9),
+    (cat.SHARE_LAUNCHES, "launches", 1),
+    (cat.SHARE_HOOK_ERRORS, "hook_errors", 1),
+    (cat.SHARE_FAILED_OPEN, "failed_open", 1),
+    (cat.SHARE_WAITING_THREADS, "waiting", 1),
+)
+
+
+class ShareCollector:
+    """A prometheus_client collector over a running Controller."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[object]:
+        c = self.controller
+        with c.lock:
+            rows = [(c.tenants[s.view.slot].name, str(pid), {**s.view.counters(), "waiting": s.view.waiting})
+                    for pid, s in c.procs.items()]
+            slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
+            binding, timeouts = c.stats.binding, c.stats.drain_timeouts
+        for metric, key, scale in _PER_PROCESS:
+            family = metric.family()
+            for tenant, pid, counters in rows:
+                family.add_metric([tenant, pid], counters[key] * scale)
+            yield family
+        target, procs = cat.SHARE_TARGET_RATIO.family(), cat.SHARE_PROCESSES.family()
+        sl, ch = cat.SHARE_SLICES.family(), cat.SHARE_CHARGED_SECONDS.family()
+        for t in c.tenants:
+            target.add_metric([t.name], t.share)
+            procs.add_metric([t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
+            sl.add_metric([t.name], slices.get(t.name, 0))
+            ch.add_metric([t.name], charged.get(t.name, 0.0))
+        yield target
+        yield procs
+        yield sl
+        yield ch
+        b = cat.SHARE_BINDING.family()
+        b.add_metric([], 1.0 if binding else 0.0)
+        yield b
+        d = cat.SHARE_DRAIN_TIMEOUTS.family()
+        d.add_metric([], timeouts)
+        yield d
