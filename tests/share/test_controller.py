@@ -139,6 +139,19 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
         assert c.stats.charged_s["batch"] > c.stats.charged_s["online"] > 0
 
 
+def test_time_posted_while_the_gate_is_open_is_not_held_against_a_tenant(tmp_path):
+    tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
+    c = Controller(str(tmp_path / "ledger"), tenants)
+    try:
+        assert c.policy.gate & 0xFFFF == 0xFFFF  # nothing binds yet
+        c._apply({0: 0.5, 1: 0.5}, time.monotonic())  # what two tenants posted side by side
+        assert c.stats.charged_s == {"batch": 0.5, "online": 0.5}  # shown in /metrics
+        assert c.scheduler.used == [0.0, 0.0]  # but the online tenant starts within its share
+        assert c.scheduler.beside({0, 1}) == {1}
+    finally:
+        c.close()
+
+
 def test_metrics_come_from_the_catalogue(fake_cuda, tmp_path, controller):
     p = tenant(fake_cuda, tmp_path, "b", controller.policy.prefix, 30, "idle")
     try:
