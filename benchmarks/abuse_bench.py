@@ -2,7 +2,7 @@
 SIGTERM with a stream running, and 8 kB invalid ``tracestate`` headers.
 
     python benchmarks/abuse_bench.py --out results/abuse-cpu.json
-    python benchmarks/abuse_bench.py --out before.json --server-path OTHER/exporter   # another tree
+    python benchmarks/abuse_bench.py --out before.json --server-path OTHER/src        # another tree
 
 Each part starts its own server (a small model on CPU) as a child process, with ``--server-path`` on
 its ``PYTHONPATH`` (default: this checkout's), so the same run measures any version of the server:

@@ -11,8 +11,8 @@ One call does everything (H200, about 7 minutes):
    then beside a matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical?;
 and the CPU of the controller and of each process's helper thread throughout.
 
-    PYTHONPATH=exporter python benchmarks/share_bench.py --out share.json       # on the GPU host
-    PYTHONPATH=exporter python benchmarks/share_bench.py --plot share.json share.png   # anywhere
+    PYTHONPATH=src python benchmarks/share_bench.py --out share.json       # on the GPU host
+    PYTHONPATH=src python benchmarks/share_bench.py --plot share.json share.png   # anywhere
 
 The worker processes are this file too (``worker MODE``): plain PyTorch, no gpuscope import, loaded
 with LD_PRELOAD exactly as a tenant would be.

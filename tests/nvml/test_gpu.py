@@ -2,7 +2,7 @@
 
 Run on the GPU host (gpuscope is not installed there, so put exporter/ on the path)::
 
-    PYTHONPATH=exporter python -m pytest -q -m gpu tests/nvml/test_gpu.py
+    PYTHONPATH=src python -m pytest -q -m gpu tests/nvml/test_gpu.py
 
 Samplers start with an hour-long interval, so after their first round the test drives each
 round itself (``refresh``) right before asking nvidia-smi: both read the GPU at nearly the
