@@ -134,6 +134,7 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
         assert sum(c.stats.charged_s.values()) <= wall
         online_counters = c.stats.departed["online"]
         assert online_counters["launches"] > 0 and online_counters["waits"] == 0  # never held at the gate
+        assert online_counters["busy_launches"] > 0 and c.stats.departed["batch"]["busy_launches"] == 0
         # charged for its kernels (5 µs each), not for the 2 ms gaps between them
         assert c.stats.charged_s["online"] <= online_counters["launches"] * 5e-6 * 1.01
         assert c.stats.charged_s["batch"] > c.stats.charged_s["online"] > 0

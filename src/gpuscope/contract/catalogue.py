@@ -448,6 +448,9 @@ SHARE_THROTTLED_SECONDS = _m("gpuscope_share_throttled_seconds_total", "counter"
                              "threads).", "seconds", _TP, area=SHARE)
 SHARE_LAUNCHES = _m("gpuscope_share_launches_total", "counter",
                     "Kernel and graph launches the preload library saw.", "launches", _TP, area=SHARE)
+SHARE_BUSY_LAUNCHES = _m("gpuscope_share_busy_launches_total", "counter",
+                         "Launches timed on their own (events right around the kernel) while the tenant "
+                         "ran beside the slice holder.", "launches", _TP, area=SHARE)
 SHARE_HOOK_ERRORS = _m("gpuscope_share_hook_errors_total", "counter",
                        "Failures inside the preload library (an event record or query that failed, no "
                        "events for accounting); the launch itself always goes ahead.", "errors", _TP,

@@ -96,7 +96,7 @@ typedef struct {
     _Atomic uint32_t waiting;     /* threads held at the gate */
     _Atomic uint32_t drained_gen; /* futex word: generation of the last closed gate with no work queued */
     _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
-        inflight, failed_open, started_ns, waits, window_open;
+        inflight, failed_open, started_ns, waits, window_open, busy_launches;
 } proc_t;
 
 _Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
@@ -666,6 +666,7 @@ static void wait_turn(void) {
             win_launches += (GRAPH) ? 8 : 1;                                                             \
             /* busy time: the end event follows every launch, so the window ends at its last kernel */   \
             w_->end_recorded = busy_ && record(w_->end, w_) == 0;                                        \
+            if (w_->end_recorded) atomic_fetch_add_explicit(&proc->busy_launches, 1, memory_order_relaxed); \
             if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window();          \
         }                                                                                                \
         pthread_mutex_unlock(&wlock);                                                                    \

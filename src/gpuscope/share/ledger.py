@@ -49,7 +49,8 @@ P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, pad
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
-                 "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open")
+                 "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
+                 "busy_launches")
 Q_COUNTERS = 64
 
 MODES = {"events": 0, "nvml": 1}

@@ -11,6 +11,7 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_GPU_SECONDS, "gpu_ns", 1e-9),
     (cat.SHARE_THROTTLED_SECONDS, "throttled_ns", 1e-9),
     (cat.SHARE_LAUNCHES, "launches", 1),
+    (cat.SHARE_BUSY_LAUNCHES, "busy_launches", 1),
     (cat.SHARE_HOOK_ERRORS, "hook_errors", 1),
     (cat.SHARE_FAILED_OPEN, "failed_open", 1),
     (cat.SHARE_WAITING_THREADS, "waiting", 1),
