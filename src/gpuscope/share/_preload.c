@@ -20,7 +20,10 @@
  *     first launch and one after its last, resolved by a helper thread that sleeps in
  *     cuEventSynchronize on blocking-sync events, so the launching thread never waits on accounting,
  *     except that at most `inflight` windows may be queued (the bound on queued work that lets the
- *     controller switch tenants quickly); the window length adapts to about `window_us` of GPU time.
+ *     controller switch tenants quickly); the window length adapts to about `window_us` of GPU time;
+ *   - a tenant the controller runs beside the slice holder (its bit in `busy_mask`) makes each launch
+ *     a window of its own, the end event right after the kernel, so it is charged its kernels' time
+ *     and not the holder's turns its queue waited through.
  * Without GPUSCOPE_SHARE_TENANT the library passes everything through silently; with it but no
  * controller, or once the controller is gone, it passes through and says so once on stderr.
  */
@@ -551,9 +554,10 @@ static void *helper_main(void *arg) {
         pthread_mutex_lock(&wlock);
         if (head < tail && busy_accounting()) {
             /* windows of one launch each, thousands a second: post the finished ones in batches
-             * rather than sleeping on each */
+             * rather than sleeping on each; small batches, since the launching thread waits for
+             * this lock */
             uint64_t before = head;
-            resolve_finished(POOL);
+            resolve_finished(16);
             int posted = head != before;
             pthread_mutex_unlock(&wlock);
             if (!posted) {
