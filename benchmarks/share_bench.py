@@ -174,8 +174,10 @@ def _lib() -> str:
     return lib
 
 
-def spawn(mode: str, seconds: float, start_at: float, tenant: str | None) -> subprocess.Popen:
+def spawn(mode: str, seconds: float, start_at: float, tenant: str | None,
+          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(extra_env or {})
     if tenant:
         env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", mode, str(seconds),
@@ -195,15 +197,15 @@ def collect(p: subprocess.Popen) -> dict:
 class Controller:
     """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
 
-    def __init__(self, shares: str, accounting: str, port: int, *extra: str) -> None:
+    def __init__(self, shares: str, accounting: str, port: int, *extra: str, ledger: str = LEDGER) -> None:
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
         self.port = port
         self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share", shares,
-                                   "--share.accounting", accounting, "--share.ledger", LEDGER,
+                                   "--share.accounting", accounting, "--share.ledger", ledger,
                                    "--web.listen-address", f"127.0.0.1:{port}", *extra], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 30
-        while not os.path.exists(LEDGER):
+        while not os.path.exists(ledger):
             if self.p.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"controller did not start: {self.p.communicate()[1][-1000:]}")
             time.sleep(0.05)
@@ -302,18 +304,57 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+POLLED = ("gpuscope_share_state_seconds_total", "gpuscope_share_busy_launches_total",
+          "gpuscope_share_launches_total", "gpuscope_share_charged_seconds_total",
+          "gpuscope_share_throttled_seconds_total")
+
+
+class MetricsPoller:
+    """Scrapes the controller's share lines every ``every_s`` in a thread: the gate states over time."""
+
+    def __init__(self, port: int, t0: float, every_s: float = 0.5) -> None:
+        import threading
+
+        self.series: list[list] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(port, t0, every_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, port: int, t0: float, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    lines = [ln for ln in r.read().decode().splitlines()
+                             if ln.startswith(POLLED)]
+                self.series.append([round(time.time() - t0, 2), lines])
+            except OSError:
+                continue
+
+    def stop(self) -> list[list]:
+        self._stop.set()
+        self._thread.join()
+        return self.series
+
+
 def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
-            shares: str = "llm=0.3:1,hog=0.7") -> dict:
+            shares: str = "llm=0.3:1,hog=0.7", *, hog: bool = True, llm_env: dict | None = None) -> dict:
+    """The decode loop, beside a matmul hog (``hog``): under the library with a controller in mode
+    ``accounting``, or with neither (``accounting`` None: plain processes, the GPU's own time-slicing)."""
     ctl = Controller(shares, accounting, port) if accounting else None
     start = time.time() + 15
-    pl = spawn("llm", seconds, start, "llm" if accounting else None)
-    ph = spawn("hog", seconds, start, "hog") if accounting else None
+    poller = MetricsPoller(port, start) if ctl else None
+    pl = spawn("llm", seconds, start, "llm" if accounting else None, llm_env)
+    ph = spawn("hog", seconds, start, "hog" if accounting else None) if hog else None
     rl = collect(pl)
     rh = collect(ph) if ph else None
+    series = poller.stop() if poller else []
     c = ctl.stop() if ctl else None
     lat = [s[1] for s in rl["steps"]]
-    return {"accounting": accounting, "shares": shares, "steps": len(lat), "p50_ms": 1e3 * pct(lat, 0.5),
+    return {"accounting": accounting, "shares": shares, "hog": hog, "steps": len(lat),
+            "p50_ms": 1e3 * pct(lat, 0.5), "p90_ms": 1e3 * pct(lat, 0.9),
             "p99_ms": 1e3 * pct(lat, 0.99), "tokens": rl["tokens"], "llm_stats": rl["stats"],
+            "step_series": [[round(t - start, 3), round(1e3 * d, 2)] for t, d in rl["steps"]],
+            "metrics_series": series,
             "hog_its_per_s": (len(rh["stamps"]) / seconds) if rh else None,
             "hog_vs_alone": (len(rh["stamps"]) / seconds / alone) if rh else None,
             "helper_cpu_s": rl["helper_cpu_s"] + (rh["helper_cpu_s"] if rh else 0.0), "controller": c}
@@ -383,7 +424,9 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     # 2./3. two matmul loops at 70/30 (and a shorter run at 50 ms slices: the controller's CPU)
     out["pair"] = {}
     pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
-             "events-slice-50ms": ("events", args.pair_seconds / 3, "--share.slice", "50ms")}
+             "events-slice-50ms": ("events", args.pair_seconds, "--share.slice", "50ms"),
+             "events-slice-30ms": ("events", args.pair_seconds, "--share.slice", "30ms"),
+             "events-drain": ("events", args.pair_seconds / 2, "--share.handover", "drain")}
     for key in [k for k in pairs if f"pair-{k}" in phases]:
         accounting, seconds, *extra = pairs[key]
         r = pair_run("a=0.7,b=0.3", accounting, seconds, alone, args.port, *extra)
@@ -394,23 +437,40 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
               f"{r['controller']['wakeups_per_s']:.0f} wake-ups/s", flush=True)
         save()
     # 4. LLM beside a hog
-    runs = {"events": ("events", "llm=0.3:1,hog=0.7"), "nvml": ("nvml", "llm=0.3:1,hog=0.7"),
-            "events-llm-share-0.7": ("events", "llm=0.7:1,hog=0.3")}
+    # llm-raw: both plain (the GPU's own time-slicing, no library); llm-alone-lib: the decode loop
+    # alone under the library (shares not binding)
+    runs = {"raw": (None, "llm=0.3:1,hog=0.7", True), "events": ("events", "llm=0.3:1,hog=0.7", True),
+            "nvml": ("nvml", "llm=0.3:1,hog=0.7", True),
+            "events-llm-share-0.7": ("events", "llm=0.7:1,hog=0.3", True),
+            "alone-lib": ("events", "llm=0.3:1,hog=0.7", False),
+            # experiments: a share the decode loop never exceeds (always beside), timed per launch or not
+            "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True),
+            "events-llm-share-0.9-untimed": ("events", "llm=0.9:1,hog=0.1", True,
+                                             {"GPUSCOPE_SHARE_BESIDE_UNTIMED": "1"})}
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
-    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone)}
+    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone, hog=False)}
+    print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
+          flush=True)
     for key in chosen:
-        out["llm"][key] = llm_run(runs[key][0], args.llm_seconds, args.port, alone, runs[key][1])
-    base = out["llm"]["alone"]
-    for accounting in chosen:
-        r = out["llm"][accounting]
-        r["p99_vs_alone"] = r["p99_ms"] / base["p99_ms"]
-        r["tokens_identical"] = r["tokens"] == base["tokens"]
-        print(f"llm {accounting}: p99 {r['p99_ms']:.1f} ms vs alone {base['p99_ms']:.1f} ms "
-              f"({r['p99_vs_alone']:.2f}x), hog {r['hog_its_per_s']:.1f} it/s "
-              f"({100 * r['hog_vs_alone']:.0f}% of alone); "
-              f"controller {r['controller']['cpu_core_pct']:.2f}% of a core", flush=True)
+        accounting, shares, hog, *env = runs[key]
+        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, hog=hog,
+                                      llm_env=env[0] if env else None)
+        r["p99_vs_alone"] = r["p99_ms"] / out["llm"]["alone"]["p99_ms"]
+        r["tokens_identical"] = r["tokens"] == out["llm"]["alone"]["tokens"]
+        hog_text = "no hog"
+        if hog:
+            hog_text = f"hog {r['hog_its_per_s']:.1f} it/s ({100 * r['hog_vs_alone']:.0f}% of alone)"
+        ctl_text = "plain"
+        if r["controller"]:
+            ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core"
+        print(f"llm {key}: p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), "
+              f"{hog_text}; {ctl_text}", flush=True)
+        save()
+    out["llm"]["alone_again"] = llm_run(None, args.llm_seconds, args.port, alone, hog=False)
+    print(f"llm alone again: p50 {out['llm']['alone_again']['p50_ms']:.1f} "
+          f"p99 {out['llm']['alone_again']['p99_ms']:.1f} ms", flush=True)
     save()
     return out
 

@@ -2,7 +2,12 @@
  * the caller's sequence number in gridDimX) to the file named by FAKE_CUDA_LOG, serves
  * cuGetProcAddress / cuGetProcAddress_v2 like the real driver (base names, the per-thread flag picks
  * the _ptsz variant), and keeps a fake GPU clock so event pairs have durations: a launch takes
- * blockDimX microseconds of "GPU time" on that clock, a graph launch 100. Prototypes follow cuda.h. */
+ * blockDimX microseconds of "GPU time" on that clock, a graph launch 100. Prototypes follow cuda.h.
+ *
+ * With FAKE_CUDA_REALTIME=1 the clock is the wall clock instead: the process's "GPU" runs one launch
+ * after another, each taking its blockDimX microseconds from when the previous one ends (or from its
+ * launch, when the GPU was idle); an event completes when the work queued before it has, a query
+ * before then says not ready, and a synchronize sleeps until then (like a blocking-sync event). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -21,8 +26,39 @@ typedef struct {
     unsigned int numAttrs;
 } CUlaunchConfig;
 
+#include <time.h>
+
 static _Atomic uint64_t gpu_clock_ns;
 static int log_fd = -1;
+static int realtime = -1;
+
+static uint64_t wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Queue `ns` of GPU work: in real time it starts when the GPU is free (or now, if idle). */
+static void run_for(uint64_t ns) {
+    if (realtime < 0) realtime = getenv("FAKE_CUDA_REALTIME") && atoi(getenv("FAKE_CUDA_REALTIME"));
+    if (!realtime) {
+        atomic_fetch_add(&gpu_clock_ns, ns);
+        return;
+    }
+    uint64_t now = wall_ns(), busy = atomic_load(&gpu_clock_ns);
+    while (!atomic_compare_exchange_weak(&gpu_clock_ns, &busy, (busy > now ? busy : now) + ns)) {
+    }
+}
+
+/* When the work queued so far ends (the fake clock's reading, in real time at least now). */
+static uint64_t queue_end(void) {
+    uint64_t busy = atomic_load(&gpu_clock_ns);
+    if (realtime > 0) {
+        uint64_t now = wall_ns();
+        if (busy < now) busy = now;
+    }
+    return busy;
+}
 
 static void log_call(const char *name, CUstream s, unsigned seq) {
     if (log_fd < 0) {
@@ -38,7 +74,7 @@ static void log_call(const char *name, CUstream s, unsigned seq) {
     CUresult NAME(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, \
                   unsigned shm, CUstream s, void **p, void **e) {                                      \
         (void)f; (void)gy; (void)gz; (void)by; (void)bz; (void)shm; (void)p; (void)e;                  \
-        atomic_fetch_add(&gpu_clock_ns, (uint64_t)bx * 1000);                                          \
+        run_for((uint64_t)bx * 1000);                                          \
         log_call(#NAME, s, gx);                                                                        \
         return 0;                                                                                      \
     }
@@ -48,7 +84,7 @@ LAUNCH(cuLaunchKernel_ptsz)
 #define LAUNCH_EX(NAME)                                                                                \
     CUresult NAME(const CUlaunchConfig *c, void *f, void **p, void **e) {                              \
         (void)f; (void)p; (void)e;                                                                     \
-        atomic_fetch_add(&gpu_clock_ns, (uint64_t)c->blockDimX * 1000);                                \
+        run_for((uint64_t)c->blockDimX * 1000);                                \
         log_call(#NAME, c->hStream, c->gridDimX);                                                      \
         return 0;                                                                                      \
     }
@@ -57,7 +93,7 @@ LAUNCH_EX(cuLaunchKernelEx_ptsz)
 
 #define GRAPH(NAME)                                                                                    \
     CUresult NAME(void *g, CUstream s) {                                                               \
-        atomic_fetch_add(&gpu_clock_ns, 100000);                                                       \
+        run_for(100000);                                                       \
         log_call(#NAME, s, (unsigned)(uintptr_t)g);                                                    \
         return 0;                                                                                      \
     }
@@ -69,11 +105,24 @@ CUresult cuMemAlloc_v2(void **p, size_t n) { *p = malloc(n); log_call("cuMemAllo
 /* Events: a slot holding the fake clock at record time. */
 typedef struct { uint64_t at; int recorded; } fake_event;
 CUresult cuEventCreate(fake_event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof **e); return 0; }
-CUresult cuEventRecord(fake_event *e, CUstream s) { (void)s; e->at = atomic_load(&gpu_clock_ns); e->recorded = 1; return 0; }
+CUresult cuEventRecord(fake_event *e, CUstream s) { (void)s; e->at = queue_end(); e->recorded = 1; return 0; }
 CUresult cuEventRecord_ptsz(fake_event *e, CUstream s) { return cuEventRecord(e, s); }
-CUresult cuEventSynchronize(fake_event *e) { (void)e; return 0; }
-/* Work "finishes" as it is launched, so a recorded event is always complete (600: never recorded). */
-CUresult cuEventQuery(fake_event *e) { return e->recorded ? 0 : 600; }
+CUresult cuEventSynchronize(fake_event *e) {
+    if (realtime > 0 && e->recorded) {
+        uint64_t now = wall_ns();
+        if (e->at > now) {
+            struct timespec ts = {(time_t)((e->at - now) / 1000000000ull), (long)((e->at - now) % 1000000000ull)};
+            nanosleep(&ts, NULL);
+        }
+    }
+    return 0;
+}
+/* Without FAKE_CUDA_REALTIME work "finishes" as it is launched, so a recorded event is always
+ * complete (600: not ready, or never recorded). */
+CUresult cuEventQuery(fake_event *e) {
+    if (!e->recorded) return 600;
+    return realtime > 0 && e->at > wall_ns() ? 600 : 0;
+}
 CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
     if (!a->recorded || !b->recorded) return 600;
     *ms = (float)((double)(b->at - a->at) / 1e6);

@@ -103,30 +103,35 @@ cuda = ctypes.CDLL('libcuda.so.1'); own = ctypes.CDLL(None); U = ctypes.c_uint
 for n in range(40):  # 50 µs of fake GPU time each, all on stream 1
     cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(50), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
 out = (ctypes.c_uint64 * 8)()
-deadline = time.monotonic() + 10
-while True:  # until the helper posted the last window
+deadline = time.monotonic() + (10 if sys.argv[1] == "timed" else 0.3)
+while True:  # until the helper posted the last window (untimed: a moment to show nothing is posted)
     own.gpuscope_share_stats(out)
     if out[4] >= 40 * 50_000 or time.monotonic() > deadline:
         break
     time.sleep(0.01)
-print(json.dumps({"windows": out[5], "gpu_ns": out[4], "hook_errors": out[2]}))
+print(json.dumps({"launches": out[0], "windows": out[5], "gpu_ns": out[4], "hook_errors": out[2]}))
 """
 
 
-@pytest.mark.parametrize("beside", [False, True])
-def test_a_tenant_beside_the_holder_times_each_launch_on_its_own(fake_cuda, tmp_path, beside):
+@pytest.mark.parametrize("role", ["holder", "beside", "probe"])
+def test_how_a_tenant_times_its_launches_in_each_role(fake_cuda, tmp_path, role):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5, 1)])
     try:
         policy.set_gate(0b11)  # shares bind; both may launch
-        policy.set_busy_mask(0b10 if beside else 0)
+        policy.set_beside_mask(0 if role == "holder" else 0b10)
+        policy.set_busy_mask(0b10 if role == "probe" else 0)
         env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
-        proc = subprocess.run([sys.executable, "-c", ONE_STREAM], env=env, capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run([sys.executable, "-c", ONE_STREAM, "untimed" if role == "beside" else "timed"],
+                              env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         stats = json.loads(proc.stdout)
-        assert stats["gpu_ns"] == 40 * 50_000 and stats["hook_errors"] == 0
-        # beside the holder each kernel is a window of its own; a slice holder's windows span launches
-        assert (stats["windows"] == 40) is beside
+        assert stats["launches"] == 40 and stats["hook_errors"] == 0
+        if role == "beside":  # beside the holder: no events at all (each would cost a context switch)
+            assert stats["windows"] == 0 and stats["gpu_ns"] == 0
+        else:
+            assert stats["gpu_ns"] == 40 * 50_000
+            # in a probe each kernel is a window of its own; a slice holder's windows span launches
+            assert (stats["windows"] == 40) is (role == "probe")
     finally:
         policy.close()
 

@@ -469,6 +469,18 @@ SHARE_PROCESSES = _m("gpuscope_share_processes", "gauge", "Tenant processes atta
 SHARE_SLICES = _m("gpuscope_share_slices_total", "counter",
                   "Slices of exclusive GPU access granted to a tenant while shares bind.", "slices",
                   ("tenant",), area=SHARE)
+SHARE_STATE_SECONDS = _m("gpuscope_share_state_seconds_total", "counter",
+                         "Time a tenant with processes attached spent in each gate state: `open` (no share "
+                         "binds), `holder` (its slice), `beside` (running next to the holder, charged per "
+                         "kernel) or `held` (waiting for a turn).", "seconds", ("tenant", "state"),
+                         area=SHARE)
+SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
+                      "Busy fraction of a tenant that runs beside the slice holder, measured while the "
+                      "holder is paused (a probe): the share of the wall time it is charged.", "ratio",
+                      ("tenant",), area=SHARE)
+SHARE_PROBES = _m("gpuscope_share_probes_total", "counter",
+                  "Probes: the holder paused for --share.probe so that the tenants beside it time their "
+                  "launches alone.", "probes", area=SHARE)
 SHARE_BINDING = _m("gpuscope_share_binding", "gauge",
                    "1 while shares bind (two or more tenants launching), 0 while the gate is open.",
                    "boolean", area=SHARE)

@@ -21,9 +21,10 @@
  *     cuEventSynchronize on blocking-sync events, so the launching thread never waits on accounting,
  *     except that at most `inflight` windows may be queued (the bound on queued work that lets the
  *     controller switch tenants quickly); the window length adapts to about `window_us` of GPU time;
- *   - a tenant the controller runs beside the slice holder (its bit in `busy_mask`) makes each launch
- *     a window of its own, the end event right after the kernel, so it is charged its kernels' time
- *     and not the holder's turns its queue waited through.
+ *   - a tenant the controller runs beside the slice holder (its bit in `beside_mask`) launches
+ *     untimed: events between its small kernels would each cost a context switch on the time-sliced
+ *     GPU. In a probe (its bit in `busy_mask`, the holder paused) each launch is a window of its own,
+ *     the end event right after the kernel: its busy time, from which the controller charges it.
  * Without GPUSCOPE_SHARE_TENANT the library passes everything through silently; with it but no
  * controller, or once the controller is gone, it passes through and says so once on stderr.
  */
@@ -70,7 +71,7 @@ typedef struct {
 
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 2u
+#define LAYOUT_VERSION 3u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 
@@ -82,8 +83,9 @@ typedef struct {
     _Atomic uint32_t gate;         /* futex word: bit i = tenant slot i may launch; bits 16..31 generation */
     uint32_t mode;                 /* 0 events, 1 nvml */
     uint32_t window_us, inflight_slice, inflight_open, stale_ms;
-    _Atomic uint32_t busy_mask;    /* bit i: tenant slot i runs beside the slice holder, charged busy time */
-    uint8_t pad[64 - 52];
+    _Atomic uint32_t busy_mask;    /* bit i: slot i times each launch on its own (a probe, running alone) */
+    _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
+    uint8_t pad[64 - 56];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active, pad;
@@ -99,7 +101,7 @@ typedef struct {
     _Atomic uint32_t waiting;     /* threads held at the gate */
     _Atomic uint32_t drained_gen; /* futex word: generation of the last closed gate with no work queued */
     _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
-        inflight, failed_open, started_ns, waits, window_open, busy_launches;
+        inflight, failed_open, started_ns, waits, window_open, busy_launches, busy_ns;
 } proc_t;
 
 _Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
@@ -170,6 +172,7 @@ static struct {
 #define POOL 256     /* windows in the ring (two events each), created once at join */
 #define K_MIN 1
 #define K_MAX 1024
+#define QUIET_NS 1000000ull /* a holder idle this long after its work finished gives its slice up */
 
 static int say_fd = 2;
 static void say(const char *fmt, ...) {
@@ -201,6 +204,7 @@ typedef struct {
     CUstream stream;
     int ptsz;
     int end_recorded; /* the end event already follows the window's last launch (busy-time windows) */
+    int busy;         /* a launch timed on its own: its time also goes to busy_ns */
 } window_t;
 
 static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
@@ -279,6 +283,7 @@ static void join(void) {
     const char *tenant = getenv("GPUSCOPE_SHARE_TENANT");
     const char *dbg = getenv("GPUSCOPE_SHARE_FD");
     if (dbg) say_fd = atoi(dbg);
+
     proc = &local_proc;
     if (!tenant || !*tenant) return; /* not a tenant: plain pass-through, nothing to say */
     const char *path = getenv("GPUSCOPE_SHARE_LEDGER");
@@ -429,9 +434,15 @@ fail:
 }
 
 /* Whether this process's tenant runs beside the slice holder (a higher-priority tenant within its
- * share). The GPU then time-slices it with the holder, and a window of several launches would span
- * the holder's turns whenever its queue waits for one; so each launch is a window of its own, events
- * right around the kernel: its busy time. */
+ * share). The GPU then time-slices it with the holder, and on the H200 an event recorded between its
+ * small kernels costs a context switch of its own: a decode loop timed per launch there ran 5x slower
+ * than untimed. So its launches go untimed, and the controller charges it the busy fraction measured
+ * in short probes, when the holder is paused and it runs alone (busy_accounting). */
+static inline int beside(void) {
+    return policy && (atomic_load_explicit(&policy->beside_mask, memory_order_relaxed) & slot_bit);
+}
+
+/* A probe: each launch is a window of its own, events right around the kernel: its busy time. */
 static inline int busy_accounting(void) {
     return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit);
 }
@@ -469,7 +480,10 @@ static inline CUresult record(CUevent e, const window_t *w) {
 static float post_window(const window_t *w) {
     float ms = 0;
     CUresult rc = drv.elapsed(&ms, w->start, w->end);
-    if (rc == 0 && ms > 0) atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
+    if (rc == 0 && ms > 0) {
+        atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
+        if (w->busy) atomic_fetch_add(&proc->busy_ns, (uint64_t)(ms * 1e6));
+    }
     else if (rc != 0) atomic_fetch_add(&proc->hook_errors, 1);
     atomic_fetch_add(&proc->windows, 1);
     return ms;
@@ -525,6 +539,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     w->stream = stream;
     w->ptsz = ptsz;
     w->end_recorded = 0;
+    w->busy = busy;
     if (record(w->start, w) != 0) {
         atomic_fetch_add(&proc->hook_errors, 1);
         return;
@@ -550,6 +565,7 @@ static void *helper_main(void *arg) {
     }
     uint32_t last_seen_closed = 0;
     int went_quiet = 0;
+    uint64_t resolved_at = 0; /* when a quiet holder's last window finished (0: not watching) */
     for (;;) {
         pthread_mutex_lock(&wlock);
         if (head < tail && busy_accounting()) {
@@ -583,7 +599,7 @@ static void *helper_main(void *arg) {
         uint32_t g = atomic_load(gate);
         int allowed = (g & slot_bit) != 0;
         /* a slice holder, not a tenant running beside it: its going quiet ends the slice */
-        int binding = (g & 0xffffu) != 0xffffu && !busy_accounting();
+        int binding = (g & 0xffffu) != 0xffffu && !beside() && !busy_accounting();
         uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
         if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window()) {
             /* The gate closed (or the process went quiet) with a window open: end it here so the
@@ -593,11 +609,20 @@ static void *helper_main(void *arg) {
             continue;
         }
         if (went_quiet) {
-            /* its windows are resolved: if it has not launched again since (a sync returning starts
-             * new launches at once), the holder has nothing queued any more: tell the controller */
+            /* its windows are resolved: the GPU has finished the holder's work */
             went_quiet = 0;
-            if (!win_open && now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed) > 1000000ull)
+            resolved_at = now_ns();
+        }
+        if (resolved_at) {
+            /* A program that syncs launches again within microseconds of the sync returning (a
+             * training step, a matmul loop): only a holder that has not launched for QUIET_NS after
+             * its work finished has nothing to do, and only then is the controller woken. */
+            uint64_t last = atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
+            if (win_open || last >= resolved_at || !allowed || !binding) resolved_at = 0;
+            else if (now_ns() - resolved_at >= QUIET_NS) {
                 ring_bell();
+                resolved_at = 0;
+            }
         }
         if (!allowed && (g >> 16) != last_seen_closed) {
             last_seen_closed = g >> 16;
@@ -606,7 +631,7 @@ static void *helper_main(void *arg) {
         }
         atomic_store(&helper_sleeping, 1);
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
-        uint64_t nap = (binding && win_open) ? 1000000ull : 100000000ull;
+        uint64_t nap = resolved_at ? QUIET_NS : (binding && win_open) ? 1000000ull : 100000000ull;
         pthread_mutex_unlock(&wlock);
         if (atomic_load(&failed_open)) {
             struct timespec ts = {0, 100000000};
@@ -625,10 +650,23 @@ static void *helper_main(void *arg) {
 /* ------------------------------------------------------------------------------------------------ */
 /* The gate                                                                                         */
 
+/* Whether a thread that starts waiting must wake the controller: it reads `waiting` at each decision,
+ * and while a slice holder runs its next decision comes at the slice's end anyway. So only when no
+ * tenant holds the gate, or when this tenant's priority is higher than every holder's (it may
+ * preempt). */
+static int waiter_rings(uint32_t g) {
+    uint32_t holders = g & 0xffffu & ~atomic_load_explicit(&policy->beside_mask, memory_order_relaxed);
+    if (!holders) return 1;
+    int slot = __builtin_ctz(slot_bit);
+    for (uint32_t i = 0; i < policy->ntenants && i < MAX_TENANTS; i++)
+        if ((holders & (1u << i)) && policy->tenants[i].priority >= policy->tenants[slot].priority) return 0;
+    return 1;
+}
+
 static void wait_turn(void) {
     uint64_t t0 = now_ns();
-    /* the controller reads `waiting` at each decision: only the first waiter needs to wake it */
-    if (atomic_fetch_add(&proc->waiting, 1) == 0) ring_bell();
+    /* only the process's first waiter, and only when the controller would not look soon anyway */
+    if (atomic_fetch_add(&proc->waiting, 1) == 0 && waiter_rings(atomic_load(gate))) ring_bell();
     atomic_fetch_add(&proc->waits, 1);
     for (;;) {
         uint32_t g = atomic_load(gate);
@@ -660,7 +698,9 @@ static void wait_turn(void) {
         }                                                                                                \
         if (!acct_ready) start_accounting();                                                             \
         int busy_ = !acct_failed && busy_accounting();                                                   \
-        if (!acct_failed) open_window((STREAM), (PTSZ), busy_);                                          \
+        if (!busy_ && beside()) {                                                                        \
+            if (win_open) close_window(); /* untimed beside the holder */                                \
+        } else if (!acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
         if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);            \

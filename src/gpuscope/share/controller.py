@@ -34,6 +34,14 @@ DEFAULT_SLICE_S = 0.02
 #: While tenants run concurrently their posted GPU time is summed over at least this long and, when
 #: it exceeds the wall time (time-sliced contexts' event spans overlap), the overlap is split.
 CONCURRENT_PERIOD_S = 0.05
+#: A tenant beside the holder launches untimed (on the H200 an event between its small kernels cost a
+#: context switch each: a decode loop ran 5x slower timed per launch than untimed). Every PROBE_EVERY_S
+#: the holder is paused for PROBE_S and the tenants beside it, running alone, time each launch: the busy
+#: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
+#: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
+PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
+#: Weight of a new probe's busy fraction in the running estimate.
+PROBE_WEIGHT = 0.5
 
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
@@ -42,6 +50,17 @@ UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the 
 class ProcState:
     view: ProcView
     gpu_ns_seen: int = 0
+    launches_seen: int = 0
+
+
+@dataclass
+class Probe:
+    """A pause of the holder while the tenants beside it time their launches alone."""
+
+    until: float
+    started: float
+    busy_ns: dict[int, int]  # slot -> its processes' busy_ns when the probe began
+    read_at: float = 0.0  # once ended: when its windows have been posted
 
 
 @dataclass
@@ -51,6 +70,8 @@ class Stats:
     slices: dict[str, int] = field(default_factory=dict)
     charged_s: dict[str, float] = field(default_factory=dict)  # GPU seconds charged, after correction
     drain_timeouts: int = 0
+    probes: int = 0
+    state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
     binding: bool = False
 
@@ -58,6 +79,7 @@ class Stats:
 class Controller:
     def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
                  slice_s: float = DEFAULT_SLICE_S, drain_timeout_s: float = 0.2, window_us: int = 2000,
+                 handover: str = "overlap",
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None,
                  log: Callable[[str], None] | None = None) -> None:
@@ -67,6 +89,9 @@ class Controller:
         self.mode = mode
         self.slice_s = slice_s
         self.drain_timeout_s = drain_timeout_s
+        if handover not in ("overlap", "drain"):
+            raise ValueError(f"handover must be overlap or drain, not {handover!r}")
+        self.handover = handover
         self.scheduler = SliceScheduler(tenants)
         self.buckets = TokenBuckets(tenants)
         self.utilization = utilization
@@ -77,9 +102,12 @@ class Controller:
         self._posted_in_slice = 0.0
         self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
         self.beside: set[int] = set()  # slots running beside the holder (higher priority, within share)
+        self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in probes (beside tenants)
+        self.probe: Probe | None = None
+        self._next_probe = 0.0
         self._unscaled: dict[int, float] = {}  # GPU seconds posted while tenants ran concurrently
         self._unscaled_since: float | None = None
-        self._last_charge = time.monotonic()
+        self._last_charge = self._last_state_count = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
         self._last_scan = self._last_listing = 0.0
         self._joins_seen = -1
@@ -91,7 +119,8 @@ class Controller:
     # --- processes --------------------------------------------------------------------------
     def scan(self, *, list_files: bool = True) -> None:
         """Adopt new tenant slots (``list_files``: list the slot files, else only check the known
-        processes); a dead process's slot is removed and its share given back."""
+        processes, and only with ``kill(pid, 0)``: a zombie is told at the next listing); a dead
+        process's slot is removed and its share given back."""
         if list_files:
             paths = proc_paths(self.policy.prefix)
         else:
@@ -109,7 +138,7 @@ class Controller:
                     continue
                 self.procs[pid] = ProcState(view)
             for pid in list(self.procs):
-                if pid not in paths or not pid_alive(pid):
+                if pid not in paths or not pid_alive(pid, zombie_check=list_files):
                     self._forget(pid)
 
     def _forget(self, pid: int) -> None:
@@ -131,15 +160,25 @@ class Controller:
         whenever the GPU time-slices them, so what they post over a period that sums to more than the
         period's wall time is corrected by ``own_time``: the tenants beside the holder post their
         kernels' own time, the others share what is left."""
-        posted: dict[int, float] = {}
-        for state in self.procs.values():
-            gpu_ns = state.view.counter("gpu_ns")
-            if gpu_ns > state.gpu_ns_seen:
-                slot = state.view.slot
-                posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
-                state.gpu_ns_seen = gpu_ns
         since, self._last_charge = self._last_charge, now
-        concurrent = bin(self._mask & OPEN_MASK).count("1") > 1
+        posted: dict[int, float] = {}
+        launching: set[int] = set()
+        for state in self.procs.values():
+            slot = state.view.slot
+            gpu_ns, launches = state.view.counter("gpu_ns"), state.view.counter("launches")
+            if launches > state.launches_seen:
+                launching.add(slot)
+                state.launches_seen = launches
+            if gpu_ns > state.gpu_ns_seen:
+                if slot not in self.beside:  # beside: only probes post, and the busy ratio stands for them
+                    posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
+                state.gpu_ns_seen = gpu_ns
+        for slot in self.beside & launching:
+            posted[slot] = posted.get(slot, 0.0) + self.busy_ratio.get(slot, 0.0) * (now - since)
+        # several tenants at once: the open gate, tenants beside the holder, or (overlap hand-overs) the
+        # previous holder's queued work running beside the next one's
+        concurrent = (bin(self._mask & OPEN_MASK).count("1") > 1
+                      or (self.handover == "overlap" and self._mask != OPEN_MASK))
         if not concurrent and self._unscaled_since is None:
             self._apply(posted, now)
             return
@@ -195,12 +234,15 @@ class Controller:
     def _beside_bits(self) -> int:
         return sum(1 << s for s in self.beside)
 
-    def _set_beside(self, beside: set[int]) -> None:
-        """Let ``beside`` run next to the holder (busy-time windows, never drained); the gate follows."""
+    def _set_beside(self, beside: set[int], now: float) -> None:
+        """Let ``beside`` run next to the holder (untimed, never drained); the gate follows."""
         if beside == self.beside:
             return
+        if any(slot not in self.busy_ratio for slot in beside - self.beside):  # never probed: soon
+            first = now + PROBE_FIRST_S
+            self._next_probe = first if self._next_probe <= now else min(self._next_probe, first)
         self.beside = beside
-        self.policy.set_busy_mask(self._beside_bits())
+        self.policy.set_beside_mask(self._beside_bits())
         if self.holder in beside:
             self.holder = None  # it keeps running, now beside: the contenders pick a holder anew
         if self._mask != OPEN_MASK:
@@ -226,6 +268,43 @@ class Controller:
         self.slice_end = now + self.scheduler.quantum(self.holder, wanting | {self.holder}, self.slice_s)
         self.stats.slices[self.tenants[self.holder].name] += 1
 
+    # --- probes: the busy fraction of the tenants beside the holder ----------------------------
+    def _busy_ns(self, slots: set[int]) -> dict[int, int]:
+        out = dict.fromkeys(slots, 0)
+        for state in self.procs.values():
+            if state.view.slot in out:
+                out[state.view.slot] += state.view.counter("busy_ns")
+        return out
+
+    def _start_probe(self, now: float) -> None:
+        """Pause the holder (its queued work drained first) and have the tenants beside it time each
+        launch, running alone."""
+        self._drain(set(range(len(self.tenants))) - self.beside)
+        self.holder = None
+        started = time.monotonic()
+        self.probe = Probe(until=started + PROBE_S, started=started, busy_ns=self._busy_ns(self.beside))
+        self.policy.set_busy_mask(self._beside_bits())
+        self.stats.probes += 1
+
+    def _end_probe(self, now: float) -> None:
+        self.policy.set_busy_mask(0)
+        self.probe.until, self.probe.read_at = now, now + PROBE_READ_LAG_S
+        self._next_probe = now + PROBE_EVERY_S
+
+    def _read_probe(self, now: float) -> None:
+        """Once an ended probe's windows are posted: each probed tenant's busy fraction."""
+        probe, self.probe = self.probe, None
+        wall = max(probe.until - probe.started, 1e-6)
+        for slot, before in probe.busy_ns.items():
+            measured = min(1.0, (self._busy_ns({slot})[slot] - before) / 1e9 / wall)
+            old = self.busy_ratio.get(slot)
+            self.busy_ratio[slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
+
+    def _stop_probe(self) -> None:
+        if self.probe is not None:
+            self.policy.set_busy_mask(0)
+            self.probe = None
+
     def step_events(self, now: float) -> float:
         """One decision in events mode; returns how long to sleep at most."""
         self._charge(now)
@@ -234,11 +313,22 @@ class Controller:
             if self.holder is not None or self._mask != OPEN_MASK:
                 self.holder = None
                 self._set_mask(OPEN_MASK)
-            self._set_beside(set())
+            self._stop_probe()
+            self._set_beside(set(), now)
             self.stats.binding = False
             return 0.1
         self.stats.binding = True
-        self._set_beside(self.scheduler.beside(active))
+        if self.probe is not None:
+            if self.probe.read_at == 0.0:  # running
+                if now < self.probe.until:
+                    return self.probe.until - now
+                self._end_probe(now)
+            elif now >= self.probe.read_at:
+                self._read_probe(now)
+        self._set_beside(self.scheduler.beside(active), now)
+        if self.beside and self.probe is None and now >= self._next_probe:
+            self._start_probe(now)
+            return PROBE_S
         contenders = active - self.beside
         wanting = self.wanting_slots() - self.beside
         if self.holder is None:
@@ -265,8 +355,9 @@ class Controller:
         if nxt == holder:
             self._renew(now, wanting)
             return self.slice_end - now
-        self._drain({holder})
-        self._charge(time.monotonic())
+        if self.handover == "drain":
+            self._drain({holder})
+            self._charge(time.monotonic())
         self._grant(nxt, time.monotonic(), wanting)
         return self.slice_end - time.monotonic()
 
@@ -292,9 +383,24 @@ class Controller:
             self._set_mask(mask)
         return 0.1
 
+    def _gate_state(self, slot: int) -> str:
+        if self._mask == OPEN_MASK:
+            return "open"
+        if slot == self.holder:
+            return "holder"
+        return "beside" if slot in self.beside else "held"
+
+    def _count_states(self, now: float) -> None:
+        """Add the time since the last decision to each attached tenant's gate state (as decided then)."""
+        dt, self._last_state_count = now - self._last_state_count, now
+        for slot in {s.view.slot for s in self.procs.values()}:
+            key = (self.tenants[slot].name, self._gate_state(slot))
+            self.stats.state_s[key] = self.stats.state_s.get(key, 0.0) + dt
+
     def step(self) -> float:
         now = time.monotonic()
         self.policy.heartbeat()
+        self._count_states(now)
         if now - self._last_scan >= SCAN_S:
             # listing the folder (a busy /dev/shm holds many files) only when a process joined, or
             # now and then for one that could not ring; liveness of the known ones every time

@@ -5,8 +5,8 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
 - ``PREFIX``: the policy, created and written by the controller alone (mode 0644). Tenants map it
   read-only: the tenants' shares and priorities, the controller's pid and heartbeat, and the gate
   word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
-  sleep on with a futex, and the busy mask (bit *i* set: slot *i* runs beside the slice holder and
-  measures busy time).
+  sleep on with a futex, the beside mask (bit *i* set: slot *i* runs beside the slice holder,
+  untimed) and the busy mask (bit *i* set: slot *i* times each launch on its own, in a probe).
 - ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
   (it lists the slot files again when that moves). A tenant rings the bell when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAX_TENANTS = 16
 NAME_LEN = 40
 PAGE = 4096
@@ -43,14 +43,15 @@ OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
 P_MAGIC, P_VERSION, P_PID, P_NTENANTS = 0, 4, 8, 12
 P_HEARTBEAT, P_GATE, P_MODE = 16, 24, 28
 P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
-P_BUSY_MASK = 48  # slots running beside the slice holder: their windows measure busy time
+P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
+P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
 P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, pad
 
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
-                 "busy_launches")
+                 "busy_launches", "busy_ns")
 Q_COUNTERS = 64
 
 MODES = {"events": 0, "nvml": 1}
@@ -198,9 +199,17 @@ class Policy:
         return self.map.u32(P_BUSY_MASK)
 
     def set_busy_mask(self, mask: int) -> None:
-        """Mark the slots in ``mask`` as running beside the holder: their windows end where their
-        streams run dry (busy time), and they are not drained at a hand-over."""
+        """Have the slots in ``mask`` time each launch on its own (a probe of their busy time)."""
         self.map.set_u32(P_BUSY_MASK, mask & 0xFFFF)
+
+    @property
+    def beside_mask(self) -> int:
+        return self.map.u32(P_BESIDE_MASK)
+
+    def set_beside_mask(self, mask: int) -> None:
+        """Mark the slots in ``mask`` as running beside the holder: untimed, never drained at a
+        hand-over."""
+        self.map.set_u32(P_BESIDE_MASK, mask & 0xFFFF)
 
     def bell_value(self) -> int:
         return self.bell.u32(0)
@@ -235,9 +244,12 @@ class ProcView:
         self.pid = self.map.i32(Q_PID)
         self.slot = self.map.i32(Q_SLOT)
         self.tenant = self.map.text(Q_TENANT, NAME_LEN)
+        # one ctypes view per counter, made once: the controller reads a few on every decision
+        self._words = {name: ctypes.c_uint64.from_address(self.map.addr + Q_COUNTERS + 8 * i)
+                       for i, name in enumerate(PROC_COUNTERS)}
 
     def counter(self, name: str) -> int:
-        return self.map.u64(Q_COUNTERS + 8 * PROC_COUNTERS.index(name))
+        return self._words[name].value
 
     def counters(self) -> dict[str, int]:
         raw = ctypes.string_at(self.map.addr + Q_COUNTERS, 8 * len(PROC_COUNTERS))
@@ -259,22 +271,26 @@ class ProcView:
             if seen == gen:
                 return True
             left = (deadline - time.monotonic_ns()) / 1e9
-            if left <= 0 or not pid_alive(self.pid):
+            if left <= 0:
                 return False
-            self.map.futex_wait(Q_DRAINED, seen, min(left, 0.05))
+            if not self.map.futex_wait(Q_DRAINED, seen, min(left, 0.05)) and not pid_alive(self.pid):
+                return False  # a process that died with work queued never posts its drain
 
     def close(self) -> None:
         self.map.close()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+def pid_alive(pid: int, *, zombie_check: bool = True) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not; telling
+    one costs a read of /proc, which ``zombie_check=False`` skips)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
+    if not zombie_check:
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

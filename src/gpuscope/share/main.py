@@ -70,6 +70,13 @@ class Accounting(Choice):
     NVML = "nvml"
 
 
+class Handover(Choice):
+    """``--share.handover``: how the GPU passes from one slice holder to the next."""
+
+    OVERLAP = "overlap"
+    DRAIN = "drain"
+
+
 @dataclass(frozen=True)
 class ShareSettings:
     """The flags of ``gpuscope share``."""
@@ -84,8 +91,12 @@ class ShareSettings:
                           "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
     slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
                            parse=parse_duration)
-    drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for the previous holder's "
-                                   "queued work at a hand-over", parse=parse_duration)
+    handover: Handover = setting(
+        "--share.handover", Handover.OVERLAP, "overlap: the next holder starts at once, beside the previous "
+        "one's queued work, and the overlap is split between them; drain: it starts once that work is done "
+        "(the GPU idles in between)")
+    drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
+                                   "before a drain hand-over or a probe", parse=parse_duration)
     window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
                             "events per window)", parse=parse_duration)
     gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
@@ -115,6 +126,7 @@ def main(argv: list[str]) -> int:
     try:
         controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
+                                handover=str(args.handover),
                                 utilization=utilization)
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")

@@ -31,6 +31,9 @@ class ShareCollector:
                     for pid, s in c.procs.items()]
             slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
             binding, timeouts = c.stats.binding, c.stats.drain_timeouts
+            states = dict(c.stats.state_s)
+            ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
+            probes = c.stats.probes
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
             for tenant, pid, counters in rows:
@@ -47,6 +50,17 @@ class ShareCollector:
         yield procs
         yield sl
         yield ch
+        st = cat.SHARE_STATE_SECONDS.family()
+        for (tenant, state), seconds in sorted(states.items()):
+            st.add_metric([tenant, state], seconds)
+        yield st
+        br = cat.SHARE_BUSY_RATIO.family()
+        for tenant, ratio in sorted(ratios.items()):
+            br.add_metric([tenant], ratio)
+        yield br
+        pr = cat.SHARE_PROBES.family()
+        pr.add_metric([], probes)
+        yield pr
         b = cat.SHARE_BINDING.family()
         b.add_metric([], 1.0 if binding else 0.0)
         yield b

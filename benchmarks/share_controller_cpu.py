@@ -1,0 +1,170 @@
+"""The share controller's CPU and wake-ups on any machine: tenants on a real-time fake GPU.
+
+`gpuscope share`'s controller never touches the GPU in events mode: what it costs depends on how often
+it wakes and what each wake-up does, which a fake driver whose "GPU" runs kernels in real time
+(tests/share/fake_libcuda.c with FAKE_CUDA_REALTIME=1; each process has a GPU of its own, so nothing
+here measures contention) shows as well as a real one. Two scenarios, in interleaved rounds per
+variant of the controller's flags:
+
+- ``turns``: two GPU-bound loops (ten 1.4 ms kernels, then a sync) at 70/30, equal priority: the
+  tenants take turns, handed over by the controller;
+- ``beside``: a latency-bound loop (steps of 300 launches of 5 µs kernels with 20 µs of CPU between,
+  a sync per step; share 0.3, priority 1) beside such a GPU-bound loop (0.7).
+
+    PYTHONPATH=src python benchmarks/share_controller_cpu.py --out results/share-controller-cpu.json
+
+Reported per round: the controller's CPU (% of a core), its wake-ups a second (voluntary context
+switches of all its threads) and CPU per wake-up; each tenant's share of the rounds' iterations; the
+latency tenant's p50/p99 step and the time it was held at the gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from share_bench import Controller, pct  # noqa: E402
+
+LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
+
+
+def worker(kind: str, seconds: float, start_at: float) -> dict:
+    """A tenant: launches through libcuda.so.1 (the fake one, preloaded with the library)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    launch = cuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    event = ctypes.c_void_p()
+    cuda.cuEventCreate(ctypes.byref(event), 1)
+
+    def sync() -> None:
+        cuda.cuEventRecord(event, None)
+        cuda.cuEventSynchronize(event)
+
+    while time.time() < start_at:
+        time.sleep(0.001)
+    stamps, steps = [], []
+    end = time.time() + seconds
+    while time.time() < end:
+        if kind == "hog":
+            for _ in range(10):
+                launch(None, 1, 1, 1, 1400, 1, 1, 0, None, None, None)
+            sync()
+            stamps.append(time.time())
+        else:
+            t0 = time.perf_counter()
+            for _ in range(300):
+                launch(None, 1, 1, 1, 5, 1, 1, 0, None, None, None)
+                spin = time.perf_counter() + 20e-6  # the Python between a model's kernels
+                while time.perf_counter() < spin:
+                    pass
+            sync()
+            steps.append(time.perf_counter() - t0)
+            stamps.append(time.time())
+    stats = (ctypes.c_uint64 * 8)()
+    ctypes.CDLL(None).gpuscope_share_stats(stats)
+    return {"stamps": stamps, "steps": steps, "throttled_s": stats[3] / 1e9, "windows": stats[5],
+            "launches": stats[0]}
+
+
+def build_fake_driver(folder: str) -> None:
+    if shutil.which("gcc") is None:
+        raise SystemExit("gcc is needed to build the fake driver")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", os.path.join(folder, "libcuda.so.1"),
+                    os.path.join(ROOT, "tests", "share", "fake_libcuda.c")], check=True)
+
+
+def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) -> subprocess.Popen:
+    from gpuscope.share.preload import library_path
+
+    env = dict(os.environ, LD_PRELOAD=library_path(), LD_LIBRARY_PATH=fake, FAKE_CUDA_REALTIME="1",
+               FAKE_CUDA_LOG="/dev/null", GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", kind, str(seconds),
+                             str(start_at)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def collect(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError(f"tenant failed: {err[-1500:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: int) -> dict:
+    if scenario == "turns":
+        shares, tenants = "a=0.7,b=0.3", [("hog", "a"), ("hog", "b")]
+    else:
+        shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("hog", "hog")]
+    ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)
+    start = time.time() + 1.0
+    procs = [spawn(kind, name, seconds, start, fake) for kind, name in tenants]
+    results = {name: collect(p) for (_, name), p in zip(tenants, procs, strict=True)}
+    c = ctl.stop()
+    counts = {name: sum(1 for s in r["stamps"] if start + 1 <= s < start + seconds)
+              for name, r in results.items()}
+    out = {"scenario": scenario, "flags": flags, "controller_cpu_pct": c["cpu_core_pct"],
+           "wakeups_per_s": c["wakeups_per_s"], "cpu_us_per_wakeup": c["cpu_us_per_wakeup"],
+           "throttled_s": {n: r["throttled_s"] for n, r in results.items()},
+           "windows": {n: r["windows"] for n, r in results.items()}}
+    if scenario == "turns":
+        out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
+    else:
+        steps = results["llm"]["steps"]
+        out.update(llm_steps=len(steps), llm_p50_ms=1e3 * pct(steps, 0.5), llm_p99_ms=1e3 * pct(steps, 0.99),
+                   hog_iterations=counts["hog"])
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--scenarios", default="turns,beside")
+    p.add_argument("--variant", action="append", default=None,
+                   help="controller flags of one variant, space-separated (repeat; default: the defaults)")
+    p.add_argument("--port", type=int, default=9417)
+    args = p.parse_args()
+    variants = [v.split() for v in (args.variant or [""])]
+    rows = []
+    with tempfile.TemporaryDirectory() as fake:
+        build_fake_driver(fake)
+        for rnd in range(args.rounds):
+            for scenario in args.scenarios.split(","):
+                for flags in variants if rnd % 2 == 0 else variants[::-1]:
+                    r = one_round(scenario, flags, args.seconds, fake, args.port)
+                    r["round"] = rnd
+                    rows.append(r)
+                    extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
+                             f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
+                             f"{r['throttled_s']['llm']:.3f} s")
+                    print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
+                          f"{r['controller_cpu_pct']:.2f}% {r['wakeups_per_s']:.0f} wake-ups/s "
+                          f"{r['cpu_us_per_wakeup']:.0f} µs each; {extra}", flush=True)
+                    with open(args.out, "w") as f:
+                        json.dump({"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
+                                   "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+    for scenario in args.scenarios.split(","):
+        for flags in variants:
+            mine = [r for r in rows if r["scenario"] == scenario and r["flags"] == flags]
+            print(f"{scenario:6s} {' '.join(flags) or '(defaults)':30s} controller median "
+                  f"{statistics.median(r['controller_cpu_pct'] for r in mine):.2f}% of a core, "
+                  f"{statistics.median(r['wakeups_per_s'] for r in mine):.0f} wake-ups/s")
+
+
+if __name__ == "__main__":
+    main()
