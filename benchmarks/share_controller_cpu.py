@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from share_bench import Controller, pct  # noqa: E402
+from share_bench import Controller, collect, pct  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 
@@ -92,13 +92,6 @@ def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) ->
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", kind, str(seconds),
                              str(start_at)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-
-
-def collect(p: subprocess.Popen) -> dict:
-    out, err = p.communicate(timeout=120)
-    if p.returncode != 0:
-        raise RuntimeError(f"tenant failed: {err[-1500:]}")
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: int) -> dict:

@@ -51,8 +51,8 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
 
 
 @contextlib.contextmanager
-def running(ledger: str, tenants: list[TenantPolicy]):
-    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0)  # CI's slack
+def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap"):
+    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0, handover=handover)  # CI's slack
     stop = threading.Event()
     loop = threading.Thread(target=c.run, args=(stop,))
     loop.start()
@@ -64,9 +64,10 @@ def running(ledger: str, tenants: list[TenantPolicy]):
         c.close()
 
 
-@pytest.fixture
-def controller(tmp_path):
-    with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]) as c:
+@pytest.fixture(params=["overlap", "drain"])
+def controller(tmp_path, request):
+    with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
+                 request.param) as c:
         yield c
 
 

@@ -159,6 +159,35 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
         policy.close()
 
 
+@pytest.mark.parametrize(("gate", "priority", "rings"), [
+    (0b01, 0, False),  # a holds, b is no higher: the controller looks at the slice's end anyway
+    (0b01, 1, True),  # b may preempt the holder
+    (0b00, 0, True),  # nobody holds: the controller must be told
+])
+def test_a_held_thread_wakes_the_controller_only_when_it_must(fake_cuda, tmp_path, gate, priority, rings):
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5, priority)])
+    try:
+        policy.set_gate(gate)
+        child = launch(child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix), 3)
+        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
+        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        try:
+            wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+            # joining rang once (the controller lists the slot files); a waiter that must rings again
+            assert policy.joins() == 1
+            if rings:
+                wait_for(lambda: policy.bell_value() == 2, what="the waiter's ring")
+            else:  # it decided in the same instant it started waiting
+                assert policy.bell_value() == 1
+            policy.heartbeat()
+            policy.set_gate(0b11)
+        finally:
+            view.close()
+        finish(child)
+    finally:
+        policy.close()
+
+
 def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)], stale_ms=300)
     beating = threading.Event()
