@@ -3,9 +3,12 @@
 - ``gpuscope.timing._hotpath``: the timer's hot path, a Python extension.
 - ``gpuscope.share._preload``: the preload library of ``gpuscope share``, a plain shared library that
   processes load with LD_PRELOAD (it is never imported; gpuscope/share/preload.py finds it by path).
+- ``gpuscope.share._words``: the share controller's reads, writes and futex calls on the ledger, a
+  Python extension.
 
-Both are ``optional=True``: where no C compiler is present the build goes on without them (the timer
-then uses its Python hot path; ``gpuscope share`` says the library is missing). Neither links
+All are ``optional=True``: where no C compiler is present the build goes on without them (the timer
+then uses its Python hot path; ``gpuscope share`` says the library is missing; the ledger uses
+ctypes). Neither links
 anything from CUDA, so CPU-only machines build and test them too.
 """
 
@@ -18,4 +21,6 @@ setup(ext_modules=[
               extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
               extra_link_args=["-ldl", "-lpthread"],
               optional=True),
+    Extension("gpuscope.share._words", ["src/gpuscope/share/_words.c"],
+              extra_compile_args=["-O2", "-Wall"], optional=True),
 ])

@@ -426,7 +426,10 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
              "events-slice-50ms": ("events", args.pair_seconds, "--share.slice", "50ms"),
              "events-slice-30ms": ("events", args.pair_seconds, "--share.slice", "30ms"),
-             "events-drain": ("events", args.pair_seconds / 2, "--share.handover", "drain")}
+             "events-drain": ("events", args.pair_seconds / 2, "--share.handover", "drain"),
+             "events-queue-1": ("events", args.pair_seconds, "--share.queued-windows", "1"),
+             "events-slice-30ms-queue-1": ("events", args.pair_seconds, "--share.slice", "30ms",
+                                           "--share.queued-windows", "1")}
     for key in [k for k in pairs if f"pair-{k}" in phases]:
         accounting, seconds, *extra = pairs[key]
         r = pair_run("a=0.7,b=0.3", accounting, seconds, alone, args.port, *extra)

@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from share_bench import Controller, collect, pct  # noqa: E402
+from share_bench import Controller, _helper_cpu_s, collect, pct  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 
@@ -53,6 +53,7 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
 
     while time.time() < start_at:
         time.sleep(0.001)
+    helper0 = _helper_cpu_s()
     stamps, steps = [], []
     end = time.time() + seconds
     while time.time() < end:
@@ -74,7 +75,7 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
     stats = (ctypes.c_uint64 * 8)()
     ctypes.CDLL(None).gpuscope_share_stats(stats)
     return {"stamps": stamps, "steps": steps, "throttled_s": stats[3] / 1e9, "windows": stats[5],
-            "launches": stats[0]}
+            "launches": stats[0], "helper_cpu_pct": 100 * (_helper_cpu_s() - helper0) / seconds}
 
 
 def build_fake_driver(folder: str) -> None:
@@ -109,7 +110,8 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     out = {"scenario": scenario, "flags": flags, "controller_cpu_pct": c["cpu_core_pct"],
            "wakeups_per_s": c["wakeups_per_s"], "cpu_us_per_wakeup": c["cpu_us_per_wakeup"],
            "throttled_s": {n: r["throttled_s"] for n, r in results.items()},
-           "windows": {n: r["windows"] for n, r in results.items()}}
+           "windows": {n: r["windows"] for n, r in results.items()},
+           "helper_cpu_pct": {n: r["helper_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
     else:
@@ -147,7 +149,8 @@ def main() -> None:
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
                           f"{r['controller_cpu_pct']:.2f}% {r['wakeups_per_s']:.0f} wake-ups/s "
-                          f"{r['cpu_us_per_wakeup']:.0f} µs each; {extra}", flush=True)
+                          f"{r['cpu_us_per_wakeup']:.0f} µs each; helpers "
+                          f"{', '.join(f'{v:.2f}%' for v in r['helper_cpu_pct'].values())}; {extra}", flush=True)
                     with open(args.out, "w") as f:
                         json.dump({"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
                                    "cpus": os.cpu_count(), "rows": rows}, f, indent=1)

@@ -215,6 +215,7 @@ static int K = 8;
 static CUcontext acct_ctx;
 static uint32_t helper_bit;
 static _Atomic int helper_sleeping;
+static int helper_waited_newest; /* the last wake on the newest window posted nothing */
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -273,6 +274,7 @@ static void after_fork_in_child(void) {
     head = tail = 0;
     win_open = win_launches = acct_ready = acct_failed = 0;
     atomic_store(&helper_sleeping, 0);
+    helper_waited_newest = 0;
 }
 
 static void ring_bell(void);
@@ -507,9 +509,12 @@ static int close_window(void) {
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
 /* Under wlock: post the oldest windows that have finished, without waiting (at most `max`). */
+static void adapt(float ms);
+
 static void resolve_finished(int max) {
     while (head < tail && max-- > 0 && drv.query(ring[head % POOL].end) == 0) {
-        post_window(&ring[head % POOL]);
+        float ms = post_window(&ring[head % POOL]);
+        if (!ring[head % POOL].busy) adapt(ms);
         head++;
     }
     atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
@@ -583,14 +588,25 @@ static void *helper_main(void *arg) {
             continue;
         }
         if (head < tail) {
-            window_t w = ring[head % POOL];
+            /* Sleep on the newest closed window: windows on one stream finish in order, so one
+             * wake-up posts every queued window (half the wake-ups of a GPU-bound process at two
+             * windows queued). Without cuEventQuery, or when an older window on another stream is
+             * still running, wait on the oldest instead. */
+            int newest = drv.query != NULL && !helper_waited_newest;
+            window_t w = ring[(newest ? tail - 1 : head) % POOL];
             uint64_t h = head;
             pthread_mutex_unlock(&wlock);
             drv.sync(w.end);
             pthread_mutex_lock(&wlock);
-            if (head == h) { /* not resolved by a launching thread meanwhile */
-                adapt(post_window(&w));
-                head++;
+            if (newest) {
+                resolve_finished(POOL);
+                helper_waited_newest = head == h; /* nothing posted: the oldest is on another stream */
+            } else {
+                helper_waited_newest = 0;
+                if (head == h) { /* not resolved by a launching thread meanwhile */
+                    adapt(post_window(&w));
+                    head++;
+                }
             }
             atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
             pthread_mutex_unlock(&wlock);

@@ -31,6 +31,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+try:
+    from gpuscope.share import _words
+except ImportError:  # no compiler where gpuscope was installed: ctypes serves (slower per wake-up)
+    _words = None
+
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
 LAYOUT_VERSION = 3
@@ -90,31 +95,46 @@ class Mapping:
         self.path = path
 
     def u32(self, off: int) -> int:
+        if _words is not None:
+            return _words.u32(self.addr + off)
         return ctypes.c_uint32.from_address(self.addr + off).value
 
     def i32(self, off: int) -> int:
         return ctypes.c_int32.from_address(self.addr + off).value
 
     def u64(self, off: int) -> int:
+        if _words is not None:
+            return _words.u64(self.addr + off)
         return ctypes.c_uint64.from_address(self.addr + off).value
 
     def set_u32(self, off: int, value: int) -> None:
-        ctypes.c_uint32.from_address(self.addr + off).value = value
+        if _words is not None:
+            _words.set_u32(self.addr + off, value)
+        else:
+            ctypes.c_uint32.from_address(self.addr + off).value = value
 
     def set_u64(self, off: int, value: int) -> None:
-        ctypes.c_uint64.from_address(self.addr + off).value = value
+        if _words is not None:
+            _words.set_u64(self.addr + off, value)
+        else:
+            ctypes.c_uint64.from_address(self.addr + off).value = value
 
     def text(self, off: int, size: int) -> str:
         return ctypes.string_at(self.addr + off, size).split(b"\0", 1)[0].decode(errors="replace")
 
     def futex_wait(self, off: int, expected: int, timeout_s: float) -> bool:
         """Sleep while the word at ``off`` equals ``expected``, at most ``timeout_s``; False on timeout."""
+        if _words is not None:
+            return _words.futex_wait(self.addr + off, expected, float(timeout_s))
         ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
         rc = _libc.syscall(SYS_FUTEX, ctypes.c_void_p(self.addr + off), FUTEX_WAIT, ctypes.c_uint32(expected),
                            ctypes.byref(ts), None, 0)
         return not (rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT)
 
     def futex_wake(self, off: int) -> None:
+        if _words is not None:
+            _words.futex_wake(self.addr + off)
+            return
         _libc.syscall(SYS_FUTEX, ctypes.c_void_p(self.addr + off), FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     def close(self) -> None:
@@ -244,12 +264,10 @@ class ProcView:
         self.pid = self.map.i32(Q_PID)
         self.slot = self.map.i32(Q_SLOT)
         self.tenant = self.map.text(Q_TENANT, NAME_LEN)
-        # one ctypes view per counter, made once: the controller reads a few on every decision
-        self._words = {name: ctypes.c_uint64.from_address(self.map.addr + Q_COUNTERS + 8 * i)
-                       for i, name in enumerate(PROC_COUNTERS)}
+        self._offsets = {name: Q_COUNTERS + 8 * i for i, name in enumerate(PROC_COUNTERS)}
 
     def counter(self, name: str) -> int:
-        return self._words[name].value
+        return self.map.u64(self._offsets[name])
 
     def counters(self) -> dict[str, int]:
         raw = ctypes.string_at(self.map.addr + Q_COUNTERS, 8 * len(PROC_COUNTERS))

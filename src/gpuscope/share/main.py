@@ -99,6 +99,8 @@ class ShareSettings:
                                    "before a drain hand-over or a probe", parse=parse_duration)
     window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
                             "events per window)", parse=parse_duration)
+    queued_windows: int = setting("--share.queued-windows", 2, "finished-but-unresolved windows a slice "
+                                  "holder may have queued: bounds the work a hand-over overlaps or waits for")
     gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
     listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
                           parse=listen_address, metavar="HOST:PORT")
@@ -113,6 +115,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_settings(argv)
     if args.shares is None:
         parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
+    if not 1 <= args.queued_windows <= 255:
+        parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
     host, port = parse_listen_address(args.listen)
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
@@ -126,7 +130,7 @@ def main(argv: list[str]) -> int:
     try:
         controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
-                                handover=str(args.handover),
+                                handover=str(args.handover), inflight_slice=args.queued_windows,
                                 utilization=utilization)
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
