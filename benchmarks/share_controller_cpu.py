@@ -150,7 +150,8 @@ def main() -> None:
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
                           f"{r['controller_cpu_pct']:.2f}% {r['wakeups_per_s']:.0f} wake-ups/s "
                           f"{r['cpu_us_per_wakeup']:.0f} µs each; helpers "
-                          f"{', '.join(f'{v:.2f}%' for v in r['helper_cpu_pct'].values())}; {extra}", flush=True)
+                          f"{', '.join(f'{v:.2f}%' for v in r['helper_cpu_pct'].values())}; {extra}",
+                          flush=True)
                     with open(args.out, "w") as f:
                         json.dump({"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
                                    "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
