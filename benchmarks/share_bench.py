@@ -194,6 +194,21 @@ def collect(p: subprocess.Popen) -> dict:
     return res
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid``, to the nanosecond (its CPU-time clock; /proc's ticks are 10 ms,
+    too coarse for a controller that uses a few ms a second)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clock = ctypes.c_int()
+    ts = (ctypes.c_long * 2)()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0 and libc.clock_gettime(clock, ts) == 0:
+        return ts[0] + ts[1] / 1e9
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Controller:
     """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
 
@@ -209,6 +224,11 @@ class Controller:
             if self.p.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"controller did not start: {self.p.communicate()[1][-1000:]}")
             time.sleep(0.05)
+        self.mark()
+
+    def mark(self) -> None:
+        """Count the controller's CPU and wake-ups from now: call it when the tenants start, so that the
+        seconds before (the tenants importing torch, the controller idle) do not dilute them."""
         self.t0, self.cpu0, self.switches0 = time.time(), self.cpu(), self.switches()
 
     def switches(self) -> int:
@@ -220,11 +240,13 @@ class Controller:
         return total
 
     def cpu(self) -> float:
-        with open(f"/proc/{self.p.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_s(self.p.pid)
 
     def stop(self) -> dict:
+        """Stop it; its CPU and wake-ups since ``mark`` (call it as the tenants finish)."""
+        cpu = self.cpu() - self.cpu0
+        wall = time.time() - self.t0
+        wakeups = self.switches() - self.switches0
         share_lines = []
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
@@ -232,15 +254,17 @@ class Controller:
                 share_lines = [ln for ln in lines if ln.startswith("gpuscope_share_")]
         except OSError as exc:
             share_lines = [f"scrape failed: {exc}"]
-        cpu = self.cpu() - self.cpu0
-        wall = time.time() - self.t0
-        wakeups = self.switches() - self.switches0
         self.p.terminate()
         _, err = self.p.communicate(timeout=30)
         return {"cpu_s": cpu, "wall_s": wall, "cpu_core_pct": 100 * cpu / wall,
                 "wakeups_per_s": wakeups / wall, "cpu_us_per_wakeup": 1e6 * cpu / max(1, wakeups),
                 "metrics": share_lines,
                 "stderr": err[-500:]}
+
+
+def sleep_until(t: float) -> None:
+    while time.time() < t:
+        time.sleep(min(0.05, max(0.0, t - time.time())))
 
 
 def rate(stamps: list[float], lo: float, hi: float) -> float:
@@ -251,6 +275,8 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
     ctl = Controller(shares, accounting, port, *extra)
     start = time.time() + 12  # both processes past torch's start-up
     pa, pb = spawn("hog", seconds, start, "a"), spawn("hog", seconds, start, "b")
+    sleep_until(start)
+    ctl.mark()
     nvml_series = []  # what the nvml accounting reads, polled as the controller polls it
     if accounting == "nvml":
         from gpuscope.share.nvml_source import nvml_utilization
@@ -345,6 +371,9 @@ def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
     poller = MetricsPoller(port, start) if ctl else None
     pl = spawn("llm", seconds, start, "llm" if accounting else None, llm_env)
     ph = spawn("hog", seconds, start, "hog" if accounting else None) if hog else None
+    sleep_until(start)
+    if ctl:
+        ctl.mark()
     rl = collect(pl)
     rh = collect(ph) if ph else None
     series = poller.stop() if poller else []

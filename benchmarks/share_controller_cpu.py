@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from share_bench import Controller, _helper_cpu_s, collect, pct  # noqa: E402
+from share_bench import Controller, _helper_cpu_s, collect, pct, sleep_until  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 
@@ -103,6 +103,8 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)
     start = time.time() + 1.0
     procs = [spawn(kind, name, seconds, start, fake) for kind, name in tenants]
+    sleep_until(start)
+    ctl.mark()
     results = {name: collect(p) for (_, name), p in zip(tenants, procs, strict=True)}
     c = ctl.stop()
     counts = {name: sum(1 for s in r["stamps"] if start + 1 <= s < start + seconds)
