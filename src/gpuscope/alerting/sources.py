@@ -481,20 +481,23 @@ DCGM_EXPORTER = Source(
     ),
 )
 
-# `gpuscope share` (docs/share.md): tenants are processes sharing one GPU. Its GPU seconds and target
-# shares are the same quantities as the server's, so the tenants dashboard and the under-served and
-# starved alerts read them unchanged; the backlog is a launching thread held at the gate at every
-# sample of the window (a tenant that gets its turns is seen running at some sample).
+# `gpuscope share` (docs/share.md): tenants are processes sharing one GPU. The GPU seconds the controller
+# charged and the target shares are the same quantities as the server's, so the tenants dashboard and
+# the under-served and starved alerts read them unchanged; the backlog is a launching thread held at
+# the gate at every sample of the window (a tenant that gets its turns is seen running at some sample).
+# Charged, not the processes' own event time: that spans the other tenants' slices while two run at
+# once (an overlapping hand-over), and a tenant beside the holder posts none outside its probes.
 _SHARE = {"drop": ("pid",)}
 GPUSCOPE_SHARE = Source(
     name=parts.SHARE.job, role="server", title="gpuscope share",
     upstream="src/gpuscope/contract/catalogue.py (this repository)", selector_field="share",
-    raw={"tenant_gpu_seconds": Raw(m.SHARE_GPU_SECONDS.name, **_SHARE),
+    raw={"tenant_gpu_seconds": Raw(m.SHARE_CHARGED_SECONDS.name),
          "quota": Raw(m.SHARE_TARGET_RATIO.name),
          "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE)},
-    notes=("Tenants are processes on one GPU (`gpuscope share`): GPU seconds, target shares and the "
-           "backlog (threads held at the gate) only; no requests, tokens, latency or memory, so a tenant "
-           "held at every sample of the window counts as starved (no tokens are ever generated).",),
+    notes=("Tenants are processes on one GPU (`gpuscope share`): the GPU seconds the controller charged "
+           "each, target shares and the backlog (threads held at the gate) only; no requests, tokens, "
+           "latency or memory, so a tenant held at every sample of the window counts as starved (no "
+           "tokens are ever generated).",),
 )
 
 SOURCES: dict[str, Source] = {s.name: s for s in (GPUSCOPE_SERVER, GPUSCOPE_EXPORTER, VLLM, DCGM_EXPORTER,
