@@ -174,10 +174,8 @@ def _lib() -> str:
     return lib
 
 
-def spawn(mode: str, seconds: float, start_at: float, tenant: str | None,
-          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(mode: str, seconds: float, start_at: float, tenant: str | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    env.update(extra_env or {})
     if tenant:
         env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", mode, str(seconds),
@@ -363,13 +361,13 @@ class MetricsPoller:
 
 
 def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
-            shares: str = "llm=0.3:1,hog=0.7", *, hog: bool = True, llm_env: dict | None = None) -> dict:
+            shares: str = "llm=0.3:1,hog=0.7", *, hog: bool = True) -> dict:
     """The decode loop, beside a matmul hog (``hog``): under the library with a controller in mode
     ``accounting``, or with neither (``accounting`` None: plain processes, the GPU's own time-slicing)."""
     ctl = Controller(shares, accounting, port) if accounting else None
     start = time.time() + 15
     poller = MetricsPoller(port, start) if ctl else None
-    pl = spawn("llm", seconds, start, "llm" if accounting else None, llm_env)
+    pl = spawn("llm", seconds, start, "llm" if accounting else None)
     ph = spawn("hog", seconds, start, "hog" if accounting else None) if hog else None
     sleep_until(start)
     if ctl:
@@ -475,10 +473,8 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
             "nvml": ("nvml", "llm=0.3:1,hog=0.7", True),
             "events-llm-share-0.7": ("events", "llm=0.7:1,hog=0.3", True),
             "alone-lib": ("events", "llm=0.3:1,hog=0.7", False),
-            # experiments: a share the decode loop never exceeds (always beside), timed per launch or not
-            "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True),
-            "events-llm-share-0.9-untimed": ("events", "llm=0.9:1,hog=0.1", True,
-                                             {"GPUSCOPE_SHARE_BESIDE_UNTIMED": "1"})}
+            # a share the decode loop never exceeds: always beside the hog, never held
+            "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True)}
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
@@ -486,9 +482,8 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
           flush=True)
     for key in chosen:
-        accounting, shares, hog, *env = runs[key]
-        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, hog=hog,
-                                      llm_env=env[0] if env else None)
+        accounting, shares, hog = runs[key]
+        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, hog=hog)
         r["p99_vs_alone"] = r["p99_ms"] / out["llm"]["alone"]["p99_ms"]
         r["tokens_identical"] = r["tokens"] == out["llm"]["alone"]["tokens"]
         hog_text = "no hog"

@@ -10,13 +10,13 @@ import pytest
 from gpuscope.share import ledger
 from gpuscope.share.ledger import P_GATE, P_HEARTBEAT, Policy, TenantPolicy
 
-ROUTES = ["ctypes"] + (["c"] if ledger._words is not None else [])
+ROUTES = ["ctypes"] + (["c"] if ledger._native_words is not None else [])
 
 
 @pytest.fixture(params=ROUTES)
 def policy(request, tmp_path, monkeypatch):
     if request.param == "ctypes":
-        monkeypatch.setattr(ledger, "_words", None)
+        monkeypatch.setattr(ledger, "_words", ledger.CtypesWords)
     p = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     yield p
     p.close()

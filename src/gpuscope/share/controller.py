@@ -295,8 +295,9 @@ class Controller:
         """Once an ended probe's windows are posted: each probed tenant's busy fraction."""
         probe, self.probe = self.probe, None
         wall = max(probe.until - probe.started, 1e-6)
+        after = self._busy_ns(set(probe.busy_ns))
         for slot, before in probe.busy_ns.items():
-            measured = min(1.0, (self._busy_ns({slot})[slot] - before) / 1e9 / wall)
+            measured = min(1.0, (after[slot] - before) / 1e9 / wall)
             old = self.busy_ratio.get(slot)
             self.busy_ratio[slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
 

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 try:
-    from gpuscope.share import _words
+    from gpuscope.share import _words as _native_words
 except ImportError:  # no compiler where gpuscope was installed: ctypes serves (slower per wake-up)
-    _words = None
+    _native_words = None
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
@@ -76,6 +76,41 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+class CtypesWords:
+    """What the ``_words`` extension does, through ctypes (where it was not built)."""
+
+    @staticmethod
+    def u32(addr: int) -> int:
+        return ctypes.c_uint32.from_address(addr).value
+
+    @staticmethod
+    def u64(addr: int) -> int:
+        return ctypes.c_uint64.from_address(addr).value
+
+    @staticmethod
+    def set_u32(addr: int, value: int) -> None:
+        ctypes.c_uint32.from_address(addr).value = value
+
+    @staticmethod
+    def set_u64(addr: int, value: int) -> None:
+        ctypes.c_uint64.from_address(addr).value = value
+
+    @staticmethod
+    def futex_wait(addr: int, expected: int, timeout_s: float) -> bool:
+        ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+        rc = _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAIT, ctypes.c_uint32(expected),
+                           ctypes.byref(ts), None, 0)
+        return not (rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT)
+
+    @staticmethod
+    def futex_wake(addr: int) -> None:
+        _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+#: The shared words' reads, writes and futex calls: the C extension, or ctypes.
+_words = _native_words if _native_words is not None else CtypesWords
+
+
 class Mapping:
     """A page of a file mapped with libc's mmap, so futex calls get a stable address (Python's mmap
     module does not expose one for read-only mappings)."""
@@ -95,47 +130,29 @@ class Mapping:
         self.path = path
 
     def u32(self, off: int) -> int:
-        if _words is not None:
-            return _words.u32(self.addr + off)
-        return ctypes.c_uint32.from_address(self.addr + off).value
+        return _words.u32(self.addr + off)
 
     def i32(self, off: int) -> int:
         return ctypes.c_int32.from_address(self.addr + off).value
 
     def u64(self, off: int) -> int:
-        if _words is not None:
-            return _words.u64(self.addr + off)
-        return ctypes.c_uint64.from_address(self.addr + off).value
+        return _words.u64(self.addr + off)
 
     def set_u32(self, off: int, value: int) -> None:
-        if _words is not None:
-            _words.set_u32(self.addr + off, value)
-        else:
-            ctypes.c_uint32.from_address(self.addr + off).value = value
+        _words.set_u32(self.addr + off, value)
 
     def set_u64(self, off: int, value: int) -> None:
-        if _words is not None:
-            _words.set_u64(self.addr + off, value)
-        else:
-            ctypes.c_uint64.from_address(self.addr + off).value = value
+        _words.set_u64(self.addr + off, value)
 
     def text(self, off: int, size: int) -> str:
         return ctypes.string_at(self.addr + off, size).split(b"\0", 1)[0].decode(errors="replace")
 
     def futex_wait(self, off: int, expected: int, timeout_s: float) -> bool:
         """Sleep while the word at ``off`` equals ``expected``, at most ``timeout_s``; False on timeout."""
-        if _words is not None:
-            return _words.futex_wait(self.addr + off, expected, float(timeout_s))
-        ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-        rc = _libc.syscall(SYS_FUTEX, ctypes.c_void_p(self.addr + off), FUTEX_WAIT, ctypes.c_uint32(expected),
-                           ctypes.byref(ts), None, 0)
-        return not (rc != 0 and ctypes.get_errno() == errno.ETIMEDOUT)
+        return _words.futex_wait(self.addr + off, expected, float(timeout_s))
 
     def futex_wake(self, off: int) -> None:
-        if _words is not None:
-            _words.futex_wake(self.addr + off)
-            return
-        _libc.syscall(SYS_FUTEX, ctypes.c_void_p(self.addr + off), FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        _words.futex_wake(self.addr + off)
 
     def close(self) -> None:
         if self.addr:
