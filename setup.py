@@ -5,10 +5,12 @@
   processes load with LD_PRELOAD (it is never imported; gpuscope/share/preload.py finds it by path).
 - ``gpuscope.share._words``: the share controller's reads, writes and futex calls on the ledger, a
   Python extension.
+- ``gpuscope.share._turns``: the share controller's hand-overs between slice holders, a Python
+  extension.
 
 All are ``optional=True``: where no C compiler is present the build goes on without them (the timer
 then uses its Python hot path; ``gpuscope share`` says the library is missing; the ledger uses
-ctypes). Neither links
+ctypes; the controller hands over from Python). None links
 anything from CUDA, so CPU-only machines build and test them too.
 """
 
@@ -22,5 +24,7 @@ setup(ext_modules=[
               extra_link_args=["-ldl", "-lpthread"],
               optional=True),
     Extension("gpuscope.share._words", ["src/gpuscope/share/_words.c"],
+              extra_compile_args=["-O2", "-Wall"], optional=True),
+    Extension("gpuscope.share._turns", ["src/gpuscope/share/_turns.c"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
 ])

@@ -51,8 +51,9 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
 
 
 @contextlib.contextmanager
-def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap"):
-    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0, handover=handover)  # CI's slack
+def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap", keeper: bool = True):
+    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0, handover=handover,  # CI's slack
+                   keeper=keeper)
     stop = threading.Event()
     loop = threading.Thread(target=c.run, args=(stop,))
     loop.start()
@@ -64,10 +65,12 @@ def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap")
         c.close()
 
 
-@pytest.fixture(params=["overlap", "drain"])
+@pytest.fixture(params=["overlap", "overlap-python", "drain"])
 def controller(tmp_path, request):
+    """Overlapping hand-overs decided in C (the turn keeper, where built) or in Python; draining ones."""
+    handover, _, where = request.param.partition("-")
     with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
-                 request.param) as c:
+                 handover, keeper=where != "python") as c:
         yield c
 
 

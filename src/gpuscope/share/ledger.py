@@ -58,6 +58,10 @@ PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "g
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
                  "busy_launches", "busy_ns")
 Q_COUNTERS = 64
+#: Where the words that say whether a process wants the GPU lie in its page: threads held at the gate,
+#: a window open, windows in flight, its last launch (the controller's turn keeper reads them in C).
+WANT_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
+                              for name in ("window_open", "inflight", "last_launch_ns")))
 
 MODES = {"events": 0, "nvml": 1}
 
@@ -224,6 +228,14 @@ class Policy:
     def gate(self) -> int:
         return self.map.u32(P_GATE)
 
+    @property
+    def gate_address(self) -> int:
+        return self.map.addr + P_GATE
+
+    @property
+    def bell_address(self) -> int:
+        return self.bell.addr
+
     def set_gate(self, mask: int) -> int:
         """Let the slots in ``mask`` launch (``OPEN_MASK``: all); returns the new generation."""
         self.gen = (self.gen + 1) & 0xFFFF or 1
@@ -282,6 +294,11 @@ class ProcView:
         self.slot = self.map.i32(Q_SLOT)
         self.tenant = self.map.text(Q_TENANT, NAME_LEN)
         self._offsets = {name: Q_COUNTERS + 8 * i for i, name in enumerate(PROC_COUNTERS)}
+
+    @property
+    def address(self) -> int:
+        """Where its page is mapped (``WANT_OFFSETS`` lie inside it)."""
+        return self.map.addr
 
     def counter(self, name: str) -> int:
         return self.map.u64(self._offsets[name])

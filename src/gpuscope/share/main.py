@@ -77,6 +77,13 @@ class Handover(Choice):
     DRAIN = "drain"
 
 
+class Turns(Choice):
+    """``--share.turns``: where hand-overs between slice holders are decided."""
+
+    C = "c"
+    PYTHON = "python"
+
+
 @dataclass(frozen=True)
 class ShareSettings:
     """The flags of ``gpuscope share``."""
@@ -95,6 +102,10 @@ class ShareSettings:
         "--share.handover", Handover.OVERLAP, "overlap: the next holder starts at once, beside the previous "
         "one's queued work, and the overlap is split between them; drain: it starts once that work is done "
         "(the GPU idles in between)")
+    turns: Turns = setting(
+        "--share.turns", Turns.C, "where overlapping hand-overs are decided: c (a loop in C that wakes "
+        "Python only every 100 ms; python where it was not built) or python (a wake-up of the Python loop "
+        "per hand-over)")
     drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
                                    "before a drain hand-over or a probe", parse=parse_duration)
     window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
@@ -131,7 +142,7 @@ def main(argv: list[str]) -> int:
         controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
                                 handover=str(args.handover), inflight_slice=args.queued_windows,
-                                utilization=utilization)
+                                utilization=utilization, keeper=args.turns == Turns.C)
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
     stop = threading.Event()

@@ -71,6 +71,14 @@ class SliceScheduler:
         """Whether shares bind: more than one tenant has been launching lately."""
         return len(set(active)) > 1
 
+    def usage(self, now: float, pending: Mapping[int, float] | None = None) -> list[float]:
+        """Each tenant's decayed GPU seconds at ``now``, with ``pending`` (used, not yet posted) added."""
+        self._decay(now)
+        used = list(self.used)
+        for slot, extra in (pending or {}).items():
+            used[slot] += max(0.0, extra)
+        return used
+
     def pick(self, wanting: Iterable[int], now: float,
              pending: Mapping[int, float] | None = None) -> int | None:
         """The slot that gets the next slice among those that want one (None: nobody wants one).
@@ -80,10 +88,8 @@ class SliceScheduler:
         wanting = sorted(set(wanting))
         if not wanting:
             return None
-        self._decay(now)
-        saved = list(self.used)
-        for slot, extra in (pending or {}).items():
-            self.used[slot] += max(0.0, extra)
+        saved = self.used
+        self.used = self.usage(now, pending)
         try:
             eligible = [s for s in wanting if self.within_share(s, wanting)] or wanting
             top = max(self.tenants[s].priority for s in eligible)

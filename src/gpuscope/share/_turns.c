@@ -1,0 +1,338 @@
+/* gpuscope share: the controller's turn keeper, hand-overs between slice holders in C.
+ *
+ * While two or more tenants take turns, the controller's only frequent job is the hand-over at each
+ * slice's end: read who is waiting, pick the next holder, write the gate, wake its threads. Done by
+ * the Python loop, each hand-over is a wake-up of the interpreter on a cold cache, ~150 µs of CPU;
+ * at 20 ms slices that alone is about half a percent of a core. take_turns() does the same
+ * decisions here and returns to Python only at a deadline (the controller's bookkeeping: charging,
+ * the active set, probes, every 250 ms), when a tenant rings the bell (a preempting priority, a quiet
+ * holder) or when a tenant process has exited, so a hand-over costs a futex wake-up, a few loads and
+ * a kill(pid, 0) per process.
+ *
+ * The decisions mirror scheduler.py's SliceScheduler.pick and quantum, on the deficits the
+ * controller passed in, advanced by each holder's held time (a holder's GPU time while it holds the
+ * GPU alone); the controller charges what the tenants really posted when it gets control back.
+ * Offsets into the ledger's pages are passed in by ledger.py, the one place that defines them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_SLOTS 16
+#define MAX_PROCS 1024
+#define OPEN_MASK 0xFFFFu
+
+enum { RETURN_DEADLINE = 0, RETURN_BELL = 1, RETURN_IDLE = 2, RETURN_GONE = 3 };
+
+typedef struct {
+    int slot;
+    pid_t pid;
+    const uint8_t *page;
+} proc_t;
+
+typedef struct {
+    /* the ledger */
+    uint32_t *gate, *bell;
+    uint32_t bell_seen, gen, beside;
+    size_t off_waiting, off_window_open, off_inflight, off_last_launch;
+    /* the tenants */
+    int nslots;
+    double share[MAX_SLOTS], used[MAX_SLOTS];
+    long priority[MAX_SLOTS];
+    proc_t procs[MAX_PROCS];
+    int nprocs;
+    /* the turn */
+    int holder;
+    int64_t slice_start, slice_end, return_at, base_slice, recent;
+    /* what happened, for the controller's counters */
+    unsigned long grants[MAX_SLOTS];
+    int64_t held[MAX_SLOTS];
+} keeper_t;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static uint32_t load32(const void *p) { return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE); }
+static uint64_t load64(const void *p) { return __atomic_load_n((const uint64_t *)p, __ATOMIC_ACQUIRE); }
+
+static int within_share(const keeper_t *k, int slot, uint32_t wanting) {
+    double total_used = 0, total_share = 0;
+    for (int s = 0; s < k->nslots; s++)
+        if (wanting >> s & 1) {
+            total_used += k->used[s];
+            total_share += k->share[s];
+        }
+    if (total_used <= 0 || total_share <= 0) return 1;
+    return k->used[slot] / total_used <= k->share[slot] / total_share + 1e-9;
+}
+
+/* SliceScheduler.pick: among those within their share (or all, if none is), the highest priority,
+ * then the lowest used/share. */
+static int pick(const keeper_t *k, uint32_t wanting) {
+    uint32_t eligible = 0;
+    for (int s = 0; s < k->nslots; s++)
+        if ((wanting >> s & 1) && within_share(k, s, wanting)) eligible |= 1u << s;
+    if (!eligible) eligible = wanting;
+    int best = -1;
+    for (int s = 0; s < k->nslots; s++) {
+        if (!(eligible >> s & 1)) continue;
+        if (best < 0 || k->priority[s] > k->priority[best]) {
+            best = s;
+            continue;
+        }
+        if (k->priority[s] == k->priority[best] &&
+            k->used[s] / (k->share[s] > 1e-9 ? k->share[s] : 1e-9) <
+                k->used[best] / (k->share[best] > 1e-9 ? k->share[best] : 1e-9))
+            best = s;
+    }
+    return best;
+}
+
+/* SliceScheduler.quantum: the base slice for the smallest share among those taking turns, longer in
+ * proportion to the share, at most eight times. */
+static int64_t quantum(const keeper_t *k, int slot, uint32_t wanting) {
+    double smallest = k->share[slot];
+    for (int s = 0; s < k->nslots; s++)
+        if ((wanting >> s & 1) && k->share[s] < smallest) smallest = k->share[s];
+    double ratio = k->share[slot] / (smallest > 1e-9 ? smallest : 1e-9);
+    return (int64_t)((double)k->base_slice * (ratio < 8.0 ? ratio : 8.0));
+}
+
+/* Slots with a thread held at the gate (tenants beside the holder excluded), and whether the holder
+ * still has work: a window open or queued, or a launch within `recent`. */
+static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants) {
+    uint32_t wanting = 0;
+    *holder_wants = 0;
+    for (int i = 0; i < k->nprocs; i++) {
+        const proc_t *p = &k->procs[i];
+        if (k->beside >> p->slot & 1) continue;
+        if (load32(p->page + k->off_waiting)) wanting |= 1u << p->slot;
+        if (p->slot == k->holder &&
+            (load64(p->page + k->off_window_open) || load64(p->page + k->off_inflight) ||
+             now - (int64_t)load64(p->page + k->off_last_launch) < k->recent))
+            *holder_wants = 1;
+    }
+    return wanting;
+}
+
+/* Whether a tenant process has exited (its share goes back once the controller forgets it). */
+static int any_gone(const keeper_t *k) {
+    for (int i = 0; i < k->nprocs; i++)
+        if (kill(k->procs[i].pid, 0) != 0 && errno == ESRCH) return 1;
+    return 0;
+}
+
+/* The holder's time since the last hand-over counts as its use (it held the GPU alone). */
+static void account(keeper_t *k, int64_t *mark, int64_t now) {
+    k->held[k->holder] += now - *mark;
+    k->used[k->holder] += (double)(now - *mark) / 1e9;
+    *mark = now;
+}
+
+static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now) {
+    if (slot != k->holder) {
+        k->gen = (k->gen + 1) & 0xFFFF;
+        if (!k->gen) k->gen = 1;
+        __atomic_store_n(k->gate, (k->gen << 16) | (((1u << slot) | k->beside) & OPEN_MASK), __ATOMIC_RELEASE);
+        syscall(SYS_futex, k->gate, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+        k->holder = slot;
+    }
+    k->grants[slot]++;
+    k->slice_start = now;
+    k->slice_end = now + quantum(k, slot, wanting | 1u << slot);
+}
+
+static int keep(keeper_t *k) {
+    int64_t mark = now_ns();
+    for (;;) {
+        int64_t now = now_ns();
+        if (load32(k->bell) != k->bell_seen) {
+            account(k, &mark, now);
+            return RETURN_BELL;
+        }
+        if (now >= k->return_at) {
+            account(k, &mark, now);
+            return RETURN_DEADLINE;
+        }
+        int64_t wake = k->slice_end < k->return_at ? k->slice_end : k->return_at;
+        if (now < wake) {
+            struct timespec ts = {(time_t)((wake - now) / 1000000000), (long)((wake - now) % 1000000000)};
+            syscall(SYS_futex, k->bell, FUTEX_WAIT, k->bell_seen, &ts, NULL, 0);
+            continue;
+        }
+        account(k, &mark, now);
+        if (any_gone(k)) return RETURN_GONE;
+        int holder_wants;
+        uint32_t wanting = wanting_slots(k, now, &holder_wants);
+        uint32_t others = wanting & ~(1u << k->holder);
+        if (!others) {
+            if (!holder_wants) return RETURN_IDLE; /* nobody wants a turn: the controller decides */
+            /* nobody else waits: the holder goes on, and the keeper looks again at its deadline (a
+             * tenant that starts waiting meanwhile waits that long, as under the Python loop) */
+            grant(k, k->holder, wanting, now);
+            if (k->slice_end < k->return_at) k->slice_end = k->return_at;
+            continue;
+        }
+        uint32_t candidates = holder_wants ? wanting | 1u << k->holder : others;
+        /* the quantum weighs the share against everyone who wants the GPU, the holder too */
+        grant(k, pick(k, candidates), candidates, now);
+    }
+}
+
+static int as_long(PyObject *o, long *out) {
+    *out = PyLong_AsLong(o);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int as_i64(PyObject *o, int64_t *out) {
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static int as_ptr(PyObject *o, void **out) {
+    unsigned long long a = PyLong_AsUnsignedLongLong(o);
+    if (a == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (void *)(uintptr_t)a;
+    return 0;
+}
+
+/* Reads a sequence of `n` floats (or ints) into `out`. */
+static int doubles(PyObject *seq, int n, double *out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast) return -1;
+    int rc = 0;
+    if (PySequence_Fast_GET_SIZE(fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %d values expected", what, n);
+        rc = -1;
+    }
+    for (int i = 0; rc == 0 && i < n; i++) {
+        out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1.0 && PyErr_Occurred()) rc = -1;
+    }
+    Py_DECREF(fast);
+    return rc;
+}
+
+#define USAGE \
+    "take_turns(gate, bell, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
+    "base_slice_ns, recent_ns, shares, priorities, used, procs[(slot, pid, page)], offsets) -> (reason, holder, gen, " \
+    "slice_start_ns, slice_end_ns, grants, held_ns)"
+
+
+static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 16) {
+        PyErr_SetString(PyExc_TypeError, USAGE);
+        return NULL;
+    }
+    keeper_t *k = PyMem_Calloc(1, sizeof *k);
+    if (!k) return PyErr_NoMemory();
+    PyObject *result = NULL, *procs = NULL, *offsets = NULL;
+    long v, holder;
+    double priority[MAX_SLOTS];
+    if (as_ptr(args[0], (void **)&k->gate) || as_ptr(args[1], (void **)&k->bell)) goto done;
+    if (as_long(args[2], &v)) goto done;
+    k->bell_seen = (uint32_t)v;
+    if (as_long(args[3], &v)) goto done;
+    k->gen = (uint32_t)v & 0xFFFF;
+    if (as_long(args[4], &v)) goto done;
+    k->beside = (uint32_t)v & OPEN_MASK;
+    if (as_long(args[5], &holder)) goto done;
+    if (as_i64(args[6], &k->slice_start) || as_i64(args[7], &k->slice_end) || as_i64(args[8], &k->return_at) ||
+        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent))
+        goto done;
+    Py_ssize_t nslots = PySequence_Size(args[11]);
+    if (nslots < 1 || nslots > MAX_SLOTS) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "between 1 and %d tenants", MAX_SLOTS);
+        goto done;
+    }
+    k->nslots = (int)nslots;
+    if (doubles(args[11], k->nslots, k->share, "shares") || doubles(args[12], k->nslots, priority, "priorities") ||
+        doubles(args[13], k->nslots, k->used, "used"))
+        goto done;
+    for (int s = 0; s < k->nslots; s++) k->priority[s] = (long)priority[s];
+    if (holder < 0 || holder >= k->nslots) {
+        PyErr_SetString(PyExc_ValueError, "holder must be a tenant slot");
+        goto done;
+    }
+    k->holder = (int)holder;
+    procs = PySequence_Fast(args[14], "procs must be a sequence of (slot, pid, page address)");
+    offsets = PySequence_Fast(args[15], "offsets must be (waiting, window_open, inflight, last_launch_ns)");
+    if (!procs || !offsets) goto done;
+    if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 4) {
+        PyErr_SetString(PyExc_ValueError, "too many processes, or not four offsets");
+        goto done;
+    }
+    size_t *off[4] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch};
+    for (int i = 0; i < 4; i++) {
+        if (as_long(PySequence_Fast_GET_ITEM(offsets, i), &v)) goto done;
+        if (v < 0 || v > 4088) {
+            PyErr_SetString(PyExc_ValueError, "offsets lie inside a page");
+            goto done;
+        }
+        *off[i] = (size_t)v;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(procs); i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(procs, i);
+        long slot, pid;
+        void *page;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 3) {
+            PyErr_SetString(PyExc_ValueError, "procs must be (slot, pid, page address) triples");
+            goto done;
+        }
+        if (as_long(PyTuple_GET_ITEM(pair, 0), &slot) || as_long(PyTuple_GET_ITEM(pair, 1), &pid) ||
+            as_ptr(PyTuple_GET_ITEM(pair, 2), &page))
+            goto done;
+        if (slot < 0 || slot >= k->nslots) continue; /* not ours: the controller skips it too */
+        k->procs[k->nprocs] = (proc_t){(int)slot, (pid_t)pid, page};
+        k->nprocs++;
+    }
+    int reason;
+    Py_BEGIN_ALLOW_THREADS
+    reason = keep(k);
+    Py_END_ALLOW_THREADS
+    PyObject *grants = PyTuple_New(k->nslots), *held = PyTuple_New(k->nslots);
+    if (grants && held) {
+        for (int s = 0; s < k->nslots; s++) {
+            PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
+            PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
+        }
+        result = Py_BuildValue("(iiiLLOO)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
+                               (long long)k->slice_end, grants, held);
+    }
+    Py_XDECREF(grants);
+    Py_XDECREF(held);
+done:
+    Py_XDECREF(procs);
+    Py_XDECREF(offsets);
+    PyMem_Free(k);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"take_turns", (PyCFunction)(void (*)(void))take_turns, METH_FASTCALL, USAGE},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_turns", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__turns(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "RETURN_DEADLINE", RETURN_DEADLINE) || PyModule_AddIntConstant(m, "RETURN_BELL", RETURN_BELL) ||
+        PyModule_AddIntConstant(m, "RETURN_IDLE", RETURN_IDLE) || PyModule_AddIntConstant(m, "RETURN_GONE", RETURN_GONE)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

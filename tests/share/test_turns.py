@@ -1,0 +1,197 @@
+"""The controller's turn keeper (``_turns.take_turns``): hand-overs between slice holders in C, checked
+against a real ledger page and process pages laid out as the preload library writes them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpuscope.share.ledger import OPEN_MASK, WANT_OFFSETS, Policy, TenantPolicy
+from gpuscope.share.scheduler import SliceScheduler
+
+_turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
+
+WAITING, WINDOW_OPEN, INFLIGHT, LAST_LAUNCH = WANT_OFFSETS
+
+
+class Page:
+    """A tenant process's page: the words the keeper reads to tell who wants the GPU."""
+
+    def __init__(self, slot: int, pid: int | None = None) -> None:
+        self.buf = ctypes.create_string_buffer(4096)
+        self.slot, self.pid = slot, pid if pid is not None else os.getpid()
+
+    def set(self, *, waiting: int = 0, window_open: int = 0, inflight: int = 0, last_launch_ns: int = 0):
+        base = ctypes.addressof(self.buf)
+        ctypes.c_uint32.from_address(base + WAITING).value = waiting
+        for off, value in ((WINDOW_OPEN, window_open), (INFLIGHT, inflight), (LAST_LAUNCH, last_launch_ns)):
+            ctypes.c_uint64.from_address(base + off).value = value
+        return self
+
+    @property
+    def entry(self) -> tuple[int, int, int]:
+        return (self.slot, self.pid, ctypes.addressof(self.buf))
+
+
+@pytest.fixture
+def tenants():
+    return [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)]
+
+
+@pytest.fixture
+def policy(tmp_path, tenants):
+    p = Policy(str(tmp_path / "ledger"), tenants)
+    yield p
+    p.close()
+
+
+def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float = 0.0, return_s: float = 0.05,
+         base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None):
+    """Run the keeper from now: the holder's slice ends ``slice_end_s`` from now, control comes back
+    ``return_s`` from now at the latest."""
+    now = time.monotonic_ns()
+    return _turns.take_turns(
+        policy.gate_address, policy.bell_address, policy.bell_value() if bell_seen is None else bell_seen,
+        policy.gen, beside, holder, now, now + int(slice_end_s * 1e9), now + int(return_s * 1e9),
+        int(base_slice_s * 1e9), 2_000_000, [t.share for t in tenants], [t.priority for t in tenants],
+        used or [0.0] * len(tenants), [p.entry for p in pages], WANT_OFFSETS)
+
+
+def busy() -> dict:
+    return {"window_open": 1, "last_launch_ns": time.monotonic_ns()}
+
+
+def test_a_waiting_tenant_gets_the_gpu_when_the_slice_ends(policy, tenants):
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
+    woken = threading.Event()
+
+    def held_thread():  # a launching thread of b, asleep on the gate as the library's is
+        seen = policy.gate
+        while not policy.gate & 0b10:
+            policy.map.futex_wait(24, seen, 5.0)
+            seen = policy.gate
+        woken.set()
+
+    t = threading.Thread(target=held_thread)
+    t.start()
+    reason, holder, gen, start, end, grants, held = keep(policy, tenants, pages, holder=0, slice_end_s=0.005,
+                                                         return_s=0.012, used=[0.7, 0.0])
+    t.join(5)
+    assert woken.is_set()
+    assert holder == 1 and grants[1] >= 1
+    assert policy.gate == (gen << 16) | 0b10  # b alone, under a new generation
+    assert reason == _turns.RETURN_DEADLINE
+    assert held[0] >= 4_000_000  # a held it until its slice's end
+    assert end - start == pytest.approx(10_000_000, rel=0.01)  # b's turn: the base slice (the smaller share)
+
+
+def test_the_holder_goes_on_while_nobody_else_waits(policy, tenants):
+    gate = policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1)]
+    reason, holder, gen, _, end, grants, held = keep(policy, tenants, pages, holder=0, slice_end_s=0.002,
+                                                     return_s=0.03)
+    assert reason == _turns.RETURN_DEADLINE and holder == 0
+    assert gen == policy.gen == gate and policy.gate == (gate << 16) | 0b01  # the gate was never written
+    assert grants == (1, 0)  # renewed once, until the keeper's deadline rather than slice by slice
+    assert end >= time.monotonic_ns() - 1_000_000
+    assert sum(held) >= 25_000_000
+
+
+def test_the_larger_share_gets_the_longer_turn(policy, tenants):
+    policy.set_gate(0b10)
+    pages = [Page(0).set(waiting=1), Page(1).set(**busy())]
+    _, holder, _, start, end, _, _ = keep(policy, tenants, pages, holder=1, used=[0.0, 0.3])
+    assert holder == 0
+    assert end - start == pytest.approx(0.01e9 * 0.7 / 0.3, rel=0.01)
+
+
+def test_a_bell_returns_control_at_once(policy, tenants):
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1)]
+    seen = policy.bell_value()
+
+    def ring():
+        time.sleep(0.02)
+        ctypes.c_uint32.from_address(policy.bell_address).value = seen + 1
+        policy.bell.futex_wake(0)
+
+    t = threading.Thread(target=ring)
+    t.start()
+    t0 = time.monotonic()
+    reason, holder, *_ = keep(policy, tenants, pages, holder=0, slice_end_s=10.0, return_s=10.0,
+                              bell_seen=seen)
+    t.join()
+    assert reason == _turns.RETURN_BELL and holder == 0
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_quiet_holder_with_nobody_waiting_hands_back_to_the_controller(policy, tenants):
+    policy.set_gate(0b01)
+    pages = [Page(0).set(last_launch_ns=time.monotonic_ns() - 10**9), Page(1)]
+    reason, holder, *_ = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=5.0)
+    assert reason == _turns.RETURN_IDLE and holder == 0
+
+
+def test_an_exited_tenant_process_returns_control(policy, tenants):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid no longer exists
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1, pid=gone.pid).set(waiting=1)]
+    reason, holder, *_ = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=5.0)
+    assert reason == _turns.RETURN_GONE and holder == 0
+
+
+def test_tenants_beside_the_holder_keep_their_bit_and_are_never_handed_a_turn(policy, tenants):
+    three = [*tenants, TenantPolicy("c", 0.0001, priority=1)]
+    p = Policy(policy.prefix + "3", three)
+    try:
+        p.set_gate(0b101)
+        pages = [Page(0).set(**busy()), Page(1).set(waiting=1), Page(2).set(waiting=1)]
+        _, holder, gen, *_ = keep(p, three, pages, holder=0, used=[0.7, 0.0, 0.0], beside=0b100)
+        assert holder == 1
+        assert p.gate == (gen << 16) | 0b110
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_next_holder_is_the_one_the_python_scheduler_picks(tmp_path, seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    tenants = [TenantPolicy(f"t{i}", rng.choice([0.1, 0.2, 0.25, 0.4]), rng.choice([0, 0, 1, 2]))
+               for i in range(n)]
+    # the keeper adds the holder's microseconds in this call to its use before it picks: no exact ties
+    used = [rng.uniform(0.01, 1.0) for _ in range(n)]
+    holder = rng.randrange(n)
+    holder_wants = rng.random() < 0.5
+    waiting = {s for s in range(n) if s != holder and rng.random() < 0.7} or {(holder + 1) % n}
+    scheduler = SliceScheduler(tenants)
+    scheduler.used = list(used)
+    expected = scheduler.pick(waiting | ({holder} if holder_wants else set()), 0.0)
+    p = Policy(str(tmp_path / "ledger"), tenants)
+    try:
+        p.set_gate(1 << holder)
+        pages = [Page(s).set(waiting=int(s in waiting), **(busy() if s == holder and holder_wants else {}))
+                 for s in range(n)]
+        _, picked, *_ = keep(p, tenants, pages, holder=holder, used=used, base_slice_s=1.0, return_s=0.005)
+        assert picked == expected
+    finally:
+        p.close()
+
+
+def test_bad_arguments_raise_instead_of_crashing(policy, tenants):
+    with pytest.raises(TypeError):
+        _turns.take_turns(1, 2, 3)
+    with pytest.raises(ValueError, match="holder"):
+        keep(policy, tenants, [], holder=5)
+    with pytest.raises(ValueError, match="used"):
+        keep(policy, tenants, [], used=[0.0])
+    assert policy.gate & 0xFFFF == OPEN_MASK  # nothing was written
