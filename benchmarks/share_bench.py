@@ -51,19 +51,40 @@ def _stats() -> dict | None:
     return dict(zip(keys, list(out), strict=True))
 
 
-def _helper_cpu_s() -> float:
-    """CPU seconds of this process's gpuscope-share helper thread (0 without one)."""
-    total = 0.0
+def _helper_threads() -> list[str]:
+    """/proc folders of this process's gpuscope-share helper threads."""
+    out = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "gpuscope-share":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                if f.read().strip() == "gpuscope-share":
+                    out.append(f"/proc/self/task/{tid}")
         except OSError:
             continue
+    return out
+
+
+def _helper_cpu_s() -> float:
+    """CPU seconds of this process's gpuscope-share helper thread (0 without one): from schedstat, in
+    nanoseconds (the stat file's clock ticks are 10 ms, too coarse for a few seconds' run)."""
+    total = 0.0
+    for task in _helper_threads():
+        try:
+            with open(f"{task}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _helper_wakeups() -> int:
+    """Voluntary context switches of the helper thread: how often it slept and woke."""
+    total = 0
+    for task in _helper_threads():
+        with open(f"{task}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
     return total
 
 

@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from share_bench import Controller, _helper_cpu_s, collect, pct, sleep_until  # noqa: E402
+from share_bench import Controller, _helper_cpu_s, _helper_wakeups, collect, pct, sleep_until  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 
@@ -53,7 +53,7 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
 
     while time.time() < start_at:
         time.sleep(0.001)
-    helper0 = _helper_cpu_s()
+    helper0, helper_wakeups0, cpu0 = _helper_cpu_s(), _helper_wakeups(), time.process_time()
     stamps, steps = [], []
     end = time.time() + seconds
     while time.time() < end:
@@ -75,7 +75,9 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
     stats = (ctypes.c_uint64 * 8)()
     ctypes.CDLL(None).gpuscope_share_stats(stats)
     return {"stamps": stamps, "steps": steps, "throttled_s": stats[3] / 1e9, "windows": stats[5],
-            "launches": stats[0], "helper_cpu_pct": 100 * (_helper_cpu_s() - helper0) / seconds}
+            "launches": stats[0], "helper_cpu_pct": 100 * (_helper_cpu_s() - helper0) / seconds,
+            "helper_wakeups_per_s": (_helper_wakeups() - helper_wakeups0) / seconds,
+            "process_cpu_pct": 100 * (time.process_time() - cpu0) / seconds}
 
 
 def build_fake_driver(folder: str) -> None:
@@ -113,7 +115,9 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "wakeups_per_s": c["wakeups_per_s"], "cpu_us_per_wakeup": c["cpu_us_per_wakeup"],
            "throttled_s": {n: r["throttled_s"] for n, r in results.items()},
            "windows": {n: r["windows"] for n, r in results.items()},
-           "helper_cpu_pct": {n: r["helper_cpu_pct"] for n, r in results.items()}}
+           "helper_cpu_pct": {n: r["helper_cpu_pct"] for n, r in results.items()},
+           "helper_wakeups_per_s": {n: r["helper_wakeups_per_s"] for n, r in results.items()},
+           "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
     else:
@@ -152,7 +156,10 @@ def main() -> None:
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
                           f"{r['controller_cpu_pct']:.2f}% {r['wakeups_per_s']:.0f} wake-ups/s "
                           f"{r['cpu_us_per_wakeup']:.0f} µs each; helpers "
-                          f"{', '.join(f'{v:.2f}%' for v in r['helper_cpu_pct'].values())}; {extra}",
+                          f"{', '.join(f'{v:.2f}%' for v in r['helper_cpu_pct'].values())} "
+                          f"({', '.join(f'{v:.0f}' for v in r['helper_wakeups_per_s'].values())} "
+                          "wake-ups/s); "
+                          f"{extra}",
                           flush=True)
                     with open(args.out, "w") as f:
                         json.dump({"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,

@@ -216,6 +216,10 @@ static CUcontext acct_ctx;
 static uint32_t helper_bit;
 static _Atomic int helper_sleeping;
 static int helper_waited_newest; /* the last wake on the newest window posted nothing */
+/* When a launching thread last waited for the oldest queued window (the bound on queued work): while
+ * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
+static uint64_t queue_waited_ns;
+#define HELPER_NAP_NS 20000000ull
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -275,6 +279,7 @@ static void after_fork_in_child(void) {
     win_open = win_launches = acct_ready = acct_failed = 0;
     atomic_store(&helper_sleeping, 0);
     helper_waited_newest = 0;
+    queue_waited_ns = 0;
 }
 
 static void ring_bell(void);
@@ -493,8 +498,9 @@ static float post_window(const window_t *w) {
 
 /* Under wlock: close the open window with an end event on its stream (not while it is captured:
  * the window then stays open until the capture ends). A busy-time window's end event already
- * follows its last launch: recording it again now would add the idle time since. */
-static int close_window(void) {
+ * follows its last launch: recording it again now would add the idle time since. `wake`: wake the
+ * helper to watch it (not when the closing thread is about to wait on the queue itself). */
+static int close_window_and(int wake) {
     window_t *w = &ring[tail % POOL];
     if (capturing(w->stream, w->ptsz)) return 0;
     if (!w->end_recorded && record(w->end, w) != 0) atomic_fetch_add(&proc->hook_errors, 1);
@@ -502,9 +508,11 @@ static int close_window(void) {
     atomic_store_explicit(&proc->window_open, 0, memory_order_relaxed);
     tail++;
     atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
-    wake_helper();
+    if (wake) wake_helper();
     return 1;
 }
+
+static int close_window(void) { return close_window_and(1); }
 
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
@@ -512,7 +520,7 @@ static int close_window(void) {
 static void adapt(float ms);
 
 static void resolve_finished(int max) {
-    while (head < tail && max-- > 0 && drv.query(ring[head % POOL].end) == 0) {
+    while (head < tail && max-- > 0 && drv.query && drv.query(ring[head % POOL].end) == 0) {
         float ms = post_window(&ring[head % POOL]);
         if (!ring[head % POOL].busy) adapt(ms);
         head++;
@@ -525,18 +533,21 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     if (win_open) {
         window_t *w = &ring[tail % POOL];
         if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : K)) return;
-        if (!close_window()) return;
+        if (!close_window_and(tail + 1 - head < inflight_limit())) return;
     }
     if (busy) resolve_finished(4); /* a window per launch: keep the ring short as it goes */
     while (tail - head >= inflight_limit()) {
         CUevent oldest = ring[head % POOL].end;
+        queue_waited_ns = now_ns();
         pthread_mutex_unlock(&wlock);
         drv.sync(oldest); /* a blocking-sync event: the thread sleeps, it does not spin */
         pthread_mutex_lock(&wlock);
+        /* awake anyway: post every finished window, so that the helper need not wake for them */
+        resolve_finished(POOL);
         if (win_open) return; /* another thread opened one meanwhile */
         if (tail - head >= inflight_limit()) {
-            /* the helper has not popped it yet: resolve it here */
-            post_window(&ring[head % POOL]);
+            /* no cuEventQuery to ask: the oldest has finished, since it was waited for */
+            adapt(post_window(&ring[head % POOL]));
             head++;
         }
     }
@@ -572,19 +583,39 @@ static void *helper_main(void *arg) {
     int went_quiet = 0;
     uint64_t resolved_at = 0; /* when a quiet holder's last window finished (0: not watching) */
     for (;;) {
-        pthread_mutex_lock(&wlock);
+        if (!busy_accounting()) pthread_mutex_lock(&wlock);
+        else if (pthread_mutex_trylock(&wlock) != 0) {
+            /* in a probe the launching thread takes the lock at every launch, thousands a second:
+             * blocking on it would wake this thread (and cost the launcher a futex call) each time */
+            struct timespec ts = {0, 2000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
         if (head < tail && busy_accounting()) {
-            /* windows of one launch each, thousands a second: post the finished ones in batches
-             * rather than sleeping on each; small batches, since the launching thread waits for
-             * this lock */
-            uint64_t before = head;
-            resolve_finished(16);
-            int posted = head != before;
+            /* windows of one launch each, thousands a second: post the finished ones in batches every
+             * 2 ms rather than sleeping on each (the launching thread posts a few at each launch too);
+             * at once again only while the ring is more than half full */
+            resolve_finished(64);
+            int crowded = tail - head > POOL / 2;
             pthread_mutex_unlock(&wlock);
-            if (!posted) {
+            if (!crowded) {
                 struct timespec ts = {0, 2000000};
                 nanosleep(&ts, NULL);
             }
+            continue;
+        }
+        uint32_t g = atomic_load(gate);
+        int allowed = (g & slot_bit) != 0;
+        if (head < tail && allowed && now_ns() - queue_waited_ns < HELPER_NAP_NS) {
+            /* A launching thread keeps waiting for the oldest window and posts what finished each
+             * time: nap instead of waking with it for every window. A gate change wakes the helper
+             * (a drain needs the queue posted at once); else it looks again after the nap. */
+            atomic_store(&helper_sleeping, 1);
+            pthread_mutex_unlock(&wlock);
+            struct timespec ts;
+            abs_after(&ts, HELPER_NAP_NS);
+            futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
+            atomic_store(&helper_sleeping, 0);
             continue;
         }
         if (head < tail) {
@@ -612,8 +643,6 @@ static void *helper_main(void *arg) {
             pthread_mutex_unlock(&wlock);
             continue;
         }
-        uint32_t g = atomic_load(gate);
-        int allowed = (g & slot_bit) != 0;
         /* a slice holder, not a tenant running beside it: its going quiet ends the slice */
         int binding = (g & 0xffffu) != 0xffffu && !beside() && !busy_accounting();
         uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);

@@ -27,6 +27,7 @@
 #define MAX_SLOTS 16
 #define MAX_PROCS 1024
 #define OPEN_MASK 0xFFFFu
+#define LAUNCHERS_BITSET 1u /* the futex bitset the preload library's held launching threads wait with */
 
 enum { RETURN_DEADLINE = 0, RETURN_BELL = 1, RETURN_IDLE = 2, RETURN_GONE = 3 };
 
@@ -143,7 +144,10 @@ static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now) {
         k->gen = (k->gen + 1) & 0xFFFF;
         if (!k->gen) k->gen = 1;
         __atomic_store_n(k->gate, (k->gen << 16) | (((1u << slot) | k->beside) & OPEN_MASK), __ATOMIC_RELEASE);
-        syscall(SYS_futex, k->gate, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+        /* only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
+         * threads wait on the same word with other bits, and an overlapping hand-over needs nothing
+         * of them, so they sleep on */
+        syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, LAUNCHERS_BITSET);
         k->holder = slot;
     }
     k->grants[slot]++;

@@ -5,8 +5,10 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
 - ``PREFIX``: the policy, created and written by the controller alone (mode 0644). Tenants map it
   read-only: the tenants' shares and priorities, the controller's pid and heartbeat, and the gate
   word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
-  sleep on with a futex, the beside mask (bit *i* set: slot *i* runs beside the slice holder,
-  untimed) and the busy mask (bit *i* set: slot *i* times each launch on its own, in a probe).
+  sleep on with a futex (bitset 1; each process's helper thread sleeps on it too, with another bit,
+  so that a hand-over can wake the launching threads alone), the beside mask (bit *i* set: slot *i*
+  runs beside the slice holder, untimed) and the busy mask (bit *i* set: slot *i* times each launch
+  on its own, in a probe).
 - ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
   (it lists the slot files again when that moves). A tenant rings the bell when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
