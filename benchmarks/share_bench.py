@@ -133,6 +133,7 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
     if mode in ("solo", "hog"):
         while time.time() < start_at:
             time.sleep(0.001)
+        helper0 = (_helper_cpu_s(), _helper_wakeups(), time.time())
         stamps = []
         end = time.time() + seconds
         while time.time() < end:
@@ -169,6 +170,7 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
         request()  # warm-up
         while time.time() < start_at:
             time.sleep(0.001)
+        helper0 = (_helper_cpu_s(), _helper_wakeups(), time.time())
         steps, first_tokens = [], None
         end = time.time() + seconds
         while time.time() < end:
@@ -179,6 +181,10 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
         result["tokens"] = first_tokens
     result["stats"] = _stats()
     result["helper_cpu_s"] = _helper_cpu_s()
+    if mode in ("solo", "hog", "llm"):  # the helper over the run alone, not the warm-up
+        ran = time.time() - helper0[2]
+        result["helper_run"] = {"cpu_pct": 100 * (_helper_cpu_s() - helper0[0]) / ran,
+                                "wakeups_per_s": (_helper_wakeups() - helper0[1]) / ran}
     return result
 
 
@@ -326,6 +332,7 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
             "gpu_seconds": gpu, "throttled_s": {"a": ra["stats"]["throttled_ns"] / 1e9,
                                                   "b": rb["stats"]["throttled_ns"] / 1e9},
             "helper_cpu_s": {"a": ra["helper_cpu_s"], "b": rb["helper_cpu_s"]},
+            "helper_run": {"a": ra.get("helper_run"), "b": rb.get("helper_run")},
             "hook_errors": ra["stats"]["hook_errors"] + rb["stats"]["hook_errors"],
             "checksums_equal": ra["checksum"] == rb["checksum"], "controller": c,
             "pids": {"a": pa.pid, "b": pb.pid}, "nvml_process_samples_mid_run": nvml_seen,
@@ -405,7 +412,9 @@ def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
             "metrics_series": series,
             "hog_its_per_s": (len(rh["stamps"]) / seconds) if rh else None,
             "hog_vs_alone": (len(rh["stamps"]) / seconds / alone) if rh else None,
-            "helper_cpu_s": rl["helper_cpu_s"] + (rh["helper_cpu_s"] if rh else 0.0), "controller": c}
+            "helper_cpu_s": rl["helper_cpu_s"] + (rh["helper_cpu_s"] if rh else 0.0),
+            "helper_run": {"llm": rl.get("helper_run"), "hog": rh.get("helper_run") if rh else None},
+            "controller": c}
 
 
 def main_bench(args: argparse.Namespace) -> dict:
@@ -474,7 +483,9 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
              "events-slice-50ms": ("events", args.pair_seconds, "--share.slice", "50ms"),
              "events-slice-30ms": ("events", args.pair_seconds, "--share.slice", "30ms"),
-             "events-drain": ("events", args.pair_seconds / 2, "--share.handover", "drain"),
+             "events-drain": ("events", args.pair_seconds, "--share.handover", "drain"),
+             "events-window-1ms": ("events", args.pair_seconds, "--share.window", "1ms"),
+             "events-turns-python": ("events", args.pair_seconds, "--share.turns", "python"),
              "events-queue-1": ("events", args.pair_seconds, "--share.queued-windows", "1"),
              "events-slice-30ms-queue-1": ("events", args.pair_seconds, "--share.slice", "30ms",
                                            "--share.queued-windows", "1")}
@@ -482,10 +493,11 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         accounting, seconds, *extra = pairs[key]
         r = pair_run("a=0.7,b=0.3", accounting, seconds, alone, args.port, *extra)
         out["pair"][key] = r
+        helpers = ", ".join(f"{h['cpu_pct']:.2f}%" for h in r["helper_run"].values() if h)
         print(f"pair {key}: a {100 * r['a']:.1f}% b {100 * r['b']:.1f}% of alone, worst 5 s window "
               f"off by {r['worst_window_error_points']:.1f} points; controller "
               f"{r['controller']['cpu_core_pct']:.2f}% of a core, "
-              f"{r['controller']['wakeups_per_s']:.0f} wake-ups/s", flush=True)
+              f"{r['controller']['wakeups_per_s']:.0f} wake-ups/s; helpers {helpers}", flush=True)
         save()
     # 4. LLM beside a hog
     # llm-raw: both plain (the GPU's own time-slicing, no library); llm-alone-lib: the decode loop

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from gpuscope.share.ledger import OPEN_MASK, WANT_OFFSETS, Policy, TenantPolicy
+from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, Policy, TenantPolicy
 from gpuscope.share.scheduler import SliceScheduler
 
 _turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
 
-WAITING, WINDOW_OPEN, INFLIGHT, LAST_LAUNCH = WANT_OFFSETS
+WAITING, WINDOW_OPEN, INFLIGHT, LAST_LAUNCH, DRAINED = KEEPER_OFFSETS
 
 
 class Page:
@@ -53,15 +53,16 @@ def policy(tmp_path, tenants):
 
 
 def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float = 0.0, return_s: float = 0.05,
-         base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None):
+         base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None,
+         drain_timeout_s: float = 0.0):
     """Run the keeper from now: the holder's slice ends ``slice_end_s`` from now, control comes back
     ``return_s`` from now at the latest."""
     now = time.monotonic_ns()
     return _turns.take_turns(
         policy.gate_address, policy.bell_address, policy.bell_value() if bell_seen is None else bell_seen,
         policy.gen, beside, holder, now, now + int(slice_end_s * 1e9), now + int(return_s * 1e9),
-        int(base_slice_s * 1e9), 2_000_000, [t.share for t in tenants], [t.priority for t in tenants],
-        used or [0.0] * len(tenants), [p.entry for p in pages], WANT_OFFSETS)
+        int(base_slice_s * 1e9), 2_000_000, int(drain_timeout_s * 1e9), [t.share for t in tenants],
+        [t.priority for t in tenants], used or [0.0] * len(tenants), [p.entry for p in pages], KEEPER_OFFSETS)
 
 
 def busy() -> dict:
@@ -82,8 +83,8 @@ def test_a_waiting_tenant_gets_the_gpu_when_the_slice_ends(policy, tenants):
 
     t = threading.Thread(target=held_thread)
     t.start()
-    reason, holder, gen, start, end, grants, held = keep(policy, tenants, pages, holder=0, slice_end_s=0.005,
-                                                         return_s=0.012, used=[0.7, 0.0])
+    reason, holder, gen, start, end, grants, held, _ = keep(
+        policy, tenants, pages, holder=0, slice_end_s=0.005, return_s=0.012, used=[0.7, 0.0])
     t.join(5)
     assert woken.is_set()
     assert holder == 1 and grants[1] >= 1
@@ -96,7 +97,7 @@ def test_a_waiting_tenant_gets_the_gpu_when_the_slice_ends(policy, tenants):
 def test_the_holder_goes_on_while_nobody_else_waits(policy, tenants):
     gate = policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1)]
-    reason, holder, gen, _, end, grants, held = keep(policy, tenants, pages, holder=0, slice_end_s=0.002,
+    reason, holder, gen, _, end, grants, held, _ = keep(policy, tenants, pages, holder=0, slice_end_s=0.002,
                                                      return_s=0.03)
     assert reason == _turns.RETURN_DEADLINE and holder == 0
     assert gen == policy.gen == gate and policy.gate == (gate << 16) | 0b01  # the gate was never written
@@ -108,7 +109,7 @@ def test_the_holder_goes_on_while_nobody_else_waits(policy, tenants):
 def test_the_larger_share_gets_the_longer_turn(policy, tenants):
     policy.set_gate(0b10)
     pages = [Page(0).set(waiting=1), Page(1).set(**busy())]
-    _, holder, _, start, end, _, _ = keep(policy, tenants, pages, holder=1, used=[0.0, 0.3])
+    _, holder, _, start, end, *_ = keep(policy, tenants, pages, holder=1, used=[0.0, 0.3])
     assert holder == 0
     assert end - start == pytest.approx(0.01e9 * 0.7 / 0.3, rel=0.01)
 
@@ -185,6 +186,47 @@ def test_the_next_holder_is_the_one_the_python_scheduler_picks(tmp_path, seed):
         assert picked == expected
     finally:
         p.close()
+
+
+def test_a_draining_hand_over_waits_for_the_old_holders_work_before_the_next_holder_starts(policy, tenants):
+    policy.set_gate(0b01)
+    a, b = Page(0).set(**busy()), Page(1).set(waiting=1)
+    seen_gates = []
+
+    def helper_of_a():  # posts "drained" a little after the gate closes to it, as the library's helper
+        deadline = time.monotonic() + 5
+        while policy.gate & 0b01 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen_gates.append(policy.gate)
+        time.sleep(0.02)  # its queued work finishing
+        seen_gates.append(policy.gate)
+        ctypes.c_uint32.from_address(ctypes.addressof(a.buf) + DRAINED).value = policy.gate >> 16
+        libc_wake(ctypes.addressof(a.buf) + DRAINED)  # the keeper sleeps on that word
+
+    t = threading.Thread(target=helper_of_a)
+    t.start()
+    _, holder, gen, _, _, _, held, timeouts = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0,
+                                                   return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0)
+    t.join()
+    assert holder == 1 and timeouts == 0
+    # while a drained, nobody but the tenants beside (none) could launch; then b alone
+    assert seen_gates[0] & 0xFFFF == 0 and seen_gates[1] & 0xFFFF == 0
+    assert policy.gate == (gen << 16) | 0b10
+    assert held[0] >= 15_000_000  # the drain is the old holder's time
+
+
+def test_a_drain_that_never_comes_times_out_and_is_counted(policy, tenants):
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
+    _, holder, *_, timeouts = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2,
+                                   used=[0.7, 0.0], drain_timeout_s=0.02)
+    assert holder == 1 and timeouts == 1
+
+
+def libc_wake(address: int) -> None:
+    from gpuscope.share.ledger import _words
+
+    _words.futex_wake(address)
 
 
 def test_bad_arguments_raise_instead_of_crashing(policy, tenants):

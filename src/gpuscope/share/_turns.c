@@ -41,7 +41,8 @@ typedef struct {
     /* the ledger */
     uint32_t *gate, *bell;
     uint32_t bell_seen, gen, beside;
-    size_t off_waiting, off_window_open, off_inflight, off_last_launch;
+    size_t off_waiting, off_window_open, off_inflight, off_last_launch, off_drained;
+    int64_t drain_timeout; /* 0: overlapping hand-overs; else wait this long for the old holder's work */
     /* the tenants */
     int nslots;
     double share[MAX_SLOTS], used[MAX_SLOTS];
@@ -54,6 +55,7 @@ typedef struct {
     /* what happened, for the controller's counters */
     unsigned long grants[MAX_SLOTS];
     int64_t held[MAX_SLOTS];
+    unsigned long drain_timeouts;
 } keeper_t;
 
 static int64_t now_ns(void) {
@@ -139,15 +141,47 @@ static void account(keeper_t *k, int64_t *mark, int64_t now) {
     *mark = now;
 }
 
+/* A new gate generation with the slots in `mask`; wakes the threads waiting with `bitset`. */
+static void set_gate(keeper_t *k, uint32_t mask, uint32_t bitset) {
+    k->gen = (k->gen + 1) & 0xFFFF;
+    if (!k->gen) k->gen = 1;
+    __atomic_store_n(k->gate, (k->gen << 16) | (mask & OPEN_MASK), __ATOMIC_RELEASE);
+    syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, bitset);
+}
+
+/* A draining hand-over: hold the old holder (its helper threads, woken by the gate change, post each
+ * process's drained generation once its queued work has finished) and wait for that, at most
+ * drain_timeout; a process that died meanwhile never posts, and is no timeout. */
+static void drain(keeper_t *k) {
+    /* the helper threads alone: the next holder's launching threads would wake only to find their
+     * bit still clear */
+    set_gate(k, k->beside, ~LAUNCHERS_BITSET);
+    int64_t deadline = now_ns() + k->drain_timeout;
+    for (int i = 0; i < k->nprocs; i++) {
+        const proc_t *p = &k->procs[i];
+        if (p->slot != k->holder) continue;
+        const uint32_t *word = (const uint32_t *)(p->page + k->off_drained);
+        for (;;) {
+            uint32_t seen = load32(word);
+            if (seen == k->gen) break;
+            int64_t left = deadline - now_ns();
+            if (left <= 0) {
+                if (!(kill(p->pid, 0) != 0 && errno == ESRCH)) k->drain_timeouts++;
+                break;
+            }
+            if (left > 50000000) left = 50000000; /* look at the pid now and then */
+            struct timespec ts = {0, (long)left};
+            syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
+            if (kill(p->pid, 0) != 0 && errno == ESRCH) break;
+        }
+    }
+}
+
 static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now) {
     if (slot != k->holder) {
-        k->gen = (k->gen + 1) & 0xFFFF;
-        if (!k->gen) k->gen = 1;
-        __atomic_store_n(k->gate, (k->gen << 16) | (((1u << slot) | k->beside) & OPEN_MASK), __ATOMIC_RELEASE);
         /* only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
-         * threads wait on the same word with other bits, and an overlapping hand-over needs nothing
-         * of them, so they sleep on */
-        syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, LAUNCHERS_BITSET);
+         * threads wait on the same word with other bits, and a hand-over needs nothing of them */
+        set_gate(k, (1u << slot) | k->beside, LAUNCHERS_BITSET);
         k->holder = slot;
     }
     k->grants[slot]++;
@@ -187,8 +221,14 @@ static int keep(keeper_t *k) {
             continue;
         }
         uint32_t candidates = holder_wants ? wanting | 1u << k->holder : others;
+        int next = pick(k, candidates);
+        if (next != k->holder && k->drain_timeout > 0) {
+            drain(k);
+            now = now_ns();
+            account(k, &mark, now); /* the drain is the old holder's time: its work ran */
+        }
         /* the quantum weighs the share against everyone who wants the GPU, the holder too */
-        grant(k, pick(k, candidates), candidates, now);
+        grant(k, next, candidates, now);
     }
 }
 
@@ -230,12 +270,12 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
 
 #define USAGE \
     "take_turns(gate, bell, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
-    "base_slice_ns, recent_ns, shares, priorities, used, procs[(slot, pid, page)], offsets) -> (reason, holder, gen, " \
-    "slice_start_ns, slice_end_ns, grants, held_ns)"
+    "base_slice_ns, recent_ns, drain_timeout_ns, shares, priorities, used, procs[(slot, pid, page)], " \
+    "offsets) -> (reason, holder, gen, slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts)"
 
 
 static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 16) {
+    if (n != 17) {
         PyErr_SetString(PyExc_TypeError, USAGE);
         return NULL;
     }
@@ -253,16 +293,16 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
     k->beside = (uint32_t)v & OPEN_MASK;
     if (as_long(args[5], &holder)) goto done;
     if (as_i64(args[6], &k->slice_start) || as_i64(args[7], &k->slice_end) || as_i64(args[8], &k->return_at) ||
-        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent))
+        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent) || as_i64(args[11], &k->drain_timeout))
         goto done;
-    Py_ssize_t nslots = PySequence_Size(args[11]);
+    Py_ssize_t nslots = PySequence_Size(args[12]);
     if (nslots < 1 || nslots > MAX_SLOTS) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "between 1 and %d tenants", MAX_SLOTS);
         goto done;
     }
     k->nslots = (int)nslots;
-    if (doubles(args[11], k->nslots, k->share, "shares") || doubles(args[12], k->nslots, priority, "priorities") ||
-        doubles(args[13], k->nslots, k->used, "used"))
+    if (doubles(args[12], k->nslots, k->share, "shares") || doubles(args[13], k->nslots, priority, "priorities") ||
+        doubles(args[14], k->nslots, k->used, "used"))
         goto done;
     for (int s = 0; s < k->nslots; s++) k->priority[s] = (long)priority[s];
     if (holder < 0 || holder >= k->nslots) {
@@ -270,15 +310,15 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
         goto done;
     }
     k->holder = (int)holder;
-    procs = PySequence_Fast(args[14], "procs must be a sequence of (slot, pid, page address)");
-    offsets = PySequence_Fast(args[15], "offsets must be (waiting, window_open, inflight, last_launch_ns)");
+    procs = PySequence_Fast(args[15], "procs must be a sequence of (slot, pid, page address)");
+    offsets = PySequence_Fast(args[16], "offsets must be (waiting, window_open, inflight, last_launch_ns, drained)");
     if (!procs || !offsets) goto done;
-    if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 4) {
-        PyErr_SetString(PyExc_ValueError, "too many processes, or not four offsets");
+    if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 5) {
+        PyErr_SetString(PyExc_ValueError, "too many processes, or not five offsets");
         goto done;
     }
-    size_t *off[4] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch};
-    for (int i = 0; i < 4; i++) {
+    size_t *off[5] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch, &k->off_drained};
+    for (int i = 0; i < 5; i++) {
         if (as_long(PySequence_Fast_GET_ITEM(offsets, i), &v)) goto done;
         if (v < 0 || v > 4088) {
             PyErr_SetString(PyExc_ValueError, "offsets lie inside a page");
@@ -311,8 +351,8 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
             PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
             PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
         }
-        result = Py_BuildValue("(iiiLLOO)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
-                               (long long)k->slice_end, grants, held);
+        result = Py_BuildValue("(iiiLLOOk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
+                               (long long)k->slice_end, grants, held, k->drain_timeouts);
     }
     Py_XDECREF(grants);
     Py_XDECREF(held);

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuscope.share.ledger import (
+    KEEPER_OFFSETS,
     OPEN_MASK,
-    WANT_OFFSETS,
     Policy,
     ProcView,
     TenantPolicy,
@@ -110,8 +110,8 @@ class Controller:
         if handover not in ("overlap", "drain"):
             raise ValueError(f"handover must be overlap or drain, not {handover!r}")
         self.handover = handover
-        # the C turn keeper hands over without draining; draining (and nvml) stay in Python
-        self.keeper = keeper and _turns is not None and mode == "events" and handover == "overlap"
+        # hand-overs between slice holders in C (nvml mode has none: it stays in Python)
+        self.keeper = keeper and _turns is not None and mode == "events"
         self.scheduler = SliceScheduler(tenants)
         self.buckets = TokenBuckets(tenants)
         self.utilization = utilization
@@ -458,13 +458,15 @@ class Controller:
         with self.lock:
             procs = tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())
             used = self.scheduler.usage(now, self._pending(now))
-        reason, holder, gen, start_ns, end_ns, grants, held_ns = _turns.take_turns(
+        reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts = _turns.take_turns(
             self.policy.gate_address, self.policy.bell_address, seen, self.policy.gen, self._beside_bits(),
             self.holder, int(self._slice_start * 1e9), int(self.slice_end * 1e9), int(until * 1e9),
-            int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9), [t.share for t in self.tenants],
-            [t.priority for t in self.tenants], used, procs, WANT_OFFSETS)
+            int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9),
+            int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0,
+            [t.share for t in self.tenants], [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS)
         with self.lock:
             self.policy.gen = gen
+            self.stats.drain_timeouts += drain_timeouts
             if holder != self.holder:
                 self.holder, self._mask = holder, (1 << holder) | self._beside_bits()
             if any(grants):

@@ -60,10 +60,11 @@ PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "g
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
                  "busy_launches", "busy_ns")
 Q_COUNTERS = 64
-#: Where the words that say whether a process wants the GPU lie in its page: threads held at the gate,
-#: a window open, windows in flight, its last launch (the controller's turn keeper reads them in C).
-WANT_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
-                              for name in ("window_open", "inflight", "last_launch_ns")))
+#: Where the words the controller's turn keeper reads (in C) lie in a process's page: whether it wants
+#: the GPU (threads held at the gate, a window open, windows in flight, its last launch) and the
+#: generation its queued work was drained under.
+KEEPER_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
+                                for name in ("window_open", "inflight", "last_launch_ns")), Q_DRAINED)
 
 MODES = {"events": 0, "nvml": 1}
 
@@ -299,7 +300,7 @@ class ProcView:
 
     @property
     def address(self) -> int:
-        """Where its page is mapped (``WANT_OFFSETS`` lie inside it)."""
+        """Where its page is mapped (``KEEPER_OFFSETS`` lie inside it)."""
         return self.map.addr
 
     def counter(self, name: str) -> int:
