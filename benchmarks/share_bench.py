@@ -484,6 +484,7 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
              "events-slice-50ms": ("events", args.pair_seconds, "--share.slice", "50ms"),
              "events-slice-30ms": ("events", args.pair_seconds, "--share.slice", "30ms"),
              "events-drain": ("events", args.pair_seconds, "--share.handover", "drain"),
+             "events-overlap": ("events", args.pair_seconds, "--share.handover", "overlap"),
              "events-window-1ms": ("events", args.pair_seconds, "--share.window", "1ms"),
              "events-turns-python": ("events", args.pair_seconds, "--share.turns", "python"),
              "events-queue-1": ("events", args.pair_seconds, "--share.queued-windows", "1"),

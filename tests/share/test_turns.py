@@ -54,14 +54,15 @@ def policy(tmp_path, tenants):
 
 def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float = 0.0, return_s: float = 0.05,
          base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None,
-         drain_timeout_s: float = 0.0):
+         drain_timeout_s: float = 0.0, grace_s: float = 0.0):
     """Run the keeper from now: the holder's slice ends ``slice_end_s`` from now, control comes back
     ``return_s`` from now at the latest."""
     now = time.monotonic_ns()
     return _turns.take_turns(
         policy.gate_address, policy.bell_address, policy.bell_value() if bell_seen is None else bell_seen,
         policy.gen, beside, holder, now, now + int(slice_end_s * 1e9), now + int(return_s * 1e9),
-        int(base_slice_s * 1e9), 2_000_000, int(drain_timeout_s * 1e9), [t.share for t in tenants],
+        int(base_slice_s * 1e9), 2_000_000, int(drain_timeout_s * 1e9), policy.slice_end_address,
+        int(grace_s * 1e9), [t.share for t in tenants],
         [t.priority for t in tenants], used or [0.0] * len(tenants), [p.entry for p in pages], KEEPER_OFFSETS)
 
 
@@ -83,7 +84,7 @@ def test_a_waiting_tenant_gets_the_gpu_when_the_slice_ends(policy, tenants):
 
     t = threading.Thread(target=held_thread)
     t.start()
-    reason, holder, gen, start, end, grants, held, _ = keep(
+    reason, holder, gen, start, end, grants, held, *_ = keep(
         policy, tenants, pages, holder=0, slice_end_s=0.005, return_s=0.012, used=[0.7, 0.0])
     t.join(5)
     assert woken.is_set()
@@ -97,7 +98,7 @@ def test_a_waiting_tenant_gets_the_gpu_when_the_slice_ends(policy, tenants):
 def test_the_holder_goes_on_while_nobody_else_waits(policy, tenants):
     gate = policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1)]
-    reason, holder, gen, _, end, grants, held, _ = keep(policy, tenants, pages, holder=0, slice_end_s=0.002,
+    reason, holder, gen, _, end, grants, held, *_ = keep(policy, tenants, pages, holder=0, slice_end_s=0.002,
                                                      return_s=0.03)
     assert reason == _turns.RETURN_DEADLINE and holder == 0
     assert gen == policy.gen == gate and policy.gate == (gate << 16) | 0b01  # the gate was never written
@@ -109,7 +110,7 @@ def test_the_holder_goes_on_while_nobody_else_waits(policy, tenants):
 def test_the_larger_share_gets_the_longer_turn(policy, tenants):
     policy.set_gate(0b10)
     pages = [Page(0).set(waiting=1), Page(1).set(**busy())]
-    _, holder, _, start, end, *_ = keep(policy, tenants, pages, holder=1, used=[0.0, 0.3])
+    _, holder, _, start, end, *_ = keep(policy, tenants, pages, holder=1, used=[0.0, 0.3], return_s=0.015)
     assert holder == 0
     assert end - start == pytest.approx(0.01e9 * 0.7 / 0.3, rel=0.01)
 
@@ -205,7 +206,7 @@ def test_a_draining_hand_over_waits_for_the_old_holders_work_before_the_next_hol
 
     t = threading.Thread(target=helper_of_a)
     t.start()
-    _, holder, gen, _, _, _, held, timeouts = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0,
+    _, holder, gen, _, _, _, held, timeouts, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0,
                                                    return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0)
     t.join()
     assert holder == 1 and timeouts == 0
@@ -218,9 +219,49 @@ def test_a_draining_hand_over_waits_for_the_old_holders_work_before_the_next_hol
 def test_a_drain_that_never_comes_times_out_and_is_counted(policy, tenants):
     policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
-    _, holder, *_, timeouts = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2,
+    _, holder, *_, timeouts, _ = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2,
                                    used=[0.7, 0.0], drain_timeout_s=0.02)
     assert holder == 1 and timeouts == 1
+
+
+def test_a_holder_that_yields_at_its_slice_end_is_handed_on_without_the_keepers_drain(policy, tenants):
+    policy.set_gate(0b01)
+    a, b = Page(0).set(**busy()), Page(1).set(waiting=1)
+    gates = []
+
+    def helper_of_a():  # what the library does: stop at the published end, drain, post, ring
+        deadline = time.monotonic() + 5
+        while not policy.slice_end_ns and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        end = policy.slice_end_ns
+        while time.monotonic_ns() < end:
+            time.sleep(0.0005)
+        gate = policy.gate
+        gates.append(gate)
+        ctypes.c_uint32.from_address(ctypes.addressof(a.buf) + DRAINED).value = gate >> 16
+        bell = ctypes.c_uint32.from_address(policy.bell_address)
+        bell.value += 1
+        policy.bell.futex_wake(0)
+
+    t = threading.Thread(target=helper_of_a)
+    t.start()
+    _, holder, _, *_, timeouts, yields = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.01,
+                                                return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0,
+                                                grace_s=1.0)
+    t.join()
+    assert holder == 1 and yields == 1 and timeouts == 0
+    assert gates[0] & 0xFFFF == 0b01  # a still held the gate when it yielded: the keeper never closed it
+    assert policy.slice_end_ns == 0  # cleared once the Python loop has control again
+
+
+def test_a_holder_that_does_not_yield_is_drained_once_the_grace_has_passed(policy, tenants):
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
+    t0 = time.monotonic()
+    _, holder, *_, timeouts, yields = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.5,
+                                           used=[0.7, 0.0], drain_timeout_s=0.01, grace_s=0.03)
+    assert holder == 1 and yields == 0 and timeouts == 1  # nobody posted: drained by the keeper, timed out
+    assert time.monotonic() - t0 >= 0.03
 
 
 def libc_wake(address: int) -> None:

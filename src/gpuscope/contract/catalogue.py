@@ -488,6 +488,10 @@ SHARE_DRAIN_TIMEOUTS = _m("gpuscope_share_drain_timeouts_total", "counter",
                           "Hand-overs where the previous holder's queued work did not finish within "
                           "--share.drain-timeout (the next tenant was admitted anyway).", "handovers",
                           area=SHARE)
+SHARE_YIELDS = _m("gpuscope_share_yields_total", "counter",
+                  "Draining hand-overs where the holder stopped launching at its slice's end by itself and "
+                  "drained its queue before the controller looked (one controller wake-up, not two).",
+                  "handovers", area=SHARE)
 
 def all_metrics() -> Iterator[Metric]:
     """Every metric, in definition order."""

@@ -71,7 +71,7 @@ typedef struct {
 
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 3u
+#define LAYOUT_VERSION 4u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 
@@ -85,7 +85,7 @@ typedef struct {
     uint32_t window_us, inflight_slice, inflight_open, stale_ms;
     _Atomic uint32_t busy_mask;    /* bit i: slot i times each launch on its own (a probe, running alone) */
     _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
-    uint8_t pad[64 - 56];
+    _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active, pad;
@@ -220,6 +220,9 @@ static int helper_waited_newest; /* the last wake on the newest window posted no
  * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
 static uint64_t queue_waited_ns;
 #define HELPER_NAP_NS 20000000ull
+/* The gate generation under which this process, the slice holder, stopped launching at its slice's
+ * end by itself (0: it has not): its helper then drains the queue as if the gate had closed. */
+static _Atomic uint32_t yielded_gen;
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -280,6 +283,7 @@ static void after_fork_in_child(void) {
     atomic_store(&helper_sleeping, 0);
     helper_waited_newest = 0;
     queue_waited_ns = 0;
+    atomic_store(&yielded_gen, 0);
 }
 
 static void ring_bell(void);
@@ -605,7 +609,8 @@ static void *helper_main(void *arg) {
             continue;
         }
         uint32_t g = atomic_load(gate);
-        int allowed = (g & slot_bit) != 0;
+        int yielded = atomic_load(&yielded_gen) == (g >> 16);
+        int allowed = (g & slot_bit) != 0 && !yielded; /* a holder that yielded drains as if held */
         if (head < tail && allowed && now_ns() - queue_waited_ns < HELPER_NAP_NS) {
             /* A launching thread keeps waiting for the oldest window and posts what finished each
              * time: nap instead of waking with it for every window. A gate change wakes the helper
@@ -673,6 +678,7 @@ static void *helper_main(void *arg) {
             last_seen_closed = g >> 16;
             atomic_store(&proc->drained_gen, g >> 16);
             futex((void *)&proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+            if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
         atomic_store(&helper_sleeping, 1);
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
@@ -725,11 +731,45 @@ static void wait_turn(void) {
     atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
 }
 
+/* Draining hand-overs: whether this process holds the GPU past its slice's end (its previous launch
+ * came after it). A tenant beside the holder, or in a probe, is not the holder. */
+static inline int slice_over(void) {
+    if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) return 0;
+    uint64_t end = atomic_load_explicit(&policy->slice_end_ns, memory_order_relaxed);
+    return end && atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed) >= end && !beside() &&
+           !busy_accounting();
+}
+
+/* The holder's slice is over: stop launching until the controller hands the GPU on or gives this
+ * holder another slice (the gate or the slice's end changes), and have the helper drain the queue
+ * and ring the bell meanwhile. Only ever a thread of this process waits: it restrains nobody else. */
+static void yield_slice(void) {
+    uint32_t g = atomic_load(gate);
+    uint64_t end = atomic_load(&policy->slice_end_ns);
+    if (!(g & slot_bit)) return; /* not the holder after all: the gate decides */
+    uint64_t t0 = now_ns();
+    atomic_store(&yielded_gen, g >> 16);
+    atomic_fetch_add(&proc->waiting, 1);
+    wake_helper();
+    while (atomic_load(gate) == g && atomic_load(&policy->slice_end_ns) == end &&
+           !atomic_load_explicit(&failed_open, memory_order_relaxed)) {
+        struct timespec ts;
+        abs_after(&ts, 200000000ull);
+        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, 1u);
+        if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
+    }
+    uint32_t mine = g >> 16;
+    atomic_compare_exchange_strong(&yielded_gen, &mine, 0);
+    atomic_fetch_sub(&proc->waiting, 1);
+    atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
+}
+
 /* Everything a launch does around the real call. `graph` counts graph launches. */
 #define ADMIT_AND_RUN(STREAM, PTSZ, GRAPH, CALL)                                                         \
     do {                                                                                                 \
         ensure_joined();                                                                                 \
         if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) wait_turn();                 \
+        else if (slice_over()) yield_slice();                                                            \
         if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) {                       \
             atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                         \
             if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);        \

@@ -43,6 +43,8 @@ typedef struct {
     uint32_t bell_seen, gen, beside;
     size_t off_waiting, off_window_open, off_inflight, off_last_launch, off_drained;
     int64_t drain_timeout; /* 0: overlapping hand-overs; else wait this long for the old holder's work */
+    uint64_t *slice_end_word; /* draining: the holder's slice end, published so that it can yield */
+    int64_t grace;            /* draining: how long past the slice's end a yield is awaited */
     /* the tenants */
     int nslots;
     double share[MAX_SLOTS], used[MAX_SLOTS];
@@ -55,7 +57,7 @@ typedef struct {
     /* what happened, for the controller's counters */
     unsigned long grants[MAX_SLOTS];
     int64_t held[MAX_SLOTS];
-    unsigned long drain_timeouts;
+    unsigned long drain_timeouts, yields;
 } keeper_t;
 
 static int64_t now_ns(void) {
@@ -111,7 +113,8 @@ static int64_t quantum(const keeper_t *k, int slot, uint32_t wanting) {
 }
 
 /* Slots with a thread held at the gate (tenants beside the holder excluded), and whether the holder
- * still has work: a window open or queued, or a launch within `recent`. */
+ * still has work: a thread that yielded at its slice's end, a window open or queued, or a launch
+ * within `recent`. */
 static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants) {
     uint32_t wanting = 0;
     *holder_wants = 0;
@@ -120,7 +123,7 @@ static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants)
         if (k->beside >> p->slot & 1) continue;
         if (load32(p->page + k->off_waiting)) wanting |= 1u << p->slot;
         if (p->slot == k->holder &&
-            (load64(p->page + k->off_window_open) || load64(p->page + k->off_inflight) ||
+            (load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) || load64(p->page + k->off_inflight) ||
              now - (int64_t)load64(p->page + k->off_last_launch) < k->recent))
             *holder_wants = 1;
     }
@@ -177,38 +180,63 @@ static void drain(keeper_t *k) {
     }
 }
 
-static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now) {
-    if (slot != k->holder) {
-        /* only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
-         * threads wait on the same word with other bits, and a hand-over needs nothing of them */
-        set_gate(k, (1u << slot) | k->beside, LAUNCHERS_BITSET);
-        k->holder = slot;
-    }
+/* Gives `slot` a slice from `now`, ending no sooner than `not_before`. */
+static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now, int64_t not_before) {
     k->grants[slot]++;
     k->slice_start = now;
     k->slice_end = now + quantum(k, slot, wanting | 1u << slot);
+    if (k->slice_end < not_before) k->slice_end = not_before;
+    if (k->drain_timeout > 0) /* published before the gate opens: the holder yields at this time */
+        __atomic_store_n(k->slice_end_word, (uint64_t)k->slice_end, __ATOMIC_RELEASE);
+    /* Only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
+     * threads wait on the same word with other bits, and a hand-over needs nothing of them. A
+     * holder given another slice is woken too when draining: it may have yielded. */
+    if (slot != k->holder || k->drain_timeout > 0) set_gate(k, (1u << slot) | k->beside, LAUNCHERS_BITSET);
+    k->holder = slot;
+}
+
+/* Whether the holder yielded at its slice's end and drained: each of its processes posted the
+ * current generation as drained (under a closed gate it would be a newer one). */
+static int holder_yielded(const keeper_t *k) {
+    int procs = 0;
+    for (int i = 0; i < k->nprocs; i++) {
+        if (k->procs[i].slot != k->holder) continue;
+        if (load32(k->procs[i].page + k->off_drained) != k->gen) return 0;
+        procs++;
+    }
+    return procs > 0;
 }
 
 static int keep(keeper_t *k) {
     int64_t mark = now_ns();
+    int draining = k->drain_timeout > 0;
+    if (draining) __atomic_store_n(k->slice_end_word, (uint64_t)k->slice_end, __ATOMIC_RELEASE);
     for (;;) {
         int64_t now = now_ns();
+        int yielded = 0;
         if (load32(k->bell) != k->bell_seen) {
-            account(k, &mark, now);
-            return RETURN_BELL;
+            /* the holder's helper rings once its yield has drained: hand over here */
+            if (!draining || !holder_yielded(k)) {
+                account(k, &mark, now);
+                return RETURN_BELL;
+            }
+            k->bell_seen = load32(k->bell);
+            yielded = 1;
         }
-        if (now >= k->return_at) {
+        if (!yielded && now >= k->return_at) {
             account(k, &mark, now);
             return RETURN_DEADLINE;
         }
-        int64_t wake = k->slice_end < k->return_at ? k->slice_end : k->return_at;
-        if (now < wake) {
+        int64_t end = k->slice_end + (draining ? k->grace : 0);
+        int64_t wake = end < k->return_at ? end : k->return_at;
+        if (!yielded && now < wake) {
             struct timespec ts = {(time_t)((wake - now) / 1000000000), (long)((wake - now) % 1000000000)};
             syscall(SYS_futex, k->bell, FUTEX_WAIT, k->bell_seen, &ts, NULL, 0);
             continue;
         }
         account(k, &mark, now);
         if (any_gone(k)) return RETURN_GONE;
+        if (draining && !yielded) yielded = holder_yielded(k);
         int holder_wants;
         uint32_t wanting = wanting_slots(k, now, &holder_wants);
         uint32_t others = wanting & ~(1u << k->holder);
@@ -216,19 +244,19 @@ static int keep(keeper_t *k) {
             if (!holder_wants) return RETURN_IDLE; /* nobody wants a turn: the controller decides */
             /* nobody else waits: the holder goes on, and the keeper looks again at its deadline (a
              * tenant that starts waiting meanwhile waits that long, as under the Python loop) */
-            grant(k, k->holder, wanting, now);
-            if (k->slice_end < k->return_at) k->slice_end = k->return_at;
+            grant(k, k->holder, wanting, now, k->return_at);
             continue;
         }
         uint32_t candidates = holder_wants ? wanting | 1u << k->holder : others;
         int next = pick(k, candidates);
-        if (next != k->holder && k->drain_timeout > 0) {
+        if (next != k->holder && yielded) k->yields++;
+        if (next != k->holder && draining && !yielded) {
             drain(k);
             now = now_ns();
             account(k, &mark, now); /* the drain is the old holder's time: its work ran */
         }
         /* the quantum weighs the share against everyone who wants the GPU, the holder too */
-        grant(k, next, candidates, now);
+        grant(k, next, candidates, now, 0);
     }
 }
 
@@ -270,12 +298,13 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
 
 #define USAGE \
     "take_turns(gate, bell, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
-    "base_slice_ns, recent_ns, drain_timeout_ns, shares, priorities, used, procs[(slot, pid, page)], " \
-    "offsets) -> (reason, holder, gen, slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts)"
+    "base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, used, " \
+    "procs[(slot, pid, page)], offsets) -> (reason, holder, gen, slice_start_ns, slice_end_ns, grants, " \
+    "held_ns, drain_timeouts, yields)"
 
 
 static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 17) {
+    if (n != 19) {
         PyErr_SetString(PyExc_TypeError, USAGE);
         return NULL;
     }
@@ -293,16 +322,21 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
     k->beside = (uint32_t)v & OPEN_MASK;
     if (as_long(args[5], &holder)) goto done;
     if (as_i64(args[6], &k->slice_start) || as_i64(args[7], &k->slice_end) || as_i64(args[8], &k->return_at) ||
-        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent) || as_i64(args[11], &k->drain_timeout))
+        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent) || as_i64(args[11], &k->drain_timeout) ||
+        as_ptr(args[12], (void **)&k->slice_end_word) || as_i64(args[13], &k->grace))
         goto done;
-    Py_ssize_t nslots = PySequence_Size(args[12]);
+    if (k->drain_timeout > 0 && !k->slice_end_word) {
+        PyErr_SetString(PyExc_ValueError, "draining needs the slice-end word");
+        goto done;
+    }
+    Py_ssize_t nslots = PySequence_Size(args[14]);
     if (nslots < 1 || nslots > MAX_SLOTS) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "between 1 and %d tenants", MAX_SLOTS);
         goto done;
     }
     k->nslots = (int)nslots;
-    if (doubles(args[12], k->nslots, k->share, "shares") || doubles(args[13], k->nslots, priority, "priorities") ||
-        doubles(args[14], k->nslots, k->used, "used"))
+    if (doubles(args[14], k->nslots, k->share, "shares") || doubles(args[15], k->nslots, priority, "priorities") ||
+        doubles(args[16], k->nslots, k->used, "used"))
         goto done;
     for (int s = 0; s < k->nslots; s++) k->priority[s] = (long)priority[s];
     if (holder < 0 || holder >= k->nslots) {
@@ -310,8 +344,8 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
         goto done;
     }
     k->holder = (int)holder;
-    procs = PySequence_Fast(args[15], "procs must be a sequence of (slot, pid, page address)");
-    offsets = PySequence_Fast(args[16], "offsets must be (waiting, window_open, inflight, last_launch_ns, drained)");
+    procs = PySequence_Fast(args[17], "procs must be a sequence of (slot, pid, page address)");
+    offsets = PySequence_Fast(args[18], "offsets must be (waiting, window_open, inflight, last_launch_ns, drained)");
     if (!procs || !offsets) goto done;
     if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 5) {
         PyErr_SetString(PyExc_ValueError, "too many processes, or not five offsets");
@@ -344,6 +378,12 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
     int reason;
     Py_BEGIN_ALLOW_THREADS
     reason = keep(k);
+    if (k->drain_timeout > 0) {
+        /* the Python loop decides until the next call: no yields meanwhile, and a holder that has
+         * yielded is released (its slice goes on until the loop decides otherwise) */
+        __atomic_store_n(k->slice_end_word, 0, __ATOMIC_RELEASE);
+        set_gate(k, (1u << k->holder) | k->beside, LAUNCHERS_BITSET);
+    }
     Py_END_ALLOW_THREADS
     PyObject *grants = PyTuple_New(k->nslots), *held = PyTuple_New(k->nslots);
     if (grants && held) {
@@ -351,8 +391,8 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
             PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
             PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
         }
-        result = Py_BuildValue("(iiiLLOOk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
-                               (long long)k->slice_end, grants, held, k->drain_timeouts);
+        result = Py_BuildValue("(iiiLLOOkk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
+                               (long long)k->slice_end, grants, held, k->drain_timeouts, k->yields);
     }
     Py_XDECREF(grants);
     Py_XDECREF(held);

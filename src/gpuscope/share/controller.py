@@ -60,6 +60,11 @@ PROBE_WEIGHT = 0.5
 #: returns at once when a tenant process exits). Handing over in Python cost ~150-250 µs of CPU per
 #: hand-over on a cold cache: half a percent of a core at 20 ms slices; each return costs as much.
 KEEPER_RETURN_S = 0.25
+#: With draining hand-overs the holder stops at its slice's end by itself (it sees the end in the
+#: policy), drains its queue and rings: one wake-up of the keeper per hand-over instead of two. The
+#: keeper waits this many accounting windows past the end for that before it drains the holder itself
+#: (the yield comes at its next launch, and the queue holds two windows).
+YIELD_GRACE_WINDOWS = 4
 
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
@@ -88,6 +93,7 @@ class Stats:
     slices: dict[str, int] = field(default_factory=dict)
     charged_s: dict[str, float] = field(default_factory=dict)  # GPU seconds charged, after correction
     drain_timeouts: int = 0
+    yields: int = 0  # draining hand-overs where the holder yielded at its slice's end by itself
     probes: int = 0
     state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
@@ -97,7 +103,7 @@ class Stats:
 class Controller:
     def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
                  slice_s: float = DEFAULT_SLICE_S, drain_timeout_s: float = 0.2, window_us: int = 2000,
-                 handover: str = "overlap",
+                 handover: str = "drain",
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None, keeper: bool = True,
                  log: Callable[[str], None] | None = None) -> None:
@@ -458,15 +464,17 @@ class Controller:
         with self.lock:
             procs = tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())
             used = self.scheduler.usage(now, self._pending(now))
-        reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts = _turns.take_turns(
+        reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts, yields = _turns.take_turns(
             self.policy.gate_address, self.policy.bell_address, seen, self.policy.gen, self._beside_bits(),
             self.holder, int(self._slice_start * 1e9), int(self.slice_end * 1e9), int(until * 1e9),
             int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9),
-            int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0,
-            [t.share for t in self.tenants], [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS)
+            int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0, self.policy.slice_end_address,
+            int(YIELD_GRACE_WINDOWS * self.policy.window_us * 1e3), [t.share for t in self.tenants],
+            [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS)
         with self.lock:
             self.policy.gen = gen
             self.stats.drain_timeouts += drain_timeouts
+            self.stats.yields += yields
             if holder != self.holder:
                 self.holder, self._mask = holder, (1 << holder) | self._beside_bits()
             if any(grants):

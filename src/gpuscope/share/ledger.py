@@ -7,8 +7,10 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
   word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
   sleep on with a futex (bitset 1; each process's helper thread sleeps on it too, with another bit,
   so that a hand-over can wake the launching threads alone), the beside mask (bit *i* set: slot *i*
-  runs beside the slice holder, untimed) and the busy mask (bit *i* set: slot *i* times each launch
-  on its own, in a probe).
+  runs beside the slice holder, untimed), the busy mask (bit *i* set: slot *i* times each launch
+  on its own, in a probe) and, with draining hand-overs, when the holder's slice ends (the holder then
+  stops launching by itself, drains its queue and rings the bell: one controller wake-up per
+  hand-over instead of two).
 - ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
   (it lists the slot files again when that moves). A tenant rings the bell when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
@@ -40,7 +42,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 MAX_TENANTS = 16
 NAME_LEN = 40
 PAGE = 4096
@@ -52,6 +54,7 @@ P_HEARTBEAT, P_GATE, P_MODE = 16, 24, 28
 P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
 P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
 P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
+P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
 P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, pad
 
 # proc_t
@@ -195,6 +198,7 @@ class Policy:
             raise ValueError(f"between 1 and {MAX_TENANTS} tenants, not {len(tenants)}")
         self.prefix = prefix
         self.tenants = list(tenants)
+        self.window_us = window_us
         _create(prefix + ".bell", 0o666)
         self.bell = Mapping(prefix + ".bell", writable=True)
         tmp = f"{prefix}.tmp{os.getpid()}"
@@ -245,6 +249,14 @@ class Policy:
         self.map.set_u32(P_GATE, (self.gen << 16) | (mask & 0xFFFF))
         self.map.futex_wake(P_GATE)
         return self.gen
+
+    @property
+    def slice_end_address(self) -> int:
+        return self.map.addr + P_SLICE_END
+
+    @property
+    def slice_end_ns(self) -> int:
+        return self.map.u64(P_SLICE_END)
 
     @property
     def busy_mask(self) -> int:

@@ -99,12 +99,13 @@ class ShareSettings:
     slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
                            parse=parse_duration)
     handover: Handover = setting(
-        "--share.handover", Handover.OVERLAP, "overlap: the next holder starts at once, beside the previous "
-        "one's queued work, and the overlap is split between them; drain: it starts once that work is done "
-        "(the GPU idles in between)")
+        "--share.handover", Handover.DRAIN, "drain: the next holder starts once the previous one's queued "
+        "work is done (the holder stops at its slice's end by itself and drains; exact shares); overlap: the "
+        "next holder starts at once, beside that work, and the overlap is split between them (the two "
+        "contexts' time-slicing then costs the smaller share more)")
     turns: Turns = setting(
-        "--share.turns", Turns.C, "where overlapping hand-overs are decided: c (a loop in C that wakes "
-        "Python only every 100 ms; python where it was not built) or python (a wake-up of the Python loop "
+        "--share.turns", Turns.C, "where hand-overs are decided: c (a loop in C that wakes "
+        "Python only every 250 ms; python where it was not built) or python (a wake-up of the Python loop "
         "per hand-over)")
     drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
                                    "before a drain hand-over or a probe", parse=parse_duration)

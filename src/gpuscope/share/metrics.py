@@ -30,7 +30,7 @@ class ShareCollector:
             rows = [(c.tenants[s.view.slot].name, str(pid), {**s.view.counters(), "waiting": s.view.waiting})
                     for pid, s in c.procs.items()]
             slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
-            binding, timeouts = c.stats.binding, c.stats.drain_timeouts
+            binding, timeouts, yields = c.stats.binding, c.stats.drain_timeouts, c.stats.yields
             states = dict(c.stats.state_s)
             ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
             probes = c.stats.probes
@@ -67,3 +67,6 @@ class ShareCollector:
         d = cat.SHARE_DRAIN_TIMEOUTS.family()
         d.add_metric([], timeouts)
         yield d
+        y = cat.SHARE_YIELDS.family()
+        y.add_metric([], yields)
+        yield y
