@@ -389,10 +389,10 @@ class MetricsPoller:
 
 
 def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
-            shares: str = "llm=0.3:1,hog=0.7", *, hog: bool = True) -> dict:
+            shares: str = "llm=0.3:1,hog=0.7", *extra: str, hog: bool = True) -> dict:
     """The decode loop, beside a matmul hog (``hog``): under the library with a controller in mode
     ``accounting``, or with neither (``accounting`` None: plain processes, the GPU's own time-slicing)."""
-    ctl = Controller(shares, accounting, port) if accounting else None
+    ctl = Controller(shares, accounting, port, *extra) if accounting else None
     start = time.time() + 15
     poller = MetricsPoller(port, start) if ctl else None
     pl = spawn("llm", seconds, start, "llm" if accounting else None)
@@ -508,7 +508,8 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
             "events-llm-share-0.7": ("events", "llm=0.7:1,hog=0.3", True),
             "alone-lib": ("events", "llm=0.3:1,hog=0.7", False),
             # a share the decode loop never exceeds: always beside the hog, never held
-            "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True)}
+            "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True),
+            "events-overlap": ("events", "llm=0.3:1,hog=0.7", True, "--share.handover", "overlap")}
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
@@ -516,8 +517,8 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
           flush=True)
     for key in chosen:
-        accounting, shares, hog = runs[key]
-        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, hog=hog)
+        accounting, shares, hog, *extra = runs[key]
+        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, *extra, hog=hog)
         r["p99_vs_alone"] = r["p99_ms"] / out["llm"]["alone"]["p99_ms"]
         r["tokens_identical"] = r["tokens"] == out["llm"]["alone"]["tokens"]
         hog_text = "no hog"
@@ -526,8 +527,10 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         ctl_text = "plain"
         if r["controller"]:
             ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core"
+        held = r["llm_stats"].get("throttled_ns", 0) / 1e9
+        busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", []) if "busy_ratio" in ln]
         print(f"llm {key}: p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), "
-              f"{hog_text}; {ctl_text}", flush=True)
+              f"{hog_text}; {ctl_text}; held {held:.2f} s; busy ratio {busy}", flush=True)
         save()
     out["llm"]["alone_again"] = llm_run(None, args.llm_seconds, args.port, alone, hog=False)
     print(f"llm alone again: p50 {out['llm']['alone_again']['p50_ms']:.1f} "

@@ -58,6 +58,11 @@ def test_higher_priority_tenants_within_their_share_run_beside_the_holder():
     assert s.beside({0, 1}) == {1}
     s.charge(1, 0.1, 0.0)  # now over its share: it takes turns like the others until back within
     assert s.beside({0, 1}) == set()
+    # unless its probes show it keeps the GPU busy for less than its share: taking turns it would be
+    # charged its holding time (its share) and never get back within it
+    assert s.beside({0, 1}, busy={1: 0.2}) == {1}
+    assert s.beside({0, 1}, busy={1: 0.5}) == set()  # busy beyond its share: it takes turns
+    assert s.beside({0, 2}, busy={2: 0.01}) == set()  # equal priorities take turns whatever they use
 
 
 def test_binding_needs_two_active_tenants_and_pick_needs_a_wanting_one():

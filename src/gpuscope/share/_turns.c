@@ -58,6 +58,7 @@ typedef struct {
     unsigned long grants[MAX_SLOTS];
     int64_t held[MAX_SLOTS];
     unsigned long drain_timeouts, yields;
+    int yield_due; /* the holder was told its slice's end: wait the grace for its yield */
 } keeper_t;
 
 static int64_t now_ns(void) {
@@ -186,8 +187,11 @@ static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now, int64_t 
     k->slice_start = now;
     k->slice_end = now + quantum(k, slot, wanting | 1u << slot);
     if (k->slice_end < not_before) k->slice_end = not_before;
-    if (k->drain_timeout > 0) /* published before the gate opens: the holder yields at this time */
-        __atomic_store_n(k->slice_end_word, (uint64_t)k->slice_end, __ATOMIC_RELEASE);
+    /* Published before the gate opens: the holder yields at this time. Only while others wait: a
+     * holder given more time because nobody else wants the GPU must not drain its queue for nothing. */
+    k->yield_due = k->drain_timeout > 0 && (wanting & ~(1u << slot));
+    if (k->drain_timeout > 0)
+        __atomic_store_n(k->slice_end_word, k->yield_due ? (uint64_t)k->slice_end : 0, __ATOMIC_RELEASE);
     /* Only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
      * threads wait on the same word with other bits, and a hand-over needs nothing of them. A
      * holder given another slice is woken too when draining: it may have yielded. */
@@ -210,7 +214,12 @@ static int holder_yielded(const keeper_t *k) {
 static int keep(keeper_t *k) {
     int64_t mark = now_ns();
     int draining = k->drain_timeout > 0;
-    if (draining) __atomic_store_n(k->slice_end_word, (uint64_t)k->slice_end, __ATOMIC_RELEASE);
+    if (draining) { /* the running slice may yield only if someone else waits for the GPU */
+        int holder_wants;
+        uint32_t others = wanting_slots(k, mark, &holder_wants) & ~(1u << k->holder);
+        k->yield_due = others != 0;
+        __atomic_store_n(k->slice_end_word, others ? (uint64_t)k->slice_end : 0, __ATOMIC_RELEASE);
+    }
     for (;;) {
         int64_t now = now_ns();
         int yielded = 0;
@@ -227,7 +236,7 @@ static int keep(keeper_t *k) {
             account(k, &mark, now);
             return RETURN_DEADLINE;
         }
-        int64_t end = k->slice_end + (draining ? k->grace : 0);
+        int64_t end = k->slice_end + (k->yield_due ? k->grace : 0);
         int64_t wake = end < k->return_at ? end : k->return_at;
         if (!yielded && now < wake) {
             struct timespec ts = {(time_t)((wake - now) / 1000000000), (long)((wake - now) % 1000000000)};

@@ -58,14 +58,24 @@ class SliceScheduler:
             return True
         return self.used[slot] / total_used <= self.tenants[slot].share / total_share + 1e-9
 
-    def beside(self, active: Iterable[int]) -> set[int]:
+    def beside(self, active: Iterable[int], busy: Mapping[int, float] | None = None) -> set[int]:
         """Tenants that run beside the slice holder: of higher priority than the lowest among
-        ``active``, and within their share of what the active tenants used."""
+        ``active``, and either within their share of what the active tenants used, or (``busy``: the
+        fraction of the time each one kept the GPU busy, measured alone) busy for no more than their
+        share. The second keeps a latency-bound tenant from being trapped in turns: taking turns it is
+        charged its holding time, which is its share, so it would never fall back within it."""
         active = set(active)
         if len(active) < 2:
             return set()
+        busy = busy or {}
         low = min(self.tenants[s].priority for s in active)
-        return {s for s in active if self.tenants[s].priority > low and self.within_share(s, active)}
+        total_share = sum(self.tenants[s].share for s in active)
+
+        def fits(s: int) -> bool:
+            return s in busy and busy[s] <= self.tenants[s].share / max(total_share, 1e-9)
+
+        return {s for s in active
+                if self.tenants[s].priority > low and (self.within_share(s, active) or fits(s))}
 
     def binds(self, active: Iterable[int]) -> bool:
         """Whether shares bind: more than one tenant has been launching lately."""
