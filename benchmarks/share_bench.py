@@ -550,8 +550,9 @@ def plot(sources: list[str], dst: str) -> None:
     for src in sources:
         with open(src) as f:
             data = json.load(f)
-        for accounting, r in data.get("pair", {}).items():
-            panels.append((f"{os.path.basename(src)}: --share.accounting {accounting}", r))
+        for variant, r in data.get("pair", {}).items():
+            flags = " ".join(r.get("flags", [])) or "defaults"
+            panels.append((f"{os.path.basename(src)}: {variant} ({flags})", r))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True, squeeze=False)
     for ax, (title, r) in zip(axes[0], panels, strict=True):
         ts = [w["t"] + 2.5 for w in r["windows"]]
