@@ -39,6 +39,11 @@ ACTIVE_S = 0.5
 #: How often the controller checks that its tenant processes live (a dead one's share is given back),
 #: and how often it lists the slot files even when no process said it joined.
 SCAN_S, LIST_S = 0.1, 2.0
+#: How often the loop looks while shares do not bind: with tenant processes attached (a second one
+#: starting to launch makes them bind), and with none (a process that joins rings the bell; the
+#: heartbeat must still move well inside the tenants' 2 s staleness limit). An idle controller cost
+#: 0.2% of a core looking every 100 ms.
+OPEN_POLL_S, NO_TENANTS_POLL_S = 0.25, 0.5
 #: The holder still wants its slice if it launched this recently.
 HOLDER_RECENT_S = 0.002
 #: The turn of the smallest share while shares bind (``--share.slice``). On the H200, 20 ms and 50 ms
@@ -343,7 +348,7 @@ class Controller:
             self._stop_probe()
             self._set_beside(set(), now)
             self.stats.binding = False
-            return 0.1
+            return OPEN_POLL_S if self.procs else NO_TENANTS_POLL_S
         self.stats.binding = True
         if self.probe is not None:
             if self.probe.read_at == 0.0:  # running
@@ -496,7 +501,7 @@ class Controller:
                 timeout = self.keep_turns(seen)
                 if timeout <= 0:
                     continue
-            self.policy.wait_bell(seen, max(0.0005, min(timeout, 0.1)))
+            self.policy.wait_bell(seen, max(0.0005, min(timeout, NO_TENANTS_POLL_S)))
 
     def close(self) -> None:
         with self.lock:
