@@ -124,8 +124,8 @@ static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants)
         if (k->beside >> p->slot & 1) continue;
         if (load32(p->page + k->off_waiting)) wanting |= 1u << p->slot;
         if (p->slot == k->holder &&
-            (load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) || load64(p->page + k->off_inflight) ||
-             now - (int64_t)load64(p->page + k->off_last_launch) < k->recent))
+            (load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) ||
+             load64(p->page + k->off_inflight) || now - (int64_t)load64(p->page + k->off_last_launch) < k->recent))
             *holder_wants = 1;
     }
     return wanting;
@@ -354,13 +354,15 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
     }
     k->holder = (int)holder;
     procs = PySequence_Fast(args[17], "procs must be a sequence of (slot, pid, page address)");
-    offsets = PySequence_Fast(args[18], "offsets must be (waiting, window_open, inflight, last_launch_ns, drained)");
+    offsets = PySequence_Fast(args[18], "offsets must be (waiting, window_open, inflight, last_launch_ns, "
+                                        "drained)");
     if (!procs || !offsets) goto done;
     if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 5) {
         PyErr_SetString(PyExc_ValueError, "too many processes, or not five offsets");
         goto done;
     }
-    size_t *off[5] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch, &k->off_drained};
+    size_t *off[5] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch,
+                      &k->off_drained};
     for (int i = 0; i < 5; i++) {
         if (as_long(PySequence_Fast_GET_ITEM(offsets, i), &v)) goto done;
         if (v < 0 || v > 4088) {
@@ -422,8 +424,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_turns", NULL, -1, m
 PyMODINIT_FUNC PyInit__turns(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddIntConstant(m, "RETURN_DEADLINE", RETURN_DEADLINE) || PyModule_AddIntConstant(m, "RETURN_BELL", RETURN_BELL) ||
-        PyModule_AddIntConstant(m, "RETURN_IDLE", RETURN_IDLE) || PyModule_AddIntConstant(m, "RETURN_GONE", RETURN_GONE)) {
+    if (PyModule_AddIntConstant(m, "RETURN_DEADLINE", RETURN_DEADLINE) ||
+        PyModule_AddIntConstant(m, "RETURN_BELL", RETURN_BELL) || PyModule_AddIntConstant(m, "RETURN_IDLE", RETURN_IDLE) ||
+        PyModule_AddIntConstant(m, "RETURN_GONE", RETURN_GONE)) {
         Py_DECREF(m);
         return NULL;
     }
