@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, Policy, TenantPolicy
+from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, P_HEARTBEAT, Policy, TenantPolicy
 from gpuscope.share.scheduler import SliceScheduler
 
 _turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
@@ -59,7 +59,8 @@ def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float 
     ``return_s`` from now at the latest."""
     now = time.monotonic_ns()
     return _turns.take_turns(
-        policy.gate_address, policy.bell_address, policy.bell_value() if bell_seen is None else bell_seen,
+        policy.gate_address, policy.bell_address, policy.heartbeat_address,
+        policy.bell_value() if bell_seen is None else bell_seen,
         policy.gen, beside, holder, now, now + int(slice_end_s * 1e9), now + int(return_s * 1e9),
         int(base_slice_s * 1e9), 2_000_000, int(drain_timeout_s * 1e9), policy.slice_end_address,
         int(grace_s * 1e9), [t.share for t in tenants],
@@ -216,12 +217,15 @@ def test_a_draining_hand_over_waits_for_the_old_holders_work_before_the_next_hol
     assert held[0] >= 15_000_000  # the drain is the old holder's time
 
 
-def test_a_drain_that_never_comes_times_out_and_is_counted(policy, tenants):
+def test_a_drain_that_never_comes_times_out_and_is_counted_and_the_heartbeat_goes_on(policy, tenants):
     policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
+    t0 = time.monotonic_ns()
     _, holder, *_, timeouts, _ = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2,
-                                   used=[0.7, 0.0], drain_timeout_s=0.02)
+                                      used=[0.7, 0.0], drain_timeout_s=0.3)
     assert holder == 1 and timeouts == 1
+    # tenants fail open when the heartbeat is 2 s old: a long drain must not look like a dead controller
+    assert policy.map.u64(P_HEARTBEAT) >= t0 + 250_000_000
 
 
 def test_a_holder_that_yields_at_its_slice_end_is_handed_on_without_the_keepers_drain(policy, tenants):

@@ -40,6 +40,7 @@ typedef struct {
 typedef struct {
     /* the ledger */
     uint32_t *gate, *bell;
+    uint64_t *heartbeat; /* the controller's: tenants fail open when it goes stale (2 s) */
     uint32_t bell_seen, gen, beside;
     size_t off_waiting, off_window_open, off_inflight, off_last_launch, off_drained;
     int64_t drain_timeout; /* 0: overlapping hand-overs; else wait this long for the old holder's work */
@@ -156,6 +157,8 @@ static void set_gate(keeper_t *k, uint32_t mask, uint32_t bitset) {
 /* A draining hand-over: hold the old holder (its helper threads, woken by the gate change, post each
  * process's drained generation once its queued work has finished) and wait for that, at most
  * drain_timeout; a process that died meanwhile never posts, and is no timeout. */
+static void beat(keeper_t *k) { __atomic_store_n(k->heartbeat, (uint64_t)now_ns(), __ATOMIC_RELEASE); }
+
 static void drain(keeper_t *k) {
     /* the helper threads alone: the next holder's launching threads would wake only to find their
      * bit still clear */
@@ -173,7 +176,8 @@ static void drain(keeper_t *k) {
                 if (!(kill(p->pid, 0) != 0 && errno == ESRCH)) k->drain_timeouts++;
                 break;
             }
-            if (left > 50000000) left = 50000000; /* look at the pid now and then */
+            if (left > 50000000) left = 50000000; /* look at the pid, and beat, now and then */
+            beat(k);
             struct timespec ts = {0, (long)left};
             syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
             if (kill(p->pid, 0) != 0 && errno == ESRCH) break;
@@ -223,6 +227,7 @@ static int keep(keeper_t *k) {
     for (;;) {
         int64_t now = now_ns();
         int yielded = 0;
+        beat(k);
         if (load32(k->bell) != k->bell_seen) {
             /* the holder's helper rings once its yield has drained: hand over here */
             if (!draining || !holder_yielded(k)) {
@@ -306,14 +311,14 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
 }
 
 #define USAGE \
-    "take_turns(gate, bell, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
+    "take_turns(gate, bell, heartbeat, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
     "base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, used, " \
     "procs[(slot, pid, page)], offsets) -> (reason, holder, gen, slice_start_ns, slice_end_ns, grants, " \
     "held_ns, drain_timeouts, yields)"
 
 
 static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 19) {
+    if (n != 20) {
         PyErr_SetString(PyExc_TypeError, USAGE);
         return NULL;
     }
@@ -322,30 +327,32 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
     PyObject *result = NULL, *procs = NULL, *offsets = NULL;
     long v, holder;
     double priority[MAX_SLOTS];
-    if (as_ptr(args[0], (void **)&k->gate) || as_ptr(args[1], (void **)&k->bell)) goto done;
-    if (as_long(args[2], &v)) goto done;
-    k->bell_seen = (uint32_t)v;
+    if (as_ptr(args[0], (void **)&k->gate) || as_ptr(args[1], (void **)&k->bell) ||
+        as_ptr(args[2], (void **)&k->heartbeat))
+        goto done;
     if (as_long(args[3], &v)) goto done;
-    k->gen = (uint32_t)v & 0xFFFF;
+    k->bell_seen = (uint32_t)v;
     if (as_long(args[4], &v)) goto done;
+    k->gen = (uint32_t)v & 0xFFFF;
+    if (as_long(args[5], &v)) goto done;
     k->beside = (uint32_t)v & OPEN_MASK;
-    if (as_long(args[5], &holder)) goto done;
-    if (as_i64(args[6], &k->slice_start) || as_i64(args[7], &k->slice_end) || as_i64(args[8], &k->return_at) ||
-        as_i64(args[9], &k->base_slice) || as_i64(args[10], &k->recent) || as_i64(args[11], &k->drain_timeout) ||
-        as_ptr(args[12], (void **)&k->slice_end_word) || as_i64(args[13], &k->grace))
+    if (as_long(args[6], &holder)) goto done;
+    if (as_i64(args[7], &k->slice_start) || as_i64(args[8], &k->slice_end) || as_i64(args[9], &k->return_at) ||
+        as_i64(args[10], &k->base_slice) || as_i64(args[11], &k->recent) || as_i64(args[12], &k->drain_timeout) ||
+        as_ptr(args[13], (void **)&k->slice_end_word) || as_i64(args[14], &k->grace))
         goto done;
     if (k->drain_timeout > 0 && !k->slice_end_word) {
         PyErr_SetString(PyExc_ValueError, "draining needs the slice-end word");
         goto done;
     }
-    Py_ssize_t nslots = PySequence_Size(args[14]);
+    Py_ssize_t nslots = PySequence_Size(args[15]);
     if (nslots < 1 || nslots > MAX_SLOTS) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "between 1 and %d tenants", MAX_SLOTS);
         goto done;
     }
     k->nslots = (int)nslots;
-    if (doubles(args[14], k->nslots, k->share, "shares") || doubles(args[15], k->nslots, priority, "priorities") ||
-        doubles(args[16], k->nslots, k->used, "used"))
+    if (doubles(args[15], k->nslots, k->share, "shares") || doubles(args[16], k->nslots, priority, "priorities") ||
+        doubles(args[17], k->nslots, k->used, "used"))
         goto done;
     for (int s = 0; s < k->nslots; s++) k->priority[s] = (long)priority[s];
     if (holder < 0 || holder >= k->nslots) {
@@ -353,8 +360,8 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
         goto done;
     }
     k->holder = (int)holder;
-    procs = PySequence_Fast(args[17], "procs must be a sequence of (slot, pid, page address)");
-    offsets = PySequence_Fast(args[18], "offsets must be (waiting, window_open, inflight, last_launch_ns, "
+    procs = PySequence_Fast(args[18], "procs must be a sequence of (slot, pid, page address)");
+    offsets = PySequence_Fast(args[19], "offsets must be (waiting, window_open, inflight, last_launch_ns, "
                                         "drained)");
     if (!procs || !offsets) goto done;
     if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 5) {

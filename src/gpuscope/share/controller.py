@@ -286,7 +286,9 @@ class Controller:
         for state in list(self.procs.values()):
             if state.view.slot not in slots:
                 continue
-            if not state.view.wait_drained(gen, self.drain_timeout_s) and pid_alive(state.view.pid):
+            # the heartbeat goes on while it waits: a drain may last longer than the tenants' 2 s limit
+            if (not state.view.wait_drained(gen, self.drain_timeout_s, tick=self.policy.heartbeat)
+                    and pid_alive(state.view.pid)):
                 self.stats.drain_timeouts += 1
 
     def _grant(self, slot: int, now: float, wanting: set[int]) -> None:
@@ -470,7 +472,8 @@ class Controller:
             procs = tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())
             used = self.scheduler.usage(now, self._pending(now))
         reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts, yields = _turns.take_turns(
-            self.policy.gate_address, self.policy.bell_address, seen, self.policy.gen, self._beside_bits(),
+            self.policy.gate_address, self.policy.bell_address, self.policy.heartbeat_address, seen,
+            self.policy.gen, self._beside_bits(),
             self.holder, int(self._slice_start * 1e9), int(self.slice_end * 1e9), int(until * 1e9),
             int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9),
             int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0, self.policy.slice_end_address,

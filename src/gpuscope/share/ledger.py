@@ -32,7 +32,7 @@ import errno
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 try:
@@ -240,6 +240,10 @@ class Policy:
         return self.map.addr + P_GATE
 
     @property
+    def heartbeat_address(self) -> int:
+        return self.map.addr + P_HEARTBEAT
+
+    @property
     def bell_address(self) -> int:
         return self.bell.addr
 
@@ -330,10 +334,13 @@ class ProcView:
     def drained_gen(self) -> int:
         return self.map.u32(Q_DRAINED)
 
-    def wait_drained(self, gen: int, timeout_s: float) -> bool:
-        """Sleep until the process says it has nothing queued under generation ``gen``."""
+    def wait_drained(self, gen: int, timeout_s: float, tick: Callable[[], None] | None = None) -> bool:
+        """Sleep until the process says it has nothing queued under generation ``gen`` (``tick``: called
+        every 50 ms of the wait, for the controller's heartbeat)."""
         deadline = time.monotonic_ns() + int(timeout_s * 1e9)
         while True:
+            if tick is not None:
+                tick()
             seen = self.drained_gen
             if seen == gen:
                 return True
