@@ -20,6 +20,8 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -132,10 +134,26 @@ static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants)
     return wanting;
 }
 
+/* Whether process `pid` has exited. `zombie`: a process that exited but was not reaped yet counts as
+ * gone too (telling one costs a read of /proc, so only where a wait would otherwise run out). */
+static int gone(pid_t pid, int zombie) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+    if (!zombie) return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *close = strrchr(buf, ')');
+    return close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
 /* Whether a tenant process has exited (its share goes back once the controller forgets it). */
 static int any_gone(const keeper_t *k) {
     for (int i = 0; i < k->nprocs; i++)
-        if (kill(k->procs[i].pid, 0) != 0 && errno == ESRCH) return 1;
+        if (gone(k->procs[i].pid, 0)) return 1;
     return 0;
 }
 
@@ -173,14 +191,15 @@ static void drain(keeper_t *k) {
             if (seen == k->gen) break;
             int64_t left = deadline - now_ns();
             if (left <= 0) {
-                if (!(kill(p->pid, 0) != 0 && errno == ESRCH)) k->drain_timeouts++;
+                if (!gone(p->pid, 1)) k->drain_timeouts++;
                 break;
             }
             if (left > 50000000) left = 50000000; /* look at the pid, and beat, now and then */
             beat(k);
             struct timespec ts = {0, (long)left};
-            syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0);
-            if (kill(p->pid, 0) != 0 && errno == ESRCH) break;
+            if (syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, NULL, 0) != 0 && errno == ETIMEDOUT &&
+                gone(p->pid, 1))
+                break; /* an exiting process never posts its drain */
         }
     }
 }
