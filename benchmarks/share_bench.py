@@ -143,7 +143,7 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
             stamps.append(time.time())
         result["stamps"] = stamps
         result["checksum"] = hashlib.sha256(y.float().cpu().numpy().tobytes()).hexdigest()[:16]
-    if mode == "llm":
+    if mode in ("llm", "llm-kernels"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -168,6 +168,9 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
             return steps, tokens
 
         request()  # warm-up
+        if mode == "llm-kernels":
+            result["kernels"] = _kernel_time(request)
+            return result
         while time.time() < start_at:
             time.sleep(0.001)
         helper0 = (_helper_cpu_s(), _helper_wakeups(), time.time())
@@ -186,6 +189,29 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
         result["helper_run"] = {"cpu_pct": 100 * (_helper_cpu_s() - helper0[0]) / ran,
                                 "wakeups_per_s": (_helper_wakeups() - helper0[1]) / ran}
     return result
+
+
+def _kernel_time(request) -> dict:
+    """What the decode loop's kernels take on the GPU (CUPTI, through the PyTorch profiler) against
+    its wall time per request unprofiled: the GPU-time fraction a probe should find."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    w0 = time.perf_counter()
+    for _ in range(5):
+        request()
+    wall_ms = (time.perf_counter() - w0) / 5 * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            request()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.time_range.elapsed_us() for e in kernels)
+    if not kernels:  # older profilers attach device time to the operators only
+        kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    kernel_ms = kernel_us / 1e3 / 3
+    return {"wall_ms_per_request": wall_ms, "kernel_ms_per_request": kernel_ms,
+            "kernels_per_request": len(kernels) / 3, "kernel_fraction": kernel_ms / wall_ms}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,6 +542,13 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone, hog=False)}
     print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
           flush=True)
+    try:
+        k = out["llm"]["kernels"] = collect(spawn("llm-kernels", 0, time.time(), None))["kernels"]
+        print(f"llm kernels alone: {k['kernel_ms_per_request']:.2f} ms of {k['kernels_per_request']:.0f} "
+              f"kernels per {k['wall_ms_per_request']:.1f} ms request: GPU-time fraction "
+              f"{k['kernel_fraction']:.3f}", flush=True)
+    except RuntimeError as e:  # the profiler is a reference, not the measurement: go on without it
+        print(f"llm kernels alone: not measured ({str(e)[-300:]})", flush=True)
     for key in chosen:
         accounting, shares, hog, *extra = runs[key]
         r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, *extra, hog=hog)

@@ -7,7 +7,9 @@
  * With FAKE_CUDA_REALTIME=1 the clock is the wall clock instead: the process's "GPU" runs one launch
  * after another, each taking its blockDimX microseconds from when the previous one ends (or from its
  * launch, when the GPU was idle); an event completes when the work queued before it has, a query
- * before then says not ready, and a synchronize sleeps until then (like a blocking-sync event). */
+ * before then says not ready, and a synchronize sleeps until then (like a blocking-sync event).
+ * FAKE_CUDA_LAUNCH_US=N makes each launch call spend N microseconds of CPU before its work reaches
+ * the "GPU", as the real driver's launch path does (what a launch-bound program is bound by). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -31,6 +33,7 @@ typedef struct {
 static _Atomic uint64_t gpu_clock_ns;
 static int log_fd = -1;
 static int realtime = -1;
+static long launch_us = -1;
 
 static uint64_t wall_ns(void) {
     struct timespec ts;
@@ -38,10 +41,24 @@ static uint64_t wall_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The launch call's own CPU time, spent (spinning, like a CPU-bound driver) before the work is queued. */
+static void submit_delay(void) {
+    if (launch_us < 0) launch_us = getenv("FAKE_CUDA_LAUNCH_US") ? atol(getenv("FAKE_CUDA_LAUNCH_US")) : 0;
+    if (launch_us <= 0) return;
+    uint64_t until = wall_ns() + (uint64_t)launch_us * 1000;
+    while (wall_ns() < until) {
+    }
+}
+
 /* Queue `ns` of GPU work: in real time it starts when the GPU is free (or now, if idle). */
-static void run_for(uint64_t ns) {
+static int in_real_time(void) {
     if (realtime < 0) realtime = getenv("FAKE_CUDA_REALTIME") && atoi(getenv("FAKE_CUDA_REALTIME"));
-    if (!realtime) {
+    return realtime;
+}
+
+static void run_for(uint64_t ns) {
+    submit_delay();
+    if (!in_real_time()) {
         atomic_fetch_add(&gpu_clock_ns, ns);
         return;
     }
@@ -53,7 +70,7 @@ static void run_for(uint64_t ns) {
 /* When the work queued so far ends (the fake clock's reading, in real time at least now). */
 static uint64_t queue_end(void) {
     uint64_t busy = atomic_load(&gpu_clock_ns);
-    if (realtime > 0) {
+    if (in_real_time()) {
         uint64_t now = wall_ns();
         if (busy < now) busy = now;
     }
@@ -108,7 +125,7 @@ CUresult cuEventCreate(fake_event **e, unsigned flags) { (void)flags; *e = callo
 CUresult cuEventRecord(fake_event *e, CUstream s) { (void)s; e->at = queue_end(); e->recorded = 1; return 0; }
 CUresult cuEventRecord_ptsz(fake_event *e, CUstream s) { return cuEventRecord(e, s); }
 CUresult cuEventSynchronize(fake_event *e) {
-    if (realtime > 0 && e->recorded) {
+    if (in_real_time() && e->recorded) {
         uint64_t now = wall_ns();
         if (e->at > now) {
             struct timespec ts = {(time_t)((e->at - now) / 1000000000ull), (long)((e->at - now) % 1000000000ull)};
@@ -121,7 +138,7 @@ CUresult cuEventSynchronize(fake_event *e) {
  * complete (600: not ready, or never recorded). */
 CUresult cuEventQuery(fake_event *e) {
     if (!e->recorded) return 600;
-    return realtime > 0 && e->at > wall_ns() ? 600 : 0;
+    return in_real_time() && e->at > wall_ns() ? 600 : 0;
 }
 CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
     if (!a->recorded || !b->recorded) return 600;

@@ -106,7 +106,7 @@ out = (ctypes.c_uint64 * 8)()
 deadline = time.monotonic() + (10 if sys.argv[1] == "timed" else 0.3)
 while True:  # until the helper posted the last window (untimed: a moment to show nothing is posted)
     own.gpuscope_share_stats(out)
-    if out[4] >= 40 * 50_000 or time.monotonic() > deadline:
+    if out[4] >= 40 * 50_000 or out[5] >= 40 or time.monotonic() > deadline:
         break
     time.sleep(0.01)
 print(json.dumps({"launches": out[0], "windows": out[5], "gpu_ns": out[4], "hook_errors": out[2]}))
@@ -128,10 +128,59 @@ def test_how_a_tenant_times_its_launches_in_each_role(fake_cuda, tmp_path, role)
         assert stats["launches"] == 40 and stats["hook_errors"] == 0
         if role == "beside":  # beside the holder: no events at all (each would cost a context switch)
             assert stats["windows"] == 0 and stats["gpu_ns"] == 0
+        elif role == "holder":  # windows span launches
+            assert stats["gpu_ns"] == 40 * 50_000 and stats["windows"] < 40
         else:
-            assert stats["gpu_ns"] == 40 * 50_000
-            # in a probe each kernel is a window of its own; a slice holder's windows span launches
-            assert (stats["windows"] == 40) is (role == "probe")
+            # each kernel a window of its own; this fake GPU's clock stands still between launches,
+            # so a probe takes off up to the launch calls' few microseconds (busy_window_ms)
+            assert stats["windows"] == 40 and 0.9 * 40 * 50_000 <= stats["gpu_ns"] <= 40 * 50_000
+    finally:
+        policy.close()
+
+
+PROBED = """
+import ctypes, json, sys, time
+cuda = ctypes.CDLL('libcuda.so.1'); own = ctypes.CDLL(None); U = ctypes.c_uint
+kernel_us, n = int(sys.argv[1]), 40
+for i in range(n):  # all on stream 1
+    cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(kernel_us), U(1), U(1), U(0), ctypes.c_void_p(1),
+                        None, None)
+out = (ctypes.c_uint64 * 8)()
+deadline = time.monotonic() + 20
+while True:  # until the last window is posted
+    own.gpuscope_share_stats(out)
+    if out[5] >= n or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
+print(json.dumps({"windows": out[5], "gpu_ns": out[4], "hook_errors": out[2]}))
+"""
+
+
+@pytest.mark.parametrize(("kernel_us", "launch_us"), [(50, 300), (2000, 0)])
+def test_a_probe_charges_kernels_not_the_launch_calls_between_them(fake_cuda, tmp_path, kernel_us, launch_us):
+    """Launch-bound (each launch call takes 300 µs of CPU, each kernel 50 µs on a GPU that runs in
+    real time): a probe's start event runs at once on the idle stream, the kernel only when the launch
+    call is through, so each window spans the call too; what is charged is the kernel. GPU-bound
+    (queued kernels of 2 ms): nothing comes off."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5, 1)])
+    try:
+        policy.set_gate(0b11)
+        policy.set_beside_mask(0b10)
+        policy.set_busy_mask(0b10)
+        env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
+        env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_LAUNCH_US=str(launch_us))
+        proc = subprocess.run([sys.executable, "-c", PROBED, str(kernel_us)], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads(proc.stdout)
+        assert stats["windows"] == 40 and stats["hook_errors"] == 0
+        kernels_ns = 40 * kernel_us * 1000
+        if launch_us:
+            # each window spans its launch call too: 7x the kernels' time if nothing came off (a
+            # launch call preempted after its kernel went out may lose that window's kernel)
+            assert 0.6 * kernels_ns <= stats["gpu_ns"] < 1.5 * kernels_ns
+        else:
+            assert 0.95 * kernels_ns <= stats["gpu_ns"] <= 1.1 * kernels_ns
     finally:
         policy.close()
 

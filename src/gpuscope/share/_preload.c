@@ -205,6 +205,8 @@ typedef struct {
     int ptsz;
     int end_recorded; /* the end event already follows the window's last launch (busy-time windows) */
     int busy;         /* a launch timed on its own: its time also goes to busy_ns */
+    uint64_t started_ns; /* busy-time windows: host clock just before the start event was recorded... */
+    uint64_t submit_ns;  /* ...and from then until the launch call returned (see busy_window_ms) */
 } window_t;
 
 static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
@@ -216,6 +218,12 @@ static CUcontext acct_ctx;
 static uint32_t helper_bit;
 static _Atomic int helper_sleeping;
 static int helper_waited_newest; /* the last wake on the newest window posted nothing */
+/* A probe's windows, posted in order: how late their start events ran (busy_window_ms). */
+static struct {
+    uint64_t idx, recorded_ns; /* the last probe window posted, and when its start event was recorded */
+    float lag_ms;
+    int valid;
+} chain;
 /* When a launching thread last waited for the oldest queued window (the bound on queued work): while
  * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
 static uint64_t queue_waited_ns;
@@ -283,6 +291,7 @@ static void after_fork_in_child(void) {
     atomic_store(&helper_sleeping, 0);
     helper_waited_newest = 0;
     queue_waited_ns = 0;
+    chain.valid = 0;
     atomic_store(&yielded_gen, 0);
 }
 
@@ -487,11 +496,45 @@ static inline CUresult record(CUevent e, const window_t *w) {
     return rec(e, w->stream);
 }
 
-/* A finished window's GPU time onto the process's counters. */
-static float post_window(const window_t *w) {
+/* A probe's window is one launch: its start event, the kernel, its end event. The start event runs
+ * as soon as the GPU reaches it, the kernel only once the launch call that follows has gone through;
+ * for a launch-bound program (a decode loop of small kernels) that gap is as long as the kernel, and
+ * it is the GPU idling, not this process's work (another tenant's work runs in it). So what comes
+ * off a window is the part of its record and launch calls (host clock, `submit_ns`) that came after
+ * its start event ran. When the start event ran is known relative to when it was recorded: `lag`,
+ * how much later than the least late start event of the probe so far (from the events' GPU times and
+ * the host's recording times, chained window to window). A start event queued behind the previous
+ * kernel lags by what that kernel had left, and only the launch call's time beyond that comes off;
+ * a GPU-bound program's windows lag by more than their launch calls take, and nothing comes off.
+ * The host sees a call return after the GPU has it, so the estimate errs towards charging more. */
+
+static float busy_window_ms(uint64_t idx, float ms) {
+    const window_t *w = &ring[idx % POOL], *prev = &ring[(idx - 1) % POOL];
+    float between = 0;
+    if (idx == 0 || !chain.valid || chain.idx != idx - 1 || !prev->busy ||
+        drv.elapsed(&between, prev->start, w->start) != 0) {
+        /* the first window of a probe: taken as on time (a preempted launch call is then still
+         * taken off; a start event queued behind work launched before the probe loses at most the
+         * one kernel) */
+        between = 0, chain.lag_ms = 0, chain.recorded_ns = w->started_ns;
+    }
+    float lag = chain.lag_ms + between - (float)(int64_t)(w->started_ns - chain.recorded_ns) / 1e6f;
+    if (lag < 0) lag = 0; /* the least late start so far: the new reference */
+    chain.idx = idx, chain.recorded_ns = w->started_ns, chain.lag_ms = lag, chain.valid = 1;
+    float idle = (float)w->submit_ns / 1e6f - lag;
+    if (idle <= 0) return ms;
+    return idle < ms ? ms - idle : 0;
+}
+
+/* A finished window's GPU time onto the process's counters (ring[idx]; the window before it, whose
+ * end event a busy-time window is compared with, is not reused yet: at most POOL - 1 windows are
+ * queued, so the open one is never in its slot). */
+static float post_window(uint64_t idx) {
+    const window_t *w = &ring[idx % POOL];
     float ms = 0;
     CUresult rc = drv.elapsed(&ms, w->start, w->end);
     if (rc == 0 && ms > 0) {
+        if (w->busy) ms = busy_window_ms(idx, ms);
         atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
         if (w->busy) atomic_fetch_add(&proc->busy_ns, (uint64_t)(ms * 1e6));
     }
@@ -525,7 +568,7 @@ static void adapt(float ms);
 
 static void resolve_finished(int max) {
     while (head < tail && max-- > 0 && drv.query && drv.query(ring[head % POOL].end) == 0) {
-        float ms = post_window(&ring[head % POOL]);
+        float ms = post_window(head);
         if (!ring[head % POOL].busy) adapt(ms);
         head++;
     }
@@ -551,7 +594,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
         if (win_open) return; /* another thread opened one meanwhile */
         if (tail - head >= inflight_limit()) {
             /* no cuEventQuery to ask: the oldest has finished, since it was waited for */
-            adapt(post_window(&ring[head % POOL]));
+            adapt(post_window(head));
             head++;
         }
     }
@@ -560,6 +603,10 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     w->ptsz = ptsz;
     w->end_recorded = 0;
     w->busy = busy;
+    /* before the record call, not after: a thread preempted in it then shows its start event late,
+     * which the least-late reference of busy_window_ms is immune to, rather than early */
+    w->started_ns = busy ? now_ns() : 0;
+    w->submit_ns = 0;
     if (record(w->start, w) != 0) {
         atomic_fetch_add(&proc->hook_errors, 1);
         return;
@@ -640,7 +687,7 @@ static void *helper_main(void *arg) {
             } else {
                 helper_waited_newest = 0;
                 if (head == h) { /* not resolved by a launching thread meanwhile */
-                    adapt(post_window(&w));
+                    adapt(post_window(h));
                     head++;
                 }
             }
@@ -789,10 +836,12 @@ static void yield_slice(void) {
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
         if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);            \
-        atomic_store_explicit(&proc->last_launch_ns, now_ns(), memory_order_relaxed);                    \
+        uint64_t launched_ = now_ns();                                                                   \
+        atomic_store_explicit(&proc->last_launch_ns, launched_, memory_order_relaxed);                   \
         if (win_open) {                                                                                  \
             window_t *w_ = &ring[tail % POOL];                                                           \
             win_launches += (GRAPH) ? 8 : 1;                                                             \
+            if (busy_) w_->submit_ns = launched_ - w_->started_ns;                                       \
             /* busy time: the end event follows every launch, so the window ends at its last kernel */   \
             w_->end_recorded = busy_ && record(w_->end, w_) == 0;                                        \
             if (w_->end_recorded) atomic_fetch_add_explicit(&proc->busy_launches, 1, memory_order_relaxed); \
