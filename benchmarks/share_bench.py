@@ -560,7 +560,7 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         ctl_text = "plain"
         if r["controller"]:
             ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core"
-        held = r["llm_stats"].get("throttled_ns", 0) / 1e9
+        held = (r["llm_stats"] or {}).get("throttled_ns", 0) / 1e9
         busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", []) if "busy_ratio" in ln]
         print(f"llm {key}: p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), "
               f"{hog_text}; {ctl_text}; held {held:.2f} s; busy ratio {busy}", flush=True)

@@ -227,7 +227,8 @@ static struct {
 /* When a launching thread last waited for the oldest queued window (the bound on queued work): while
  * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
 static uint64_t queue_waited_ns;
-#define HELPER_NAP_NS 20000000ull
+static uint64_t probe_alive_checked; /* when the helper last looked for the controller in a probe */
+#define HELPER_NAP_NS 50000000ull
 /* The gate generation under which this process, the slice holder, stopped launching at its slice's
  * end by itself (0: it has not): its helper then drains the queue as if the gate had closed. */
 static _Atomic uint32_t yielded_gen;
@@ -464,7 +465,8 @@ static inline int beside(void) {
 
 /* A probe: each launch is a window of its own, events right around the kernel: its busy time. */
 static inline int busy_accounting(void) {
-    return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit);
+    return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit) &&
+           !atomic_load_explicit(&failed_open, memory_order_relaxed);
 }
 
 static inline uint32_t inflight_limit(void) {
@@ -477,9 +479,17 @@ static inline uint32_t inflight_limit(void) {
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
 
-static void wake_helper(void) {
-    if (atomic_load_explicit(&helper_sleeping, memory_order_relaxed) && policy)
-        futex((void *)&policy->gate, FUTEX_WAKE_BITSET, 1, NULL, helper_bit);
+/* How the helper sleeps (helper_sleeping), and how much a caller needs it awake. A helper that naps
+ * looks again within HELPER_NAP_NS anyway: a window closed at a window boundary, or after a program's
+ * sync, need not wake it (a GPU-bound loop that syncs every iteration woke it at each), only a helper
+ * in its long sleep. A closed gate or a yield needs the queue drained now. */
+enum { AWAKE, NAPPING, ASLEEP };
+enum { WAKE_NONE, WAKE_IF_ASLEEP, WAKE_NOW };
+
+static void wake_helper(int need) {
+    int sleeping = atomic_load_explicit(&helper_sleeping, memory_order_relaxed);
+    if (!policy || need == WAKE_NONE || sleeping == AWAKE || (need == WAKE_IF_ASLEEP && sleeping != ASLEEP)) return;
+    futex((void *)&policy->gate, FUTEX_WAKE_BITSET, 1, NULL, helper_bit);
 }
 
 /* Whether work on `stream` is being captured into a graph: no events go there (an event recorded in
@@ -545,8 +555,9 @@ static float post_window(uint64_t idx) {
 
 /* Under wlock: close the open window with an end event on its stream (not while it is captured:
  * the window then stays open until the capture ends). A busy-time window's end event already
- * follows its last launch: recording it again now would add the idle time since. `wake`: wake the
- * helper to watch it (not when the closing thread is about to wait on the queue itself). */
+ * follows its last launch: recording it again now would add the idle time since. `wake`: how much
+ * the helper is needed to watch it (WAKE_NONE when the closing thread is about to wait on the queue
+ * itself). */
 static int close_window_and(int wake) {
     window_t *w = &ring[tail % POOL];
     if (capturing(w->stream, w->ptsz)) return 0;
@@ -555,11 +566,9 @@ static int close_window_and(int wake) {
     atomic_store_explicit(&proc->window_open, 0, memory_order_relaxed);
     tail++;
     atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
-    if (wake) wake_helper();
+    wake_helper(wake);
     return 1;
 }
-
-static int close_window(void) { return close_window_and(1); }
 
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
@@ -580,7 +589,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     if (win_open) {
         window_t *w = &ring[tail % POOL];
         if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : K)) return;
-        if (!close_window_and(tail + 1 - head < inflight_limit())) return;
+        if (!close_window_and(tail + 1 - head < inflight_limit() ? WAKE_IF_ASLEEP : WAKE_NONE)) return;
     }
     if (busy) resolve_finished(4); /* a window per launch: keep the ring short as it goes */
     while (tail - head >= inflight_limit()) {
@@ -642,16 +651,23 @@ static void *helper_main(void *arg) {
             nanosleep(&ts, NULL);
             continue;
         }
-        if (head < tail && busy_accounting()) {
+        if (busy_accounting()) {
             /* windows of one launch each, thousands a second: post the finished ones in batches every
              * 2 ms rather than sleeping on each (the launching thread posts a few at each launch too);
-             * at once again only while the ring is more than half full */
+             * at once again only while the ring is more than half full. Not asleep on the gate
+             * meanwhile, where every window closed would wake it: a probe lasts tens of
+             * milliseconds, and this loop posts what is left within 2 ms of its end. */
             resolve_finished(64);
             int crowded = tail - head > POOL / 2;
             pthread_mutex_unlock(&wlock);
             if (!crowded) {
                 struct timespec ts = {0, 2000000};
                 nanosleep(&ts, NULL);
+            }
+            uint64_t t = now_ns();
+            if (t > probe_alive_checked + 100000000ull) { /* a probe the controller never ended */
+                probe_alive_checked = t;
+                if (!controller_alive()) fail_open("the share controller is gone");
             }
             continue;
         }
@@ -662,12 +678,12 @@ static void *helper_main(void *arg) {
             /* A launching thread keeps waiting for the oldest window and posts what finished each
              * time: nap instead of waking with it for every window. A gate change wakes the helper
              * (a drain needs the queue posted at once); else it looks again after the nap. */
-            atomic_store(&helper_sleeping, 1);
+            atomic_store(&helper_sleeping, NAPPING);
             pthread_mutex_unlock(&wlock);
             struct timespec ts;
             abs_after(&ts, HELPER_NAP_NS);
             futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
-            atomic_store(&helper_sleeping, 0);
+            atomic_store(&helper_sleeping, AWAKE);
             continue;
         }
         if (head < tail) {
@@ -698,7 +714,7 @@ static void *helper_main(void *arg) {
         /* a slice holder, not a tenant running beside it: its going quiet ends the slice */
         int binding = (g & 0xffffu) != 0xffffu && !beside() && !busy_accounting();
         uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
-        if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window()) {
+        if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window_and(WAKE_NONE)) {
             /* The gate closed (or the process went quiet) with a window open: end it here so the
              * slice's GPU time is posted and the controller can hand the GPU on. */
             went_quiet = allowed && binding;
@@ -727,9 +743,9 @@ static void *helper_main(void *arg) {
             futex((void *)&proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
-        atomic_store(&helper_sleeping, 1);
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
         uint64_t nap = resolved_at ? QUIET_NS : (binding && win_open) ? 1000000ull : 100000000ull;
+        atomic_store(&helper_sleeping, nap > HELPER_NAP_NS ? ASLEEP : NAPPING);
         pthread_mutex_unlock(&wlock);
         if (atomic_load(&failed_open)) {
             struct timespec ts = {0, 100000000};
@@ -740,7 +756,7 @@ static void *helper_main(void *arg) {
             futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
             if (!controller_alive()) fail_open("the share controller is gone");
         }
-        atomic_store(&helper_sleeping, 0);
+        atomic_store(&helper_sleeping, AWAKE);
     }
     return NULL;
 }
@@ -797,7 +813,7 @@ static void yield_slice(void) {
     uint64_t t0 = now_ns();
     atomic_store(&yielded_gen, g >> 16);
     atomic_fetch_add(&proc->waiting, 1);
-    wake_helper();
+    wake_helper(WAKE_NOW);
     while (atomic_load(gate) == g && atomic_load(&policy->slice_end_ns) == end &&
            !atomic_load_explicit(&failed_open, memory_order_relaxed)) {
         struct timespec ts;
@@ -831,7 +847,7 @@ static void yield_slice(void) {
         if (!acct_ready) start_accounting();                                                             \
         int busy_ = !acct_failed && busy_accounting();                                                   \
         if (!busy_ && beside()) {                                                                        \
-            if (win_open) close_window(); /* untimed beside the holder */                                \
+            if (win_open) close_window_and(WAKE_IF_ASLEEP); /* untimed beside the holder */             \
         } else if (!acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
@@ -845,7 +861,7 @@ static void yield_slice(void) {
             /* busy time: the end event follows every launch, so the window ends at its last kernel */   \
             w_->end_recorded = busy_ && record(w_->end, w_) == 0;                                        \
             if (w_->end_recorded) atomic_fetch_add_explicit(&proc->busy_launches, 1, memory_order_relaxed); \
-            if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window();          \
+            if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window_and(WAKE_NOW); \
         }                                                                                                \
         pthread_mutex_unlock(&wlock);                                                                    \
         return rc_;                                                                                      \
