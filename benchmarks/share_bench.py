@@ -535,13 +535,17 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
             "alone-lib": ("events", "llm=0.3:1,hog=0.7", False),
             # a share the decode loop never exceeds: always beside the hog, never held
             "events-llm-share-0.9": ("events", "llm=0.9:1,hog=0.1", True),
-            "events-overlap": ("events", "llm=0.3:1,hog=0.7", True, "--share.handover", "overlap")}
+            "events-overlap": ("events", "llm=0.3:1,hog=0.7", True, "--share.handover", "overlap"),
+            # a share below what the decode loop needs (its profiled kernel fraction, which its probes
+            # read about a fifth higher): held to it by a duty cycle, beside the hog
+            "events-over-share": ("events", None, True)}
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
     out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone, hog=False)}
     print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
           flush=True)
+    k = None
     try:
         k = out["llm"]["kernels"] = collect(spawn("llm-kernels", 0, time.time(), None))["kernels"]
         print(f"llm kernels alone: {k['kernel_ms_per_request']:.2f} ms of {k['kernels_per_request']:.0f} "
@@ -551,6 +555,11 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         print(f"llm kernels alone: not measured ({str(e)[-300:]})", flush=True)
     for key in chosen:
         accounting, shares, hog, *extra = runs[key]
+        if shares is None:
+            if k is None:
+                continue
+            llm_share = max(0.02, round(k["kernel_fraction"], 3))
+            shares = f"llm={llm_share}:1,hog={round(1 - llm_share, 3)}"
         r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, *extra, hog=hog)
         r["p99_vs_alone"] = r["p99_ms"] / out["llm"]["alone"]["p99_ms"]
         r["tokens_identical"] = r["tokens"] == out["llm"]["alone"]["tokens"]
@@ -561,9 +570,10 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
         if r["controller"]:
             ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core"
         held = (r["llm_stats"] or {}).get("throttled_ns", 0) / 1e9
-        busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", []) if "busy_ratio" in ln]
+        busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", [])
+                if "busy_ratio{" in ln or "duty_ratio{" in ln]
         print(f"llm {key}: p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), "
-              f"{hog_text}; {ctl_text}; held {held:.2f} s; busy ratio {busy}", flush=True)
+              f"{hog_text}; {ctl_text}; held {held:.2f} s; shares {shares}, busy and duty {busy}", flush=True)
         save()
     out["llm"]["alone_again"] = llm_run(None, args.llm_seconds, args.port, alone, hog=False)
     print(f"llm alone again: p50 {out['llm']['alone_again']['p50_ms']:.1f} "

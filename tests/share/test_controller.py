@@ -153,6 +153,27 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
         assert c.stats.charged_s["batch"] > c.stats.charged_s["online"]
 
 
+def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):
+    c = Controller(str(tmp_path / "ledger"), [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, 1)])
+    try:
+        registry = CollectorRegistry()
+        registry.register(ShareCollector(c))
+        c.beside, c.busy_ratio = {1}, {1: 0.4}  # its probes: busy 40% of the time, on a 30% share
+        c._set_duties({0, 1})
+        assert c.policy.duty(1) == pytest.approx(0.75) and c.policy.duty(0) == 1.0
+        shown = [ln for ln in generate_latest(registry).decode().splitlines()
+                 if ln.startswith('gpuscope_share_duty_ratio{tenant="online"}')]
+        assert len(shown) == 1 and float(shown[0].split()[-1]) == pytest.approx(0.75)
+        c.busy_ratio = {1: 0.2}  # fits: launches all the time again
+        c._set_duties({0, 1})
+        assert c.policy.duty(1) == 1.0
+        c.busy_ratio, c.beside = {1: 0.4}, set()  # taking turns: the gate holds it, not a duty
+        c._set_duties({0, 1})
+        assert c.policy.duty(1) == 1.0
+    finally:
+        c.close()
+
+
 def test_time_posted_while_the_gate_is_open_is_not_held_against_a_tenant(tmp_path):
     tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
     c = Controller(str(tmp_path / "ledger"), tenants)

@@ -185,6 +185,46 @@ def test_a_probe_charges_kernels_not_the_launch_calls_between_them(fake_cuda, tm
         policy.close()
 
 
+DUTY_LOOP = """
+import ctypes, json, time
+cuda = ctypes.CDLL('libcuda.so.1'); own = ctypes.CDLL(None); U = ctypes.c_uint
+t0 = time.monotonic()
+n = 0
+while time.monotonic() - t0 < 0.5:  # launch all the time, 5 µs kernels
+    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(5), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+    n += 1
+out = (ctypes.c_uint64 * 8)()
+own.gpuscope_share_stats(out)
+print(json.dumps({"launches": out[0], "throttled_ns": out[3], "elapsed_ns": (time.monotonic() - t0) * 1e9}))
+"""
+
+
+@pytest.mark.parametrize("role", ["beside", "probe", "holder"])
+def test_a_tenant_beside_the_holder_launches_only_in_its_duty(fake_cuda, tmp_path, role):
+    """Duty 0.4: beside the holder the tenant's launching thread sleeps through the last 60% of every
+    10 ms; in a probe (measuring its busy time) and as the holder the duty does not apply."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5, 1)])
+    try:
+        policy.set_gate(0b11)
+        policy.set_beside_mask(0 if role == "holder" else 0b10)
+        policy.set_busy_mask(0b10 if role == "probe" else 0)
+        policy.set_duty(1, 0.4)
+        assert policy.duty(1) == pytest.approx(0.4)
+        env = child_env(fake_cuda, os.devnull, tenant="b", ledger=policy.prefix)
+        proc = subprocess.run([sys.executable, "-c", DUTY_LOOP], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads(proc.stdout)
+        held = stats["throttled_ns"] / stats["elapsed_ns"]
+        if role == "beside":
+            # 0.6 of the time, less what a busy machine's scheduling adds to the launching part
+            assert 0.35 < held < 0.65
+        else:
+            assert held == 0
+    finally:
+        policy.close()
+
+
 def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     try:

@@ -61,8 +61,25 @@ def test_higher_priority_tenants_within_their_share_run_beside_the_holder():
     # unless its probes show it keeps the GPU busy for less than its share: taking turns it would be
     # charged its holding time (its share) and never get back within it
     assert s.beside({0, 1}, busy={1: 0.2}) == {1}
-    assert s.beside({0, 1}, busy={1: 0.5}) == set()  # busy beyond its share: it takes turns
+    # busy beyond its share, up to twice it: still beside, held to its share by a duty cycle
+    assert s.beside({0, 1}, busy={1: 0.5}) == {1}
+    assert s.beside({0, 1}, busy={1: 0.61}) == set()  # beyond twice its share: it takes turns
+    s2 = SliceScheduler([TenantPolicy("hog", 0.4, 0), TenantPolicy("online", 0.6, 5)])
+    s2.charge(1, 1.0, 0.0)
+    assert s2.beside({0, 1}, busy={1: 0.55}) == {1}  # within its share of busy time
+    assert s2.beside({0, 1}, busy={1: 0.9}) == set()  # GPU-bound beyond its share: turns, not a duty
     assert s.beside({0, 2}, busy={2: 0.01}) == set()  # equal priorities take turns whatever they use
+
+
+def test_a_tenant_beside_the_holder_over_its_share_launches_for_its_share_of_the_time():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 5),
+                        TenantPolicy("batch", 0.3, 0)])
+    assert s.duty(1, {0, 1}, None) == 1.0  # not probed yet
+    assert s.duty(1, {0, 1}, 0.25) == 1.0  # fits its 30%
+    assert s.duty(1, {0, 1}, 0.4) == pytest.approx(0.75)  # busy 40% for 3/4 of the time: 30%
+    assert s.duty(1, {0, 1}, 0.9) == 0.5  # never below half (beyond twice its share it takes turns)
+    # its share among the active tenants: with the batch tenant too, 0.3 of 1.3
+    assert s.duty(1, {0, 1, 2}, 0.3) == pytest.approx(0.3 / 1.3 / 0.3)
 
 
 def test_binding_needs_two_active_tenants_and_pick_needs_a_wanting_one():

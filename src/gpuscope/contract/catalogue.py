@@ -478,6 +478,10 @@ SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
                       "Busy fraction of a tenant that runs beside the slice holder, measured while the "
                       "holder is paused (a probe): the share of the wall time it is charged.", "ratio",
                       ("tenant",), area=SHARE)
+SHARE_DUTY_RATIO = _m("gpuscope_share_duty_ratio", "gauge",
+                      "Part of each 10 ms a tenant beside the slice holder may launch in: below 1 while its "
+                      "busy fraction is over its share (its share over its busy fraction), 1 otherwise.",
+                      "ratio", ("tenant",), area=SHARE)
 SHARE_PROBES = _m("gpuscope_share_probes_total", "counter",
                   "Probes: the holder paused for --share.probe so that the tenants beside it time their "
                   "launches alone.", "probes", area=SHARE)

@@ -71,7 +71,7 @@ typedef struct {
 
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 4u
+#define LAYOUT_VERSION 5u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 
@@ -88,7 +88,8 @@ typedef struct {
     _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
     struct {
         char name[NAME_LEN];
-        uint32_t share_ppm, priority, active, pad;
+        uint32_t share_ppm, priority, active;
+        _Atomic uint32_t duty_ppm; /* beside the holder: the part of each DUTY_PERIOD_NS it may launch in */
         uint8_t pad2[64 - NAME_LEN - 16];
     } tenants[MAX_TENANTS];
 } policy_t;
@@ -827,12 +828,40 @@ static void yield_slice(void) {
     atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
 }
 
+/* A tenant beside the holder that needs more of the GPU than its share (its probes show it busy for
+ * longer) launches only in the first `duty` of every DUTY_PERIOD_NS: its launching threads sleep
+ * through the rest (no spinning, no controller wake-up), while the GPU runs the holder's work alone.
+ * Its steps slow down by about what it is over its share, evenly, instead of waiting for another
+ * tenant's whole turn. A period starts at the first launch after the previous one ended, so a
+ * tenant that was idle starts with its full part. */
+#define DUTY_PERIOD_NS 10000000ull
+static _Atomic uint64_t duty_started_ns;
+
+static void keep_duty(void) {
+    uint32_t ppm = atomic_load_explicit(&policy->tenants[__builtin_ctz(slot_bit)].duty_ppm, memory_order_relaxed);
+    if (ppm == 0 || ppm >= 1000000u || atomic_load_explicit(&failed_open, memory_order_relaxed)) return;
+    uint64_t now = now_ns(), start = atomic_load_explicit(&duty_started_ns, memory_order_relaxed);
+    if (now - start >= DUTY_PERIOD_NS) {
+        atomic_store_explicit(&duty_started_ns, now, memory_order_relaxed);
+        return;
+    }
+    if (now - start < DUTY_PERIOD_NS * ppm / 1000000u) return;
+    uint64_t until = start + DUTY_PERIOD_NS;
+    struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+    atomic_fetch_add(&proc->throttled_ns, now_ns() - now);
+    uint64_t expected = start;
+    atomic_compare_exchange_strong(&duty_started_ns, &expected, now_ns());
+}
+
 /* Everything a launch does around the real call. `graph` counts graph launches. */
 #define ADMIT_AND_RUN(STREAM, PTSZ, GRAPH, CALL)                                                         \
     do {                                                                                                 \
         ensure_joined();                                                                                 \
         if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) wait_turn();                 \
         else if (slice_over()) yield_slice();                                                            \
+        else if (beside() && !busy_accounting()) keep_duty();                                            \
         if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) {                       \
             atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                         \
             if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);        \

@@ -134,6 +134,7 @@ class Controller:
         self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
         self.beside: set[int] = set()  # slots running beside the holder (higher priority, within share)
         self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in probes (beside tenants)
+        self.duty: dict[int, float] = {}  # slot -> part of the time it may launch, beside (below 1: over)
         self.probe: Probe | None = None
         self._next_probe = 0.0
         self._unscaled: dict[int, float] = {}  # GPU seconds posted while tenants ran concurrently
@@ -204,8 +205,9 @@ class Controller:
                 if slot not in self.beside:  # beside: only probes post, and the busy ratio stands for them
                     posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
                 state.gpu_ns_seen = gpu_ns
-        for slot in self.beside & launching:
-            posted[slot] = posted.get(slot, 0.0) + self.busy_ratio.get(slot, 0.0) * (now - since)
+        for slot in self.beside & launching:  # busy for its part of the time (its duty)
+            share_of_time = self.busy_ratio.get(slot, 0.0) * self.duty.get(slot, 1.0)
+            posted[slot] = posted.get(slot, 0.0) + share_of_time * (now - since)
         # several tenants at once: the open gate, tenants beside the holder, or (overlap hand-overs) the
         # previous holder's queued work running beside the next one's
         concurrent = (bin(self._mask & OPEN_MASK).count("1") > 1
@@ -261,6 +263,15 @@ class Controller:
     def _set_mask(self, mask: int) -> int:
         self._mask = mask
         return self.policy.set_gate(mask)
+
+    def _set_duties(self, active: set[int]) -> None:
+        """Hold each tenant beside the holder to its share by its duty (``SliceScheduler.duty``)."""
+        for slot in range(len(self.tenants)):
+            duty = (self.scheduler.duty(slot, active, self.busy_ratio.get(slot))
+                    if slot in self.beside else 1.0)
+            if duty != self.duty.get(slot, 1.0):
+                self.policy.set_duty(slot, duty)
+                self.duty[slot] = duty
 
     def _beside_bits(self) -> int:
         return sum(1 << s for s in self.beside)
@@ -349,6 +360,7 @@ class Controller:
                 self._set_mask(OPEN_MASK)
             self._stop_probe()
             self._set_beside(set(), now)
+            self._set_duties(set())
             self.stats.binding = False
             return OPEN_POLL_S if self.procs else NO_TENANTS_POLL_S
         self.stats.binding = True
@@ -360,6 +372,7 @@ class Controller:
             elif now >= self.probe.read_at:
                 self._read_probe(now)
         self._set_beside(self.scheduler.beside(active, self.busy_ratio), now)
+        self._set_duties(active)
         if self.beside and self.probe is None and now >= self._next_probe:
             self._start_probe(now)
             return PROBE_S

@@ -8,9 +8,10 @@ Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by d
   sleep on with a futex (bitset 1; each process's helper thread sleeps on it too, with another bit,
   so that a hand-over can wake the launching threads alone), the beside mask (bit *i* set: slot *i*
   runs beside the slice holder, untimed), the busy mask (bit *i* set: slot *i* times each launch
-  on its own, in a probe) and, with draining hand-overs, when the holder's slice ends (the holder then
-  stops launching by itself, drains its queue and rings the bell: one controller wake-up per
-  hand-over instead of two).
+  on its own, in a probe), per tenant the duty (the part of every 10 ms a tenant beside the holder
+  may launch in, when it needs more of the GPU than its share) and, with draining hand-overs, when
+  the holder's slice ends (the holder then stops launching by itself, drains its queue and rings the
+  bell: one controller wake-up per hand-over instead of two).
 - ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
   (it lists the slot files again when that moves). A tenant rings the bell when a thread
   starts waiting or a holder goes quiet. Writing it only wakes the controller early.
@@ -42,7 +43,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 MAX_TENANTS = 16
 NAME_LEN = 40
 PAGE = 4096
@@ -55,7 +56,8 @@ P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
 P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
 P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
-P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, pad
+P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, duty_ppm
+T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
 
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
@@ -278,6 +280,16 @@ class Policy:
         """Mark the slots in ``mask`` as running beside the holder: untimed, never drained at a
         hand-over."""
         self.map.set_u32(P_BESIDE_MASK, mask & 0xFFFF)
+
+    def duty(self, slot: int) -> float:
+        ppm = self.map.u32(P_TENANTS + slot * TENANT_SIZE + T_DUTY)
+        return 1.0 if ppm == 0 else ppm / 1e6
+
+    def set_duty(self, slot: int, fraction: float) -> None:
+        """Let tenant ``slot``, beside the holder, launch only in the first ``fraction`` of every duty
+        period (1: always)."""
+        ppm = 0 if fraction >= 1 else max(1, round(max(0.0, fraction) * 1e6))
+        self.map.set_u32(P_TENANTS + slot * TENANT_SIZE + T_DUTY, ppm)
 
     def bell_value(self) -> int:
         return self.bell.u32(0)

@@ -33,6 +33,7 @@ class ShareCollector:
             binding, timeouts, yields = c.stats.binding, c.stats.drain_timeouts, c.stats.yields
             states = dict(c.stats.state_s)
             ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
+            duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
             probes = c.stats.probes
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
@@ -58,6 +59,10 @@ class ShareCollector:
         for tenant, ratio in sorted(ratios.items()):
             br.add_metric([tenant], ratio)
         yield br
+        du = cat.SHARE_DUTY_RATIO.family()
+        for tenant, duty in sorted(duties.items()):
+            du.add_metric([tenant], duty)
+        yield du
         pr = cat.SHARE_PROBES.family()
         pr.add_metric([], probes)
         yield pr
