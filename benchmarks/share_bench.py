@@ -383,6 +383,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 POLLED = ("gpuscope_share_state_seconds_total", "gpuscope_share_busy_launches_total",
+          "gpuscope_share_duty_ratio", "gpuscope_share_busy_ratio",
           "gpuscope_share_launches_total", "gpuscope_share_charged_seconds_total",
           "gpuscope_share_throttled_seconds_total")
 
@@ -390,7 +391,7 @@ POLLED = ("gpuscope_share_state_seconds_total", "gpuscope_share_busy_launches_to
 class MetricsPoller:
     """Scrapes the controller's share lines every ``every_s`` in a thread: the gate states over time."""
 
-    def __init__(self, port: int, t0: float, every_s: float = 0.5) -> None:
+    def __init__(self, port: int, t0: float, every_s: float = 2.0) -> None:
         import threading
 
         self.series: list[list] = []

@@ -229,7 +229,8 @@ static struct {
  * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
 static uint64_t queue_waited_ns;
 static uint64_t probe_alive_checked; /* when the helper last looked for the controller in a probe */
-#define HELPER_NAP_NS 50000000ull
+#define HELPER_NAP_NS 100000000ull
+#define HELPER_SLEEP_NS 100000000ull /* with nothing to watch: a new window wakes it (wake_helper) */
 /* The gate generation under which this process, the slice holder, stopped launching at its slice's
  * end by itself (0: it has not): its helper then drains the queue as if the gate had closed. */
 static _Atomic uint32_t yielded_gen;
@@ -745,8 +746,8 @@ static void *helper_main(void *arg) {
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
-        uint64_t nap = resolved_at ? QUIET_NS : (binding && win_open) ? 1000000ull : 100000000ull;
-        atomic_store(&helper_sleeping, nap > HELPER_NAP_NS ? ASLEEP : NAPPING);
+        uint64_t nap = resolved_at ? QUIET_NS : (binding && win_open) ? 1000000ull : HELPER_SLEEP_NS;
+        atomic_store(&helper_sleeping, nap == HELPER_SLEEP_NS ? ASLEEP : NAPPING);
         pthread_mutex_unlock(&wlock);
         if (atomic_load(&failed_open)) {
             struct timespec ts = {0, 100000000};
