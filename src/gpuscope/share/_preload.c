@@ -25,6 +25,7 @@
  *     untimed: events between its small kernels would each cost a context switch on the time-sliced
  *     GPU. In a probe (its bit in `busy_mask`, the holder paused) each launch is a window of its own,
  *     the end event right after the kernel: its busy time, from which the controller charges it.
+ *     One busy for more than its share launches only in the first `duty` of every 10 ms (keep_duty).
  * Without GPUSCOPE_SHARE_TENANT the library passes everything through silently; with it but no
  * controller, or once the controller is gone, it passes through and says so once on stderr.
  */
