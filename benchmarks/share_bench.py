@@ -187,7 +187,8 @@ def worker(mode: str, seconds: float, start_at: float) -> dict:
     if mode in ("solo", "hog", "llm"):  # the helper over the run alone, not the warm-up
         ran = time.time() - helper0[2]
         result["helper_run"] = {"cpu_pct": 100 * (_helper_cpu_s() - helper0[0]) / ran,
-                                "wakeups_per_s": (_helper_wakeups() - helper0[1]) / ran}
+                                "wakeups_per_s": (_helper_wakeups() - helper0[1]) / ran,
+                                "threads": len(_helper_threads())}  # threads it starts share its name
     return result
 
 
