@@ -8,7 +8,10 @@ One call does everything (H200, about 7 minutes):
 2. two matmul loops at 70/30 (``--share.accounting events``), throughput per 5 s window against alone;
 3. the same with ``--share.accounting nvml`` (the peers' token bucket on NVML utilization);
 4. a Llama-shaped Hugging Face decode loop (random weights, high priority, share 0.3) alone (plain),
-   then beside a matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical?;
+   its kernels' share of its time (the PyTorch profiler: what its probes should read), then beside a
+   matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical?
+   (``llm-events-over-share``: at a share of its kernel fraction, below what its probes read, so that
+   a duty cycle holds it);
 and the CPU of the controller and of each process's helper thread throughout.
 
     PYTHONPATH=src python benchmarks/share_bench.py --out share.json       # on the GPU host
