@@ -50,12 +50,13 @@ static void submit_delay(void) {
     }
 }
 
-/* Queue `ns` of GPU work: in real time it starts when the GPU is free (or now, if idle). */
+/* Read at the first call of any kind: an event recorded before the first launch needs it too. */
 static int in_real_time(void) {
     if (realtime < 0) realtime = getenv("FAKE_CUDA_REALTIME") && atoi(getenv("FAKE_CUDA_REALTIME"));
     return realtime;
 }
 
+/* Queue `ns` of GPU work: in real time it starts when the GPU is free (or now, if idle). */
 static void run_for(uint64_t ns) {
     submit_delay();
     if (!in_real_time()) {

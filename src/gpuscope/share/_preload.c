@@ -753,9 +753,10 @@ static void *helper_main(void *arg) {
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
-        uint64_t nap = resolved_at ? QUIET_NS : (binding && win_open) ? 1000000ull : HELPER_SLEEP_NS;
+        int watching = resolved_at || (binding && win_open);
+        uint64_t nap = resolved_at ? QUIET_NS : watching ? 1000000ull : HELPER_SLEEP_NS;
         /* with the gate open a new window need not wake it either (see above) */
-        atomic_store(&helper_sleeping, nap == HELPER_SLEEP_NS && !open_gate ? ASLEEP : NAPPING);
+        atomic_store(&helper_sleeping, !watching && !open_gate ? ASLEEP : NAPPING);
         pthread_mutex_unlock(&wlock);
         if (atomic_load(&failed_open)) {
             struct timespec ts = {0, 100000000};
