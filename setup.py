@@ -20,11 +20,13 @@ setup(ext_modules=[
     Extension("gpuscope.timing._hotpath", ["src/gpuscope/timing/_hotpath.c"],
               extra_compile_args=["-O2"], optional=True),
     Extension("gpuscope.share._preload", ["src/gpuscope/share/_preload.c"],
+              depends=["src/gpuscope/share/_wake_bits.h"],
               extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
               extra_link_args=["-ldl", "-lpthread"],
               optional=True),
     Extension("gpuscope.share._words", ["src/gpuscope/share/_words.c"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
     Extension("gpuscope.share._turns", ["src/gpuscope/share/_turns.c"],
+              depends=["src/gpuscope/share/_wake_bits.h"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
 ])

@@ -9,10 +9,13 @@ One call does everything (H200, about 7 minutes):
 3. the same with ``--share.accounting nvml`` (the peers' token bucket on NVML utilization);
 4. a Llama-shaped Hugging Face decode loop (random weights, high priority, share 0.3) alone (plain),
    its kernels' share of its time (the PyTorch profiler: what its probes should read), then beside a
-   matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical?
+   matmul hog (0.7), in both modes: p99 step latency against alone, tokens identical? (in
+   ``--llm-rounds`` interleaved rounds, each variant against the loop alone of its own round)
    (``llm-events-over-share``: at a share of its kernel fraction, below what its probes read, so that
    a duty cycle holds it);
-and the CPU of the controller and of each process's helper thread throughout.
+and the CPU of the controller and of each process's helper thread throughout. With ``--mps`` every
+process of the run is a client of an MPS control daemon that the script starts (in a directory of its
+own) and stops: the same measurements with the clients' kernels able to run concurrently.
 
     PYTHONPATH=src python benchmarks/share_bench.py --out share.json       # on the GPU host
     PYTHONPATH=src python benchmarks/share_bench.py --plot share.json share.png   # anywhere
@@ -24,12 +27,14 @@ with LD_PRELOAD exactly as a tenant would be.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -448,8 +453,40 @@ def llm_run(accounting: str | None, seconds: float, port: int, alone: float,
             "controller": c}
 
 
+@contextlib.contextmanager
+def mps_daemon(enabled: bool):
+    """An MPS control daemon for the processes this script starts, yielding what was seen of it: the
+    pipe and log folders are private, so no other MPS user of the machine is touched."""
+    if not enabled:
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="gpuscope-share-mps-")
+    os.environ["CUDA_MPS_PIPE_DIRECTORY"] = folder
+    os.environ["CUDA_MPS_LOG_DIRECTORY"] = folder
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+    seen: dict = {"pipe_directory": folder}
+    try:
+        yield seen
+    finally:
+        seen["server_running_at_end"] = subprocess.run(
+            ["pgrep", "-f", "nvidia-cuda-mps-server"], capture_output=True).returncode == 0
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", check=False)
+        with contextlib.suppress(OSError), open(os.path.join(folder, "control.log")) as f:
+            seen["control_log_tail"] = f.read()[-2000:]
+
+
 def main_bench(args: argparse.Namespace) -> dict:
     _lib()
+    with mps_daemon(args.mps) as mps:
+        out = _bench(args, mps)
+    if mps is not None:
+        out["mps"] = mps
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def _bench(args: argparse.Namespace, mps: dict | None) -> dict:
 
     def save() -> None:  # after every phase: a later failure keeps what was measured
         with open(args.out, "w") as f:
@@ -457,7 +494,7 @@ def main_bench(args: argparse.Namespace) -> dict:
 
     out: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
-        text=True).stdout.strip()}
+        text=True).stdout.strip(), "mps": mps}
     phases = set(args.phases.split(","))
     # 1. solo, interleaved: plain, library, plain, library
     solo = []
@@ -513,6 +550,7 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
     out["pair"] = {}
     pairs = {"events": ("events", args.pair_seconds), "nvml": ("nvml", args.pair_seconds),
              "events-slice-50ms": ("events", args.pair_seconds, "--share.slice", "50ms"),
+             "events-slice-20ms": ("events", args.pair_seconds, "--share.slice", "20ms"),
              "events-slice-30ms": ("events", args.pair_seconds, "--share.slice", "30ms"),
              "events-drain": ("events", args.pair_seconds, "--share.handover", "drain"),
              "events-overlap": ("events", args.pair_seconds, "--share.handover", "overlap"),
@@ -543,14 +581,13 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
             "events-overlap": ("events", "llm=0.3:1,hog=0.7", True, "--share.handover", "overlap"),
             # a share below what the decode loop needs (its profiled kernel fraction, which its probes
             # read about a fifth higher): held to it by a duty cycle, beside the hog
-            "events-over-share": ("events", None, True)}
+            "events-over-share": ("events", None, True),
+            "events-probe-2s": ("events", "llm=0.3:1,hog=0.7", True, "--share.probe-every", "2s")}
     chosen = [k for k in runs if f"llm-{k}" in phases]
     if not chosen:
         return out
-    out["llm"] = {"alone": llm_run(None, args.llm_seconds, args.port, alone, hog=False)}
-    print(f"llm alone: p50 {out['llm']['alone']['p50_ms']:.1f} p99 {out['llm']['alone']['p99_ms']:.1f} ms",
-          flush=True)
     k = None
+    out["llm"] = {}
     try:
         k = out["llm"]["kernels"] = collect(spawn("llm-kernels", 0, time.time(), None))["kernels"]
         print(f"llm kernels alone: {k['kernel_ms_per_request']:.2f} ms of {k['kernels_per_request']:.0f} "
@@ -558,33 +595,63 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
               f"{k['kernel_fraction']:.3f}", flush=True)
     except RuntimeError as e:  # the profiler is a reference, not the measurement: go on without it
         print(f"llm kernels alone: not measured ({str(e)[-300:]})", flush=True)
-    for key in chosen:
-        accounting, shares, hog, *extra = runs[key]
-        if shares is None:
-            if k is None:
+    # The host's speed drifts between runs (the decode loop alone: 3.8 to 9.5 ms a step on different
+    # hosts, and by a third within one run), so each variant is compared with the loop alone in the
+    # same round, and the rounds interleave.
+    out["llm"]["rounds"] = []
+    for rnd in range(args.llm_rounds):
+        alone_r = llm_run(None, args.llm_seconds, args.port, alone, hog=False)
+        this = {"alone": alone_r}
+        out["llm"]["rounds"].append(this)
+        if rnd == 0:
+            out["llm"]["alone"] = alone_r
+        print(f"round {rnd} llm alone: p50 {alone_r['p50_ms']:.1f} p99 {alone_r['p99_ms']:.1f} ms",
+              flush=True)
+        for key in chosen:
+            r = this[key] = llm_variant(args, runs[key], k, alone, alone_r)
+            if r is None:
                 continue
-            llm_share = max(0.02, round(k["kernel_fraction"], 3))
-            shares = f"llm={llm_share}:1,hog={round(1 - llm_share, 3)}"
-        r = out["llm"][key] = llm_run(accounting, args.llm_seconds, args.port, alone, shares, *extra, hog=hog)
-        r["p99_vs_alone"] = r["p99_ms"] / out["llm"]["alone"]["p99_ms"]
-        r["tokens_identical"] = r["tokens"] == out["llm"]["alone"]["tokens"]
-        hog_text = "no hog"
-        if hog:
-            hog_text = f"hog {r['hog_its_per_s']:.1f} it/s ({100 * r['hog_vs_alone']:.0f}% of alone)"
-        ctl_text = "plain"
-        if r["controller"]:
-            ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core"
-        held = (r["llm_stats"] or {}).get("throttled_ns", 0) / 1e9
-        busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", [])
-                if "busy_ratio{" in ln or "duty_ratio{" in ln]
-        print(f"llm {key}: p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), "
-              f"{hog_text}; {ctl_text}; held {held:.2f} s; shares {shares}, busy and duty {busy}", flush=True)
-        save()
-    out["llm"]["alone_again"] = llm_run(None, args.llm_seconds, args.port, alone, hog=False)
-    print(f"llm alone again: p50 {out['llm']['alone_again']['p50_ms']:.1f} "
-          f"p99 {out['llm']['alone_again']['p99_ms']:.1f} ms", flush=True)
+            if rnd == 0:
+                out["llm"][key] = r
+            print(f"round {rnd} llm {key}: {llm_line(r)}", flush=True)
+            save()
+    out["llm"]["summary"] = {
+        key: {"p99_vs_alone_per_round": ratios, "p99_vs_alone_median": statistics.median(ratios)}
+        for key in chosen
+        if (ratios := [rd[key]["p99_vs_alone"] for rd in out["llm"]["rounds"] if rd.get(key)])}
+    print(json.dumps(out["llm"]["summary"]), flush=True)
     save()
     return out
+
+
+def llm_variant(args: argparse.Namespace, spec: tuple, kernels: dict | None, alone: float,
+                alone_r: dict) -> dict | None:
+    """One run of a decode-loop variant, compared with the loop alone (``alone_r``) of its round."""
+    accounting, shares, hog, *extra = spec
+    if shares is None:  # at a share of its profiled kernel fraction
+        if kernels is None:
+            return None
+        llm_share = max(0.02, round(kernels["kernel_fraction"], 3))
+        shares = f"llm={llm_share}:1,hog={round(1 - llm_share, 3)}"
+    r = llm_run(accounting, args.llm_seconds, args.port, alone, shares, *extra, hog=hog)
+    r["p99_vs_alone"] = r["p99_ms"] / alone_r["p99_ms"]
+    r["tokens_identical"] = r["tokens"] == alone_r["tokens"]
+    return r
+
+
+def llm_line(r: dict) -> str:
+    hog_text = "no hog"
+    if r["hog"]:
+        hog_text = f"hog {r['hog_its_per_s']:.1f} it/s ({100 * r['hog_vs_alone']:.0f}% of alone)"
+    ctl_text = "plain"
+    if r["controller"]:
+        helpers = ", ".join(f"{h['cpu_pct']:.2f}%" for h in r["helper_run"].values() if h)
+        ctl_text = f"controller {r['controller']['cpu_core_pct']:.2f}% of a core, helpers {helpers}"
+    held = (r["llm_stats"] or {}).get("throttled_ns", 0) / 1e9
+    busy = [ln.split(" ")[1] for ln in (r["controller"] or {}).get("metrics", [])
+            if "busy_ratio{" in ln or "duty_ratio{" in ln]
+    return (f"p50 {r['p50_ms']:.1f} p99 {r['p99_ms']:.1f} ms ({r['p99_vs_alone']:.2f}x alone), {hog_text}; "
+            f"{ctl_text}; held {held:.2f} s; shares {r['shares']}, busy and duty {busy}")
 
 
 def plot(sources: list[str], dst: str) -> None:
@@ -630,7 +697,11 @@ def main() -> None:
     p.add_argument("--solo-seconds", type=float, default=4.0)
     p.add_argument("--pair-seconds", type=float, default=60.0)
     p.add_argument("--llm-seconds", type=float, default=20.0)
+    p.add_argument("--llm-rounds", type=int, default=1,
+                   help="rounds of the decode loop alone then each variant (interleaved, compared per round)")
     p.add_argument("--port", type=int, default=9402)
+    p.add_argument("--mps", action="store_true",
+                   help="run every process as a client of an MPS daemon started for the run")
     p.add_argument("--phases",
                    default="solo,pair-events,pair-nvml,pair-events-slice-50ms,llm-events,llm-nvml",
                    help="which parts to run (comma-separated)")

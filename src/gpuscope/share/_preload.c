@@ -48,6 +48,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_wake_bits.h"
+
 #define EXPORT __attribute__((visibility("default")))
 
 typedef int CUresult;
@@ -385,7 +387,7 @@ static void join(void) {
     }
     proc = q;
     slot_bit = 1u << slot;
-    helper_bit = 1u << (1 + (getpid() % 31));
+    helper_bit = helper_wake_bit(getpid());
     atexit(leave);
     gate = &policy->gate;
     count_join(); /* rings too: the controller lists the slot files again */

@@ -26,10 +26,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_wake_bits.h"
+
 #define MAX_SLOTS 16
 #define MAX_PROCS 1024
 #define OPEN_MASK 0xFFFFu
-#define LAUNCHERS_BITSET 1u /* the futex bitset the preload library's held launching threads wait with */
 
 enum { RETURN_DEADLINE = 0, RETURN_BELL = 1, RETURN_IDLE = 2, RETURN_GONE = 3 };
 
@@ -164,12 +165,12 @@ static void account(keeper_t *k, int64_t *mark, int64_t now) {
     *mark = now;
 }
 
-/* A new gate generation with the slots in `mask`; wakes the threads waiting with `bitset`. */
+/* A new gate generation with the slots in `mask`; wakes the threads waiting with `bitset` (0: none). */
 static void set_gate(keeper_t *k, uint32_t mask, uint32_t bitset) {
     k->gen = (k->gen + 1) & 0xFFFF;
     if (!k->gen) k->gen = 1;
     __atomic_store_n(k->gate, (k->gen << 16) | (mask & OPEN_MASK), __ATOMIC_RELEASE);
-    syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, bitset);
+    if (bitset) syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, bitset);
 }
 
 /* A draining hand-over: hold the old holder (its helper threads, woken by the gate change, post each
@@ -178,9 +179,12 @@ static void set_gate(keeper_t *k, uint32_t mask, uint32_t bitset) {
 static void beat(keeper_t *k) { __atomic_store_n(k->heartbeat, (uint64_t)now_ns(), __ATOMIC_RELEASE); }
 
 static void drain(keeper_t *k) {
-    /* the helper threads alone: the next holder's launching threads would wake only to find their
-     * bit still clear */
-    set_gate(k, k->beside, ~LAUNCHERS_BITSET);
+    /* the old holder's helper threads alone: the next holder's launching threads would wake only to
+     * find their bit still clear, and the other tenants' helpers have nothing to post */
+    uint32_t helpers = 0;
+    for (int i = 0; i < k->nprocs; i++)
+        if (k->procs[i].slot == k->holder) helpers |= helper_wake_bit(k->procs[i].pid);
+    set_gate(k, k->beside, helpers);
     int64_t deadline = now_ns() + k->drain_timeout;
     for (int i = 0; i < k->nprocs; i++) {
         const proc_t *p = &k->procs[i];

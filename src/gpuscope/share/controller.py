@@ -108,7 +108,7 @@ class Stats:
 class Controller:
     def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
                  slice_s: float = DEFAULT_SLICE_S, drain_timeout_s: float = 0.2, window_us: int = 2000,
-                 handover: str = "drain",
+                 handover: str = "drain", probe_every_s: float = PROBE_EVERY_S,
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None, keeper: bool = True,
                  log: Callable[[str], None] | None = None) -> None:
@@ -117,6 +117,7 @@ class Controller:
         self.tenants = tenants
         self.mode = mode
         self.slice_s = slice_s
+        self.probe_every_s = probe_every_s
         self.drain_timeout_s = drain_timeout_s
         if handover not in ("overlap", "drain"):
             raise ValueError(f"handover must be overlap or drain, not {handover!r}")
@@ -333,7 +334,7 @@ class Controller:
     def _end_probe(self, now: float) -> None:
         self.policy.set_busy_mask(0)
         self.probe.until, self.probe.read_at = now, now + PROBE_READ_LAG_S
-        self._next_probe = now + PROBE_EVERY_S
+        self._next_probe = now + self.probe_every_s
 
     def _read_probe(self, now: float) -> None:
         """Once an ended probe's windows are posted: each probed tenant's busy fraction."""

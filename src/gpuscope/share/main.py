@@ -20,7 +20,7 @@ from prometheus_client.exposition import start_http_server
 
 from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
-from gpuscope.share.controller import DEFAULT_SLICE_S, Controller
+from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.nvml_source import nvml_utilization
@@ -61,6 +61,10 @@ def parse_shares(text: str) -> list[TenantPolicy]:
     if sum(t.share for t in tenants) > 1.0 + 1e-9:
         raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
     return tenants
+
+
+#: Probes more often than this would pause the slice holder for a fifth of its time.
+MIN_PROBE_EVERY_S = 5 * PROBE_S
 
 
 class Accounting(Choice):
@@ -109,6 +113,11 @@ class ShareSettings:
         "per hand-over)")
     drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
                                    "before a drain hand-over or a probe", parse=parse_duration)
+    probe_every: float = setting(
+        "--share.probe-every", PROBE_EVERY_S, "how often tenants running beside the slice holder are probed "
+        f"(the holder paused for {PROBE_S * 1e3:g} ms while they time each launch) for the busy fraction "
+        "they are charged: longer costs less CPU and holder time, shorter follows a changing workload sooner",
+        parse=parse_duration)
     window: float = setting("--share.window", 0.002, "GPU time one accounting window aims at (two CUDA "
                             "events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", 2, "finished-but-unresolved windows a slice "
@@ -129,6 +138,9 @@ def main(argv: list[str]) -> int:
         parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
     if not 1 <= args.queued_windows <= 255:
         parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
+    if args.probe_every < MIN_PROBE_EVERY_S:
+        parser.error(f"--share.probe-every must be at least {MIN_PROBE_EVERY_S:g}s (a probe pauses the slice "
+                     f"holder for {PROBE_S:g}s), not {args.probe_every:g}s")
     host, port = parse_listen_address(args.listen)
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
@@ -142,6 +154,7 @@ def main(argv: list[str]) -> int:
     try:
         controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
+                                probe_every_s=args.probe_every,
                                 handover=str(args.handover), inflight_slice=args.queued_windows,
                                 utilization=utilization, keeper=args.turns == Turns.C)
     except OSError as exc:

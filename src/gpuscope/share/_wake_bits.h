@@ -1,0 +1,21 @@
+/* gpuscope share: the futex bitsets that threads sleep with on the ledger's gate word, shared by the
+ * preload library (the sleepers) and the controller's turn keeper (the waker), so that a gate write
+ * wakes only the threads it concerns.
+ *
+ * A tenant's launching threads held at the gate sleep with LAUNCHERS_BITSET: a grant wakes them. Each
+ * process's helper thread sleeps with a bit of its own, derived from its pid: a draining hand-over
+ * wakes only the old holder's helpers, which post its queued work; waking every helper there cost
+ * each other tenant's helper a wake-up per hand-over for nothing. Two processes whose bits collide
+ * (31 bits) only wake each other now and then. The pid is the one the process writes in its ledger
+ * page (its own getpid()), which is also the one the controller reads, pid namespaces or not.
+ */
+#ifndef GPUSCOPE_SHARE_WAKE_BITS_H
+#define GPUSCOPE_SHARE_WAKE_BITS_H
+
+#include <stdint.h>
+
+#define LAUNCHERS_BITSET 1u
+
+static inline uint32_t helper_wake_bit(int32_t pid) { return 1u << (1 + (uint32_t)pid % 31u); }
+
+#endif
