@@ -332,6 +332,8 @@ def rate(stamps: list[float], lo: float, hi: float) -> float:
 
 
 def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: int, *extra: str) -> dict:
+    from gpuscope.share.controller import DEFAULT_SLICE_S  # recorded: the default turn changed once
+
     ctl = Controller(shares, accounting, port, *extra)
     start = time.time() + 12  # both processes past torch's start-up
     pa, pb = spawn("hog", seconds, start, "a"), spawn("hog", seconds, start, "b")
@@ -361,7 +363,8 @@ def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: i
     after_first = windows[1:]
     worst = max(max(abs(w["a"] - 0.7), abs(w["b"] - 0.3)) for w in after_first)
     gpu = {k: r["stats"]["gpu_ns"] / 1e9 for k, r in (("a", ra), ("b", rb))}
-    return {"accounting": accounting, "flags": list(extra), "seconds": seconds, "windows": windows,
+    return {"accounting": accounting, "flags": list(extra), "default_slice_s": DEFAULT_SLICE_S,
+            "seconds": seconds, "windows": windows,
             "a": whole_a, "b": whole_b,
             "worst_window_error_points": 100 * worst, "within_2_points": worst <= 0.02,
             "gpu_seconds": gpu, "throttled_s": {"a": ra["stats"]["throttled_ns"] / 1e9,
@@ -665,9 +668,10 @@ def plot(sources: list[str], dst: str) -> None:
     for src in sources:
         with open(src) as f:
             data = json.load(f)
+        under = ", under MPS" if data.get("mps") else ""
         for variant, r in data.get("pair", {}).items():
             flags = " ".join(r.get("flags", [])) or "defaults"
-            panels.append((f"{os.path.basename(src)}: {variant} ({flags})", r))
+            panels.append((f"{os.path.basename(src)}: {variant} ({flags}{under})", r))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True, squeeze=False)
     for ax, (title, r) in zip(axes[0], panels, strict=True):
         ts = [w["t"] + 2.5 for w in r["windows"]]
