@@ -670,7 +670,9 @@ def plot(sources: list[str], dst: str) -> None:
             data = json.load(f)
         under = ", under MPS" if data.get("mps") else ""
         for variant, r in data.get("pair", {}).items():
-            flags = " ".join(r.get("flags", [])) or "defaults"
+            turn = r.get("default_slice_s")
+            defaults = f"defaults: {1e3 * turn:g} ms turns" if turn else "the defaults of its day"
+            flags = " ".join(r.get("flags", [])) or defaults
             panels.append((f"{os.path.basename(src)}: {variant} ({flags}{under})", r))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True, squeeze=False)
     for ax, (title, r) in zip(axes[0], panels, strict=True):

@@ -375,7 +375,7 @@ class Controller:
                 self._end_probe(now)
             elif now >= self.probe.read_at:
                 self._read_probe(now)
-        self._set_beside(self.scheduler.beside(active, self.busy_ratio), now)
+        self._set_beside(self.scheduler.beside(active, self.busy_ratio, self.beside), now)
         self._set_duties(active)
         if self.beside and self.probe is None and now >= self._next_probe:
             self._start_probe(now)
