@@ -226,6 +226,12 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         share_main(["--share", "a=0.5", "--share.accounting", "smi"])
     assert info.value.code == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:  # probes that would pause the holder a fifth of the time
+        share_main(["--share", "a=0.5", "--share.probe-every", "50ms"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--share.probe-every must be at least 0.1s" in err
 
 
 def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
