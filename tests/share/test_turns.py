@@ -4,6 +4,7 @@ against a real ledger page and process pages laid out as the preload library wri
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import random
 import subprocess
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, P_HEARTBEAT, Policy, TenantPolicy
+from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, P_HEARTBEAT, SYS_FUTEX, Policy, TenantPolicy
 from gpuscope.share.scheduler import SliceScheduler
 
 _turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
@@ -277,8 +278,81 @@ def libc_wake(address: int) -> None:
 def test_bad_arguments_raise_instead_of_crashing(policy, tenants):
     with pytest.raises(TypeError):
         _turns.take_turns(1, 2, 3)
+    with pytest.raises(ValueError, match="pid"):
+        _turns.helper_wake_bit(-1)
     with pytest.raises(ValueError, match="holder"):
         keep(policy, tenants, [], holder=5)
     with pytest.raises(ValueError, match="used"):
         keep(policy, tenants, [], used=[0.0])
     assert policy.gate & 0xFFFF == OPEN_MASK  # nothing was written
+
+
+FUTEX_WAIT_BITSET = 9
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def sleep_on_gate(policy: Policy, bitset: int, timeout_s: float) -> bool:
+    """Sleep on the gate word with ``bitset``, as a helper thread of the library does; True if a wake
+    with that bit ended the sleep, False if it timed out (a change of the word alone wakes no one)."""
+    deadline = time.monotonic() + timeout_s  # FUTEX_WAIT_BITSET takes an absolute CLOCK_MONOTONIC time
+    ts = _Timespec(int(deadline), int(deadline % 1 * 1e9))
+    while True:
+        rc = _libc.syscall(SYS_FUTEX, ctypes.c_void_p(policy.gate_address), FUTEX_WAIT_BITSET,
+                           ctypes.c_uint32(policy.gate), ctypes.byref(ts), None, ctypes.c_uint32(bitset))
+        if rc == 0:
+            return True
+        if ctypes.get_errno() == errno.ETIMEDOUT:
+            return False
+        # EAGAIN: the word changed before this thread slept; sleep on its new value
+
+
+def in_futex_wait(tid: int) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            return f.read().split()[0] == str(SYS_FUTEX)
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_drain_wakes_the_old_holders_helper_and_no_other_tenants(policy, tenants):
+    """Each helper sleeps with a bit of its own (its pid's); the keeper's drain wakes only the bits of
+    the old holder's processes, so the other tenants' helpers sleep on."""
+    others = []
+    try:
+        while True:  # a live process whose helper bit differs from this one's
+            others.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            if _turns.helper_wake_bit(others[-1].pid) != _turns.helper_wake_bit(os.getpid()):
+                break
+        a, b = Page(0).set(**busy()), Page(1, pid=others[-1].pid).set(waiting=1)
+        policy.set_gate(0b01)
+        woken, tids = {}, {}
+
+        def helper(name: str, page: Page, posts: bool) -> None:
+            tids[name] = threading.get_native_id()
+            woken[name] = sleep_on_gate(policy, _turns.helper_wake_bit(page.pid), 1.5 if not posts else 5.0)
+            if posts:  # the old holder's helper: its queued work is done
+                ctypes.c_uint32.from_address(ctypes.addressof(page.buf) + DRAINED).value = policy.gate >> 16
+                libc_wake(ctypes.addressof(page.buf) + DRAINED)
+
+        threads = [threading.Thread(target=helper, args=("a", a, True)),
+                   threading.Thread(target=helper, args=("b", b, False))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while not (len(tids) == 2 and all(in_futex_wait(tid) for tid in tids.values())):
+            assert time.monotonic() < deadline, "the helper threads never went to sleep"
+            time.sleep(0.001)
+        _, holder, *_, timeouts, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0, return_s=0.2,
+                                          used=[0.7, 0.0], drain_timeout_s=2.0)
+        for t in threads:
+            t.join(10)
+        assert holder == 1 and timeouts == 0
+        assert woken == {"a": True, "b": False}  # b's helper slept through the drain and the grant
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()

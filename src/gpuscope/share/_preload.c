@@ -800,7 +800,7 @@ static void wait_turn(void) {
         if (g & slot_bit) break;
         struct timespec ts;
         abs_after(&ts, 200000000ull);
-        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, 1u);
+        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
         if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
     }
     atomic_fetch_sub(&proc->waiting, 1);
@@ -831,7 +831,7 @@ static void yield_slice(void) {
            !atomic_load_explicit(&failed_open, memory_order_relaxed)) {
         struct timespec ts;
         abs_after(&ts, 200000000ull);
-        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, 1u);
+        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
         if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
     }
     uint32_t mine = g >> 16;

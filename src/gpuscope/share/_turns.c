@@ -444,8 +444,20 @@ done:
     return result;
 }
 
+static PyObject *py_helper_wake_bit(PyObject *self, PyObject *arg) {
+    long pid = PyLong_AsLong(arg);
+    if (pid == -1 && PyErr_Occurred()) return NULL;
+    if (pid < 0 || pid > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a pid is between 0 and 2**31 - 1");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(helper_wake_bit((int32_t)pid));
+}
+
 static PyMethodDef methods[] = {
     {"take_turns", (PyCFunction)(void (*)(void))take_turns, METH_FASTCALL, USAGE},
+    {"helper_wake_bit", py_helper_wake_bit, METH_O,
+     "helper_wake_bit(pid) -> the futex bit the helper thread of process `pid` sleeps with on the gate"},
     {NULL, NULL, 0, NULL},
 };
 
