@@ -482,8 +482,7 @@ def main_bench(args: argparse.Namespace) -> dict:
     _lib()
     with mps_daemon(args.mps) as mps:
         out = _bench(args, mps)
-    if mps is not None:
-        out["mps"] = mps
+    if mps is not None:  # out["mps"] is this dict: saved again with what was seen as the daemon stopped
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return out

@@ -14,7 +14,16 @@ import time
 
 import pytest
 
-from gpuscope.share.ledger import KEEPER_OFFSETS, OPEN_MASK, P_HEARTBEAT, SYS_FUTEX, Policy, TenantPolicy
+from gpuscope.share.ledger import (
+    KEEPER_OFFSETS,
+    OPEN_MASK,
+    P_HEARTBEAT,
+    SYS_FUTEX,
+    Policy,
+    TenantPolicy,
+    _libc,
+    _Timespec,
+)
 from gpuscope.share.scheduler import SliceScheduler
 
 _turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
@@ -121,9 +130,12 @@ def test_a_bell_returns_control_at_once(policy, tenants):
     policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1)]
     seen = policy.bell_value()
+    keeper_tid = threading.get_native_id()
 
-    def ring():
-        time.sleep(0.02)
+    def ring():  # once the keeper sleeps on the bell, as a tenant would find it
+        deadline = time.monotonic() + 5
+        while not in_futex_wait(keeper_tid) and time.monotonic() < deadline:
+            time.sleep(0.001)
         ctypes.c_uint32.from_address(policy.bell_address).value = seen + 1
         policy.bell.futex_wake(0)
 
@@ -288,11 +300,6 @@ def test_bad_arguments_raise_instead_of_crashing(policy, tenants):
 
 
 FUTEX_WAIT_BITSET = 9
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def sleep_on_gate(policy: Policy, bitset: int, timeout_s: float) -> bool:
