@@ -44,3 +44,33 @@ def read_log(log: Path) -> list[tuple[str, int, int]]:
         name, stream, seq = line.split()
         rows.append((name, int(stream), int(seq)))
     return rows
+
+
+class Joined:
+    """The tenant processes that joined a bare ``Policy`` (no controller loop to adopt them), by pid."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.views: dict[int, object] = {}
+        self.events: list[tuple[str, int]] = []
+
+    def poll(self) -> dict[int, object]:
+        for event in self.policy.take_joins():
+            self.events.append((event.kind, event.pid))
+            if event.kind == "join":
+                self.views[event.pid] = event.page
+            elif event.pid in self.views:
+                self.views.pop(event.pid).close()
+        return self.views
+
+    def one(self, timeout: float = 15.0):
+        """The one joined process's page, once it has joined."""
+        from tests.conftest import wait_for
+
+        wait_for(lambda: len(self.poll()) == 1, timeout=timeout, what="the tenant to join")
+        return next(iter(self.views.values()))
+
+    def close(self) -> None:
+        for view in self.views.values():
+            view.close()
+        self.views.clear()

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuscope.contract import catalogue
 from gpuscope.share.controller import Controller
-from gpuscope.share.ledger import TenantPolicy, proc_paths
+from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import main as share_main
 from gpuscope.share.main import parse_shares
 from gpuscope.share.metrics import ShareCollector
@@ -82,7 +82,7 @@ def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         wait_for(lambda: p.pid not in controller.procs, what="the dead process to be forgotten")
-        assert p.pid not in proc_paths(controller.policy.prefix)  # its slot file was removed
+        assert controller.policy.joins.results["left"] == 1  # its connection ended with it
         assert controller.stats.departed["a"]["launches"] == 10
     finally:
         p.kill()
@@ -258,11 +258,11 @@ def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
         assert proc.poll() is None, proc.communicate()[1]
         text = scraped()
         assert 'gpuscope_share_target_ratio{tenant="online"} 0.3' in text
-        assert os.path.exists(ledger) and os.path.exists(ledger + ".bell")
+        assert os.path.exists(ledger + ".sock") and os.path.exists(ledger + ".lock")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
-        assert not os.path.exists(ledger) and not os.path.exists(ledger + ".bell")
+        assert not os.path.exists(ledger + ".sock") and not os.path.exists(ledger + ".lock")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import threading
@@ -13,9 +12,9 @@ import time
 
 import pytest
 
-from gpuscope.share.ledger import Policy, ProcView, TenantPolicy, proc_paths
+from gpuscope.share.ledger import Policy, TenantPolicy
 from tests.conftest import wait_for
-from tests.share.fakecuda import child_env, finish, launch, read_log
+from tests.share.fakecuda import Joined, child_env, finish, launch, read_log
 
 
 def test_every_path_is_intercepted_and_nothing_is_lost_or_reordered(fake_cuda, tmp_path):
@@ -64,7 +63,7 @@ def test_a_tenant_without_a_controller_passes_through_and_says_so_once(fake_cuda
     env = child_env(fake_cuda, log, tenant="batch", ledger=str(tmp_path / "no-ledger"))
     result, err = finish(launch(env, 5))
     assert err.count("gpuscope-share:") == 1
-    assert "no controller ledger" in err and "batch runs unthrottled" in err
+    assert "no controller at" in err and "batch runs unthrottled until a controller starts" in err
     assert result["stats"]["launches"] == 35 and result["stats"]["joined"] == 0
     assert len(read_log(log)) == 35
 
@@ -92,7 +91,10 @@ def test_a_joined_tenant_accounts_gpu_time_in_windows(fake_cuda, tmp_path):
         assert stats["gpu_ns"] == pytest.approx(20 * 130_000, rel=0.01)
         assert 0 < stats["windows"] <= stats["launches"]
         assert err == ""
-        assert proc_paths(policy.prefix) == {}  # the process removed its slot when it exited
+        joined = Joined(policy)
+        wait_for(lambda: joined.poll() is not None and ("leave", joined.events[0][1]) in joined.events,
+                 what="its exit to end its connection")
+        assert [kind for kind, _ in joined.events] == ["join", "leave"]
     finally:
         policy.close()
 
@@ -231,16 +233,16 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
         policy.set_gate(0b01)  # only a may launch
         log = tmp_path / "log"
         child = launch(child_env(fake_cuda, log, tenant="b", ledger=policy.prefix), 3)
-        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
-        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        joined = Joined(policy)
+        view = joined.one()
         try:
             wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
-            assert view.tenant == "b" and view.slot == 1
+            assert view.tenant == "b" and view.slot == 1 and view.pid == child.pid
             assert not log.exists() or read_log(log) == []  # nothing launched while held
             policy.heartbeat()
             policy.set_gate(0b11)
         finally:
-            view.close()
+            joined.close()
         result, err = finish(child)
         assert result["stats"]["launches"] == 21 and result["stats"]["throttled_ns"] > 0
         assert len(read_log(log)) == 21 and err == ""
@@ -258,12 +260,11 @@ def test_a_held_thread_wakes_the_controller_only_when_it_must(fake_cuda, tmp_pat
     try:
         policy.set_gate(gate)
         child = launch(child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix), 3)
-        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
-        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        joined = Joined(policy)
+        view = joined.one()
         try:
             wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
-            # joining rang once (the controller lists the slot files); a waiter that must rings again
-            assert policy.joins() == 1
+            # the join rang once (the controller adopts the process); a waiter that must rings again
             if rings:
                 wait_for(lambda: policy.bell_value() == 2, what="the waiter's ring")
             else:  # it decided in the same instant it started waiting
@@ -271,7 +272,7 @@ def test_a_held_thread_wakes_the_controller_only_when_it_must(fake_cuda, tmp_pat
             policy.heartbeat()
             policy.set_gate(0b11)
         finally:
-            view.close()
+            joined.close()
         finish(child)
     finally:
         policy.close()
@@ -293,12 +294,12 @@ def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
         policy.set_gate(0)
         log = tmp_path / "log"
         child = launch(child_env(fake_cuda, log, tenant="a", ledger=policy.prefix), 3)
-        wait_for(lambda: len(proc_paths(policy.prefix)) == 1, what="the tenant's slot")
-        view = ProcView(next(iter(proc_paths(policy.prefix).values())))
+        joined = Joined(policy)
         try:
+            view = joined.one()
             wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
         finally:
-            view.close()
+            joined.close()
         beating.clear()
         beat.join()
         result, err = finish(child)
@@ -308,15 +309,6 @@ def test_controller_loss_fails_open_once(fake_cuda, tmp_path):
     finally:
         beating.clear()
         beat.join()
-        policy.close()
-
-
-def test_a_tenant_cannot_write_the_policy(fake_cuda, tmp_path):
-    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5)])
-    try:
-        assert stat.S_IMODE(os.stat(policy.prefix).st_mode) == 0o644
-        assert stat.S_IMODE(os.stat(policy.prefix + ".bell").st_mode) == 0o666
-    finally:
         policy.close()
 
 
@@ -391,9 +383,9 @@ def test_launches_being_captured_into_a_graph_record_no_events(fake_cuda, tmp_pa
         policy.close()
 
 
-def test_a_forked_child_joins_with_its_own_slot_and_leaves_the_parents(fake_cuda, tmp_path):
+def test_a_forked_child_joins_with_its_own_page_and_leaves_the_parents(fake_cuda, tmp_path):
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)])
-    folder = os.path.dirname(policy.prefix)
+    joined = Joined(policy)
     try:
         script = (
             "import ctypes, os, json, sys\n"
@@ -407,16 +399,27 @@ def test_a_forked_child_joins_with_its_own_slot_and_leaves_the_parents(fake_cuda
             "pid = os.fork()\n"
             "if pid == 0:\n"
             "    launch()\n"
-            f"    print(json.dumps(sorted(os.listdir({folder!r}))), flush=True)\n"
             "    sys.exit(0)\n"  # a normal exit: the atexit handlers inherited from the parent run
             "os.waitpid(pid, 0)\n"
-            f"print(json.dumps([parent, pid, sorted(os.listdir({folder!r}))]), flush=True)\n")
+            "sys.stdin.readline()\n"  # the test looks at the joins while the parent still runs
+            "launch()\n"
+            "out = (ctypes.c_uint64 * 8)()\n"
+            "ctypes.CDLL(None).gpuscope_share_stats(out)\n"
+            "print(json.dumps([parent, pid, out[6], out[7]]), flush=True)\n")
         env = child_env(fake_cuda, tmp_path / "log", tenant="a", ledger=policy.prefix)
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                             check=True, timeout=60)
-        first, second = run.stdout.splitlines()
-        parent, child, after = json.loads(second)
-        assert {f"ledger.p{parent}", f"ledger.p{child}"} <= set(json.loads(first))  # one slot each
-        assert f"ledger.p{parent}" in after and f"ledger.p{child}" not in after
+        proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        kinds = ["join", "join", "leave"]
+        wait_for(lambda: joined.poll() is not None and [k for k, _ in joined.events] == kinds,
+                 what="parent and child to join, and the child to leave")
+        parent_joined, child_joined, child_left = (pid for _, pid in joined.events)
+        assert parent_joined == proc.pid and child_left == child_joined != parent_joined
+        out, err = proc.communicate("go\n", timeout=60)
+        parent, child, failed_open, still_joined = json.loads(out)
+        assert (parent, child) == (parent_joined, child_joined)
+        assert failed_open == 0 and still_joined == 1, err  # the child's exit left the parent's connection
+        wait_for(lambda: joined.poll() is not None and joined.events[-1] == ("leave", parent),
+                 what="the parent's exit")
     finally:
+        joined.close()
         policy.close()

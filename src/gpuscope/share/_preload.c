@@ -42,9 +42,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -74,7 +77,7 @@ typedef struct {
 
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 5u
+#define LAYOUT_VERSION 6u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 
@@ -200,7 +203,6 @@ static pthread_once_t join_once = PTHREAD_ONCE_INIT;
 static policy_t *policy;
 static proc_t *proc;
 static proc_t local_proc; /* counters when no ledger is mapped */
-static char proc_path[256];
 static atomic_int failed_open;
 
 typedef struct {
@@ -257,36 +259,42 @@ static void abs_after(struct timespec *ts, uint64_t ns) {
 /* ------------------------------------------------------------------------------------------------ */
 /* Joining and leaving                                                                              */
 
+static int conn_fd = -1; /* the connection to the controller: open while joined (its end tells either side) */
+static _Atomic uint32_t *bell; /* the controller's doorbell, a page it handed over when this process joined */
+
 static void fail_open(const char *why) {
     if (atomic_exchange(&failed_open, 1)) return;
     gate = (const _Atomic uint32_t *)&all_open;
     if (proc) atomic_store(&proc->failed_open, 1);
-    say("gpuscope-share: %s: running unthrottled from now on\n", why);
+    say("gpuscope-share: %s: running unthrottled until a controller takes this process back\n", why);
     /* Wake this process's own threads held at the gate (the word no longer changes). */
     if (policy) futex((void *)&policy->gate, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+    /* and the watcher, asleep on the connection: it drops it and looks for a controller again */
+    int fd = conn_fd;
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
 }
 
-static int controller_alive(void) {
-    if (!policy) return 0;
-    if (kill(policy->controller_pid, 0) != 0 && errno == ESRCH) return 0;
-    uint64_t beat = atomic_load(&policy->heartbeat_ns);
-    uint64_t stale = (uint64_t)(policy->stale_ms ? policy->stale_ms : 2000) * 1000000ull;
+static int policy_alive(const policy_t *p) {
+    if (!p) return 0;
+    if (kill(p->controller_pid, 0) != 0 && errno == ESRCH) return 0;
+    uint64_t beat = atomic_load(&p->heartbeat_ns);
+    uint64_t stale = (uint64_t)(p->stale_ms ? p->stale_ms : 2000) * 1000000ull;
     return now_ns() < beat + stale;
 }
 
-static void leave(void) {
-    /* only the process that created the slot removes it (a forked child inherits this handler) */
-    if (proc_path[0] && proc && proc->pid == (int32_t)getpid()) unlink(proc_path);
-}
+static int controller_alive(void) { return policy_alive(policy); }
 
-/* A forked child starts over: it joins with a slot of its own at its first launch (its CUDA state,
- * and so the parent's events, are not usable in it anyway). */
+/* A forked child starts over: it joins with a page of its own at its first launch (its CUDA state,
+ * and so the parent's events, are not usable in it anyway). The parent's connection stays the
+ * parent's: the child closes its copy. */
 static void after_fork_in_child(void) {
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     join_once = fresh;
+    if (conn_fd >= 0) close(conn_fd);
+    conn_fd = -1;
     policy = NULL;
     proc = &local_proc;
-    proc_path[0] = 0;
+    bell = NULL;
     gate = (const _Atomic uint32_t *)&all_open;
     slot_bit = 1;
     atomic_store(&failed_open, 0);
@@ -301,9 +309,208 @@ static void after_fork_in_child(void) {
     atomic_store(&yielded_gen, 0);
 }
 
-static void ring_bell(void);
-static void count_join(void);
 static void *helper_main(void *arg);
+static void ring_bell(void);
+
+/* The join protocol (joins.py): one hello, one reply carrying the pages as descriptors. */
+#define HELLO_MAGIC 0x4A535347u /* "GSSJ" */
+#define REPLY_MAGIC 0x41535347u /* "GSSA" */
+#define REASON_LEN 120
+typedef struct {
+    uint32_t magic, version;
+    char name[NAME_LEN];
+} hello_t;
+typedef struct {
+    uint32_t magic, status;
+    int32_t slot, pid;
+    char reason[REASON_LEN];
+} reply_t;
+_Static_assert(sizeof(hello_t) == 48 && sizeof(reply_t) == 136, "join protocol layout");
+
+typedef struct {
+    policy_t *policy;
+    proc_t *proc;
+    _Atomic uint32_t *bell;
+    int conn, slot;
+    int retry; /* on failure: whether trying again later may help (no controller yet, or a restart) */
+    char why[200];
+} joined_t;
+
+static const char *ledger_prefix(void) {
+    const char *path = getenv("GPUSCOPE_SHARE_LEDGER");
+    return path && *path ? path : "/dev/shm/gpuscope-share";
+}
+
+/* A controller is trusted when it runs as root, as this process's user, or as the user named by
+ * GPUSCOPE_SHARE_CONTROLLER_UID: anyone else listening at the ledger's name could hold this process
+ * at a gate it never opens. The kernel tells who listens (SO_PEERCRED). */
+static int trusted_controller(int fd, char *why, size_t n) {
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) {
+        snprintf(why, n, "cannot tell who listens at %s.sock", ledger_prefix());
+        return 0;
+    }
+    const char *want = getenv("GPUSCOPE_SHARE_CONTROLLER_UID");
+    if (cr.uid == 0 || cr.uid == geteuid() || (want && *want && strtoul(want, NULL, 10) == cr.uid)) return 1;
+    snprintf(why, n, "%s.sock belongs to uid %u, not root, this user or GPUSCOPE_SHARE_CONTROLLER_UID",
+             ledger_prefix(), (unsigned)cr.uid);
+    return 0;
+}
+
+/* A page this process may map: at least a page long and sealed, so that nobody can ever shrink it
+ * under this process (touching a mapped page past a file's end is a SIGBUS). */
+static int sealed_page(int fd) {
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    return fstat(fd, &st) == 0 && st.st_size >= 4096 && seals >= 0 &&
+           (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
+}
+
+static int join_failed(joined_t *j, int fd, int retry, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(j->why, sizeof j->why, fmt, ap);
+    va_end(ap);
+    j->retry = retry;
+    if (fd >= 0) close(fd);
+    return -1;
+}
+
+static int connect_controller(const char *tenant, joined_t *j) {
+    memset(j, 0, sizeof *j);
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s.sock", ledger_prefix());
+    if (n <= 0 || n >= (int)sizeof addr.sun_path) return join_failed(j, -1, 0, "the ledger path is too long");
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) return join_failed(j, -1, 1, "no socket: %s", strerror(errno));
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
+        return join_failed(j, fd, 1, "no controller at %s (%s)", addr.sun_path, strerror(errno));
+    if (!trusted_controller(fd, j->why, sizeof j->why)) return join_failed(j, fd, 1, "%s", j->why);
+    hello_t h = {HELLO_MAGIC, LAYOUT_VERSION, {0}};
+    strncpy(h.name, tenant, NAME_LEN - 1);
+    if (send(fd, &h, sizeof h, MSG_NOSIGNAL) != (ssize_t)sizeof h)
+        return join_failed(j, fd, 1, "the controller did not take the hello (%s)", strerror(errno));
+    reply_t r;
+    int fds[3] = {-1, -1, -1}, got = 0;
+    union {
+        char buf[CMSG_SPACE(sizeof fds)];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {&r, sizeof r};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t len = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < k; i++) {
+                int one;
+                memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof one);
+                if (got < 3) fds[got++] = one;
+                else close(one);
+            }
+        }
+    int ok = len == (ssize_t)sizeof r && r.magic == REPLY_MAGIC && !(msg.msg_flags & MSG_CTRUNC);
+    if (ok && r.status != 0) {
+        r.reason[REASON_LEN - 1] = 0;
+        for (int i = 0; i < got; i++) close(fds[i]);
+        return join_failed(j, fd, 0, "%s", r.reason);
+    }
+    if (!ok || got != 3) {
+        for (int i = 0; i < got; i++) close(fds[i]);
+        return join_failed(j, fd, 1, "no valid answer from the controller at %s", addr.sun_path);
+    }
+    int sealed = sealed_page(fds[0]) && sealed_page(fds[1]) && sealed_page(fds[2]);
+    policy_t *p = sealed ? mmap(NULL, sizeof(policy_t), PROT_READ, MAP_SHARED, fds[0], 0) : MAP_FAILED;
+    void *b = sealed ? mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0) : MAP_FAILED;
+    proc_t *q = sealed ? mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0) : MAP_FAILED;
+    for (int i = 0; i < 3; i++) close(fds[i]);
+    int slot = r.slot;
+    int valid = p != MAP_FAILED && b != MAP_FAILED && q != MAP_FAILED && p->magic == POLICY_MAGIC &&
+                p->version == LAYOUT_VERSION && slot >= 0 && slot < MAX_TENANTS && (uint32_t)slot < p->ntenants &&
+                strncmp(p->tenants[slot].name, tenant, NAME_LEN) == 0;
+    if (!valid) {
+        if (p != MAP_FAILED) munmap(p, sizeof(policy_t));
+        if (b != MAP_FAILED) munmap(b, 4096);
+        if (q != MAP_FAILED) munmap(q, 4096);
+        return join_failed(j, fd, 0, sealed ? "the controller's pages are not a version-%u ledger"
+                                            : "the controller's pages are not sealed (version %u?)", LAYOUT_VERSION);
+    }
+    j->policy = p, j->proc = q, j->bell = b, j->conn = fd, j->slot = slot;
+    return 0;
+}
+
+/* Make a joined controller this process's: the gate last, so that a launch that sees it sees the rest. */
+static void install(joined_t *j) {
+    atomic_store(&j->proc->started_ns, now_ns());
+    slot_bit = 1u << j->slot;
+    helper_bit = helper_wake_bit(j->proc->pid); /* the pid as the controller knows it */
+    bell = j->bell;
+    proc = j->proc;
+    policy = j->policy;
+    conn_fd = j->conn;
+    atomic_thread_fence(memory_order_release);
+    gate = &policy->gate;
+    atomic_store(&failed_open, 0);
+}
+
+#define REJOIN_NS 500000000ull /* how often a process without a controller looks for one */
+
+/* One thread per tenant process, asleep on its connection: when the controller goes (the connection
+ * ends) the process fails open at once, and every REJOIN_NS it connects again, so that a restarted
+ * controller takes it back within a second. A previous controller's pages stay mapped (threads may
+ * still read them); a restart leaks those three pages. */
+static void *watcher_main(void *arg) {
+    const char *tenant = arg;
+    int refused = 0;
+    for (;;) {
+        int fd = conn_fd;
+        if (fd >= 0) {
+            struct pollfd pfd = {fd, POLLIN, 0};
+            if (poll(&pfd, 1, -1) < 0 && errno == EINTR) continue;
+            char c;
+            ssize_t n = recv(fd, &c, 1, MSG_DONTWAIT);
+            if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) continue;
+            fail_open("the share controller is gone");
+            conn_fd = -1;
+            close(fd);
+        }
+        struct timespec ts = {0, (long)REJOIN_NS};
+        nanosleep(&ts, NULL);
+        joined_t j;
+        if (connect_controller(tenant, &j) != 0) {
+            if (!j.retry && !refused) {
+                refused = 1;
+                say("gpuscope-share: %s: tenant %s runs unthrottled\n", j.why, tenant);
+            }
+            continue;
+        }
+        refused = 0;
+        if (!policy_alive(j.policy)) { /* a controller that has stopped beating: not taken back yet */
+            munmap(j.policy, sizeof(policy_t));
+            munmap((void *)j.bell, 4096);
+            munmap(j.proc, 4096);
+            close(j.conn);
+            continue;
+        }
+        install(&j);
+        say("gpuscope-share: tenant %s joined the share controller again\n", tenant);
+    }
+    return NULL;
+}
+
+static void start_watcher(const char *tenant) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, watcher_main, (void *)tenant) == 0) pthread_setname_np(t, "gpuscope-join");
+    pthread_attr_destroy(&attr);
+}
 
 static void join(void) {
     const char *tenant = getenv("GPUSCOPE_SHARE_TENANT");
@@ -312,111 +519,36 @@ static void join(void) {
 
     proc = &local_proc;
     if (!tenant || !*tenant) return; /* not a tenant: plain pass-through, nothing to say */
-    const char *path = getenv("GPUSCOPE_SHARE_LEDGER");
-    if (!path || !*path) path = "/dev/shm/gpuscope-share";
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        say("gpuscope-share: no controller ledger at %s (%s): tenant %s runs unthrottled\n", path,
-            strerror(errno), tenant);
+    joined_t j;
+    if (connect_controller(tenant, &j) != 0) {
+        say("gpuscope-share: %s: tenant %s runs unthrottled%s\n", j.why, tenant,
+            j.retry ? " until a controller starts" : "");
         atomic_store(&failed_open, 1);
+        if (j.retry) start_watcher(tenant);
         return;
     }
-    policy_t *p = mmap(NULL, sizeof(policy_t), PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED || p->magic != POLICY_MAGIC || p->version != LAYOUT_VERSION) {
-        say("gpuscope-share: %s is not a version-%u ledger: tenant %s runs unthrottled\n", path,
-            LAYOUT_VERSION, tenant);
-        if (p != MAP_FAILED) munmap(p, sizeof(policy_t));
+    if (!policy_alive(j.policy)) {
+        say("gpuscope-share: the controller of %s is not running: tenant %s runs unthrottled until one "
+            "starts\n", ledger_prefix(), tenant);
+        munmap(j.policy, sizeof(policy_t));
+        munmap((void *)j.bell, 4096);
+        munmap(j.proc, 4096);
+        close(j.conn);
         atomic_store(&failed_open, 1);
+        start_watcher(tenant);
         return;
     }
-    policy = p;
-    int slot = -1;
-    for (uint32_t i = 0; i < p->ntenants && i < MAX_TENANTS; i++)
-        if (strncmp(p->tenants[i].name, tenant, NAME_LEN) == 0) slot = (int)i;
-    if (slot < 0) {
-        say("gpuscope-share: the controller has no share named %s: running unthrottled\n", tenant);
-        atomic_store(&failed_open, 1);
-        return;
-    }
-    if (!controller_alive()) {
-        say("gpuscope-share: the controller of %s is not running: tenant %s runs unthrottled\n", path, tenant);
-        atomic_store(&failed_open, 1);
-        return;
-    }
-    /* Written under a name the controller ignores, then renamed: the controller never maps a slot
-     * shorter than its page (touching a mapping past the end of its file is a SIGBUS). */
-    char tmp_path[sizeof proc_path + 8];
-    snprintf(proc_path, sizeof proc_path, "%s.p%d", path, (int)getpid());
-    snprintf(tmp_path, sizeof tmp_path, "%s.new", proc_path);
-    fd = open(tmp_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0 || ftruncate(fd, 4096) != 0) {
-        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", tmp_path, strerror(errno),
-            tenant);
-        if (fd >= 0) close(fd);
-        unlink(tmp_path);
-        proc_path[0] = 0;
-        atomic_store(&failed_open, 1);
-        return;
-    }
-    fchmod(fd, 0644); /* the controller reads it; only this process writes it */
-    proc_t *q = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (q == MAP_FAILED) {
-        unlink(tmp_path);
-        proc_path[0] = 0;
-        atomic_store(&failed_open, 1);
-        return;
-    }
-    q->pid = (int32_t)getpid();
-    q->slot = slot;
-    strncpy(q->tenant, tenant, NAME_LEN - 1);
-    atomic_store(&q->drained_gen, 0);
-    atomic_store(&q->started_ns, now_ns());
-    q->version = LAYOUT_VERSION;
-    atomic_thread_fence(memory_order_release);
-    q->magic = PROC_MAGIC; /* last: the controller reads a slot only once its magic is there */
-    if (rename(tmp_path, proc_path) != 0) {
-        say("gpuscope-share: cannot create %s (%s): tenant %s runs unthrottled\n", proc_path, strerror(errno),
-            tenant);
-        unlink(tmp_path);
-        munmap(q, 4096);
-        proc_path[0] = 0;
-        atomic_store(&failed_open, 1);
-        return;
-    }
-    proc = q;
-    slot_bit = 1u << slot;
-    helper_bit = helper_wake_bit(getpid());
-    atexit(leave);
-    gate = &policy->gate;
-    count_join(); /* rings too: the controller lists the slot files again */
+    install(&j); /* the controller rang its own bell when it admitted this process */
+    start_watcher(tenant);
 }
 
 static inline void ensure_joined(void) { pthread_once(&join_once, join); }
 
-/* The controller's doorbell: a separate, world-writable word it sleeps on. */
-static _Atomic uint32_t *bell;
 static void ring_bell(void) {
-    if (!bell) {
-        char path[280];
-        const char *ledger = getenv("GPUSCOPE_SHARE_LEDGER");
-        snprintf(path, sizeof path, "%s.bell", ledger && *ledger ? ledger : "/dev/shm/gpuscope-share");
-        int fd = open(path, O_RDWR | O_CLOEXEC);
-        if (fd < 0) return;
-        void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        close(fd);
-        if (m == MAP_FAILED) return;
-        bell = m;
-    }
-    atomic_fetch_add(bell, 1);
-    futex(bell, FUTEX_WAKE, 1, NULL, 0);
-}
-
-/* The bell page's second word counts joins: the controller lists the slot files when it moves. */
-static void count_join(void) {
-    ring_bell(); /* maps the bell page */
-    if (bell) atomic_fetch_add(bell + 1, 1);
+    _Atomic uint32_t *b = bell;
+    if (!b) return;
+    atomic_fetch_add(b, 1);
+    futex(b, FUTEX_WAKE, 1, NULL, 0);
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -792,9 +924,10 @@ static int waiter_rings(uint32_t g) {
 
 static void wait_turn(void) {
     uint64_t t0 = now_ns();
+    proc_t *me = proc; /* the page counted on: a controller restart meanwhile swaps `proc` */
     /* only the process's first waiter, and only when the controller would not look soon anyway */
-    if (atomic_fetch_add(&proc->waiting, 1) == 0 && waiter_rings(atomic_load(gate))) ring_bell();
-    atomic_fetch_add(&proc->waits, 1);
+    if (atomic_fetch_add(&me->waiting, 1) == 0 && waiter_rings(atomic_load(gate))) ring_bell();
+    atomic_fetch_add(&me->waits, 1);
     for (;;) {
         uint32_t g = atomic_load(gate);
         if (g & slot_bit) break;
@@ -803,8 +936,8 @@ static void wait_turn(void) {
         long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
         if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
     }
-    atomic_fetch_sub(&proc->waiting, 1);
-    atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
+    atomic_fetch_sub(&me->waiting, 1);
+    atomic_fetch_add(&me->throttled_ns, now_ns() - t0);
 }
 
 /* Draining hand-overs: whether this process holds the GPU past its slice's end (its previous launch
@@ -824,8 +957,9 @@ static void yield_slice(void) {
     uint64_t end = atomic_load(&policy->slice_end_ns);
     if (!(g & slot_bit)) return; /* not the holder after all: the gate decides */
     uint64_t t0 = now_ns();
+    proc_t *me = proc;
     atomic_store(&yielded_gen, g >> 16);
-    atomic_fetch_add(&proc->waiting, 1);
+    atomic_fetch_add(&me->waiting, 1);
     wake_helper(WAKE_NOW);
     while (atomic_load(gate) == g && atomic_load(&policy->slice_end_ns) == end &&
            !atomic_load_explicit(&failed_open, memory_order_relaxed)) {
@@ -836,8 +970,8 @@ static void yield_slice(void) {
     }
     uint32_t mine = g >> 16;
     atomic_compare_exchange_strong(&yielded_gen, &mine, 0);
-    atomic_fetch_sub(&proc->waiting, 1);
-    atomic_fetch_add(&proc->throttled_ns, now_ns() - t0);
+    atomic_fetch_sub(&me->waiting, 1);
+    atomic_fetch_add(&me->throttled_ns, now_ns() - t0);
 }
 
 /* A tenant beside the holder that needs more of the GPU than its share (its probes show it busy for

@@ -10,14 +10,13 @@ binds and a few wake-ups per slice while one does.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpuscope.share.access import Access
 from gpuscope.share.ledger import (
     KEEPER_OFFSETS,
     OPEN_MASK,
@@ -25,7 +24,6 @@ from gpuscope.share.ledger import (
     ProcView,
     TenantPolicy,
     pid_alive,
-    proc_paths,
 )
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time
 
@@ -37,8 +35,8 @@ except ImportError:  # no compiler where gpuscope was installed: the Python loop
 #: A tenant counts as active (shares bind while two are) this long after its last launch.
 ACTIVE_S = 0.5
 #: How often the controller checks that its tenant processes live (a dead one's share is given back),
-#: and how often it lists the slot files even when no process said it joined.
-SCAN_S, LIST_S = 0.1, 2.0
+#: and how often it also reads /proc to tell a zombie (exited, not yet reaped by its parent).
+SCAN_S, ZOMBIE_CHECK_S = 0.1, 2.0
 #: How often the loop looks while shares do not bind: with tenant processes attached (a second one
 #: starting to launch makes them bind), and with none (a process that joins rings the bell; the
 #: heartbeat must still move well inside the tenants' 2 s staleness limit). An idle controller cost
@@ -114,9 +112,9 @@ class Controller:
                  handover: str = "drain", probe_every_s: float = PROBE_EVERY_S,
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None, keeper: bool = True,
-                 log: Callable[[str], None] | None = None) -> None:
+                 access: Access | None = None, log: Callable[[str], None] | None = None) -> None:
         self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us,
-                             inflight_slice=inflight_slice, inflight_open=inflight_open)
+                             inflight_slice=inflight_slice, inflight_open=inflight_open, access=access)
         self.tenants = tenants
         self.mode = mode
         self.slice_s = slice_s
@@ -145,36 +143,26 @@ class Controller:
         self._unscaled_since: float | None = None
         self._last_charge = self._last_state_count = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
-        self._last_scan = self._last_listing = 0.0
-        self._joins_seen = -1
+        self._last_scan = self._last_zombie_check = 0.0
         self._last_sample = 0.0
         self._mask = OPEN_MASK
         self._nvml_samples = self._nvml_matched = 0
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
 
     # --- processes --------------------------------------------------------------------------
-    def scan(self, *, list_files: bool = True) -> None:
-        """Adopt new tenant slots (``list_files``: list the slot files, else only check the known
-        processes, and only with ``kill(pid, 0)``: a zombie is told at the next listing); a dead
-        process's slot is removed and its share given back."""
-        if list_files:
-            paths = proc_paths(self.policy.prefix)
-        else:
-            paths = {pid: state.view.path for pid, state in self.procs.items()}
+    def scan(self, *, zombie_check: bool = True) -> None:
+        """Adopt the processes that joined, forget those that left or died (their shares are given
+        back). Liveness is checked with ``kill(pid, 0)``; ``zombie_check`` also reads /proc, which
+        tells a process that exited but was not reaped yet."""
+        events = self.policy.take_joins()
         with self.lock:
-            for pid, path in paths.items():
-                if pid in self.procs:
-                    continue
-                try:
-                    view = ProcView(path)
-                except (OSError, ValueError):
-                    continue  # still being written, or not ours
-                if not 0 <= view.slot < len(self.tenants):
-                    view.close()
-                    continue
-                self.procs[pid] = ProcState(view)
+            for event in events:
+                if event.pid in self.procs:  # it left, or its pid was reused by a newer joiner
+                    self._forget(event.pid)
+                if event.kind == "join":
+                    self.procs[event.pid] = ProcState(event.page)
             for pid in list(self.procs):
-                if pid not in paths or not pid_alive(pid, zombie_check=list_files):
+                if not pid_alive(pid, zombie_check=zombie_check):
                     self._forget(pid)
 
     def _forget(self, pid: int) -> None:
@@ -183,10 +171,7 @@ class Controller:
         totals = self.stats.departed.setdefault(tenant, {})
         for name, value in state.view.counters().items():
             totals[name] = totals.get(name, 0) + value
-        path = state.view.path
         state.view.close()
-        with contextlib.suppress(OSError):  # exited cleanly (it removes its own slot) or not ours
-            os.unlink(path)
 
     def _charge(self, now: float) -> None:
         """Charge the GPU time the processes posted since the last call.
@@ -460,14 +445,13 @@ class Controller:
         self.policy.heartbeat()
         self._count_states(now)
         if now - self._last_scan >= SCAN_S:
-            # listing the folder (a busy /dev/shm holds many files) only when a process joined, or
-            # now and then for one that could not ring; liveness of the known ones every time
-            joins = self.policy.joins()
-            listed = joins != self._joins_seen or now - self._last_listing >= LIST_S
+            # liveness of the known processes every time (kill(pid, 0)); reading /proc for zombies, a
+            # process that exited but was not reaped (its connection ends only once reaped), now and then
+            zombies = now - self._last_zombie_check >= ZOMBIE_CHECK_S
             self._last_scan = now
-            if listed:
-                self._joins_seen, self._last_listing = joins, now
-            self.scan(list_files=listed)
+            if zombies:
+                self._last_zombie_check = now
+            self.scan(zombie_check=zombies)
         with self.lock:
             if self.mode == "nvml":
                 return self.step_nvml(now)

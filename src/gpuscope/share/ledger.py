@@ -1,23 +1,26 @@
 """The shared-memory ledger between the share controller and its tenants' preload library.
 
-Three kinds of file, all under one path prefix (``/dev/shm/gpuscope-share`` by default):
+Three kinds of page, each an anonymous ``memfd`` the controller creates and seals against resizing
+(``F_SEAL_SHRINK | F_SEAL_GROW``: nobody can truncate a page under a process that maps it, which
+would kill that process with SIGBUS), handed to each tenant process over the join socket
+(``joins.py``; the filesystem holds only that socket and a lock: ``files.py``):
 
-- ``PREFIX``: the policy, created and written by the controller alone (mode 0644). Tenants map it
-  read-only: the tenants' shares and priorities, the controller's pid and heartbeat, and the gate
-  word (bit *i* set: tenant slot *i* may launch; bits 16..31 a generation) their launching threads
-  sleep on with a futex (bitset 1; each process's helper thread sleeps on it too, with another bit,
-  so that a hand-over can wake the launching threads alone), the beside mask (bit *i* set: slot *i*
-  runs beside the slice holder, untimed), the busy mask (bit *i* set: slot *i* times each launch
-  on its own, in a probe), per tenant the duty (the part of every 10 ms a tenant beside the holder
-  may launch in, when it needs more of the GPU than its share) and, with draining hand-overs, when
-  the holder's slice ends (the holder then stops launching by itself, drains its queue and rings the
-  bell: one controller wake-up per hand-over instead of two).
-- ``PREFIX.bell``: a world-writable page: the word the controller sleeps on, and a count of joins
-  (it lists the slot files again when that moves). A tenant rings the bell when a thread
-  starts waiting or a holder goes quiet. Writing it only wakes the controller early.
-- ``PREFIX.p<PID>``: one per tenant process, created and written by that process alone (mode 0644):
-  its counters (launches, GPU ns, throttled ns, hook errors) and the ``drained_gen`` word the
-  controller waits on when it hands the GPU on.
+- the policy, written by the controller alone; tenants get a read-only descriptor: the tenants'
+  shares and priorities, the controller's pid and heartbeat, and the gate word (bit *i* set: tenant
+  slot *i* may launch; bits 16..31 a generation) their launching threads sleep on with a futex
+  (bitset 1; each process's helper thread sleeps on it too, with another bit, so that a hand-over can
+  wake the launching threads alone), the beside mask (bit *i* set: slot *i* runs beside the slice
+  holder, untimed), the busy mask (bit *i* set: slot *i* times each launch on its own, in a probe), per
+  tenant the duty (the part of every 10 ms a tenant beside the holder may launch in, when it needs
+  more of the GPU than its share) and, with draining hand-overs, when the holder's slice ends (the
+  holder then stops launching by itself, drains its queue and rings the bell: one controller wake-up
+  per hand-over instead of two).
+- the bell, a page every joined tenant may write: the word the controller sleeps on. A tenant rings
+  it when a thread starts waiting or a holder goes quiet. Writing it only wakes the controller early.
+- one page per tenant process, written by that process: its counters (launches, GPU ns, throttled
+  ns, hook errors) and the ``drained_gen`` word the controller waits on when it hands the GPU on. The
+  controller writes the process's pid, slot and tenant there before handing it over, and keeps its
+  own copy of them: what the process writes on its page never changes who it is.
 
 A process therefore cannot raise its own share: the only shared state it can write is its own
 counters and the bell. The layout is versioned (``LAYOUT_VERSION``); ``_preload.c`` mirrors every
@@ -36,6 +39,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpuscope.share.access import Access
+from gpuscope.share.files import LedgerLock, check_prefix, listen_socket, remove_socket
+from gpuscope.share.joins import JoinEvent, JoinServer
+from gpuscope.share.pages import PAGE, read_only, sealed_page
+
 try:
     from gpuscope.share import _words as _native_words
 except ImportError:  # no compiler where gpuscope was installed: ctypes serves (slower per wake-up)
@@ -43,10 +51,9 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 MAX_TENANTS = 16
 NAME_LEN = 40
-PAGE = 4096
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
 
 # policy_t
@@ -124,22 +131,18 @@ _words = _native_words if _native_words is not None else CtypesWords
 
 
 class Mapping:
-    """A page of a file mapped with libc's mmap, so futex calls get a stable address (Python's mmap
-    module does not expose one for read-only mappings)."""
+    """A page mapped with libc's mmap from a descriptor, so futex calls get a stable address (Python's
+    mmap module does not expose one for read-only mappings)."""
 
-    def __init__(self, path: str, *, writable: bool) -> None:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size < PAGE:  # touching a page past the file's end would be a SIGBUS
-                raise ValueError(f"{path} is shorter than a ledger page")
-            prot = PROT_READ | (PROT_WRITE if writable else 0)
-            addr = _libc.mmap(None, PAGE, prot, MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, *, writable: bool, name: str = "ledger page") -> None:
+        if os.fstat(fd).st_size < PAGE:  # touching a page past the file's end would be a SIGBUS
+            raise ValueError(f"{name} is shorter than a ledger page")
+        prot = PROT_READ | (PROT_WRITE if writable else 0)
+        addr = _libc.mmap(None, PAGE, prot, MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
+            raise OSError(ctypes.get_errno(), f"mmap {name}")
         self.addr: int = addr
-        self.path = path
+        self.name = name
 
     def u32(self, off: int) -> int:
         return _words.u32(self.addr + off)
@@ -181,44 +184,53 @@ class TenantPolicy:
     priority: int = 0
 
 
-def _create(path: str, mode: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        os.ftruncate(fd, PAGE)
-        os.fchmod(fd, mode)  # the umask must not narrow it
-    finally:
-        os.close(fd)
-
-
 class Policy:
-    """The controller's side of the ledger: creates the policy and bell files, writes the gate."""
+    """The controller's side of the ledger: holds the lock, creates the policy and bell pages, writes
+    the gate, and admits tenant processes through the join socket (``joins.JoinServer``)."""
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = 2000, inflight_slice: int = 2, inflight_open: int = 16,
-                 stale_ms: int = 2000) -> None:
+                 stale_ms: int = 2000, access: Access | None = None) -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:
             raise ValueError(f"between 1 and {MAX_TENANTS} tenants, not {len(tenants)}")
+        for t in tenants:
+            if not t.name.encode() or len(t.name.encode()) >= NAME_LEN:
+                raise ValueError(f"tenant name {t.name!r} must be 1 to {NAME_LEN - 1} bytes")
+        check_prefix(prefix)  # before anything is created
         self.prefix = prefix
         self.tenants = list(tenants)
         self.window_us = window_us
-        _create(prefix + ".bell", 0o666)
-        self.bell = Mapping(prefix + ".bell", writable=True)
-        tmp = f"{prefix}.tmp{os.getpid()}"
-        _create(tmp, 0o644)
-        self.map = Mapping(tmp, writable=True)
+        self._fds: list[int] = []
+        self.lock = LedgerLock(prefix)
+        try:
+            self._build(mode, window_us, inflight_slice, inflight_open, stale_ms)
+            sock, self._sock_inode = listen_socket(prefix)
+        except BaseException:
+            self._close_pages()
+            self.lock.release()
+            raise
+        self.joins = JoinServer(sock, [t.name for t in self.tenants], access or Access(), self._page_fds,
+                                _new_proc_page, self.ring, layout_version=LAYOUT_VERSION)
+        self.joins.start()
+
+    def _build(self, mode: str, window_us: int, inflight_slice: int, inflight_open: int,
+               stale_ms: int) -> None:
+        bell_fd, policy_fd = sealed_page("gpuscope-share-bell"), sealed_page("gpuscope-share-policy")
+        self._fds += [bell_fd, policy_fd]
+        self._fds.append(read_only(policy_fd))
+        self.bell = Mapping(bell_fd, writable=True, name="the bell")
+        self.map = Mapping(policy_fd, writable=True, name="the policy")
         m = self.map
         m.set_u32(P_VERSION, LAYOUT_VERSION)
         ctypes.c_int32.from_address(m.addr + P_PID).value = os.getpid()
-        m.set_u32(P_NTENANTS, len(tenants))
+        m.set_u32(P_NTENANTS, len(self.tenants))
         m.set_u32(P_MODE, MODES[mode])
         for off, value in ((P_WINDOW_US, window_us), (P_INFLIGHT_SLICE, inflight_slice),
                            (P_INFLIGHT_OPEN, inflight_open), (P_STALE_MS, stale_ms)):
             m.set_u32(off, value)
-        for i, t in enumerate(tenants):
+        for i, t in enumerate(self.tenants):
             base = P_TENANTS + i * TENANT_SIZE
             name = t.name.encode()
-            if not name or len(name) >= NAME_LEN:
-                raise ValueError(f"tenant name {t.name!r} must be 1 to {NAME_LEN - 1} bytes")
             ctypes.memmove(m.addr + base, name, len(name))
             m.set_u32(base + NAME_LEN, round(t.share * 1e6))
             m.set_u32(base + NAME_LEN + 4, t.priority)
@@ -227,8 +239,22 @@ class Policy:
         m.set_u32(P_GATE, (self.gen << 16) | OPEN_MASK)
         self.heartbeat()
         m.set_u32(P_MAGIC, POLICY_MAGIC)
-        os.replace(tmp, prefix)  # tenants never see a half-written policy
-        self.map.path = prefix
+
+    @property
+    def _page_fds(self) -> tuple[int, int]:
+        """What a joining tenant gets besides its own page: the policy (read-only) and the bell."""
+        return self._fds[2], self._fds[0]
+
+    def ring(self) -> None:
+        """Wake the controller's loop (or turn keeper) sleeping on the bell, as a tenant would. Not an
+        atomic add: racing a tenant's ring can only merge the two, and the word moved either way."""
+        addr = self.bell.addr
+        ctypes.c_uint32.from_address(addr).value = (self.bell.u32(0) + 1) & 0xFFFFFFFF
+        self.bell.futex_wake(0)
+
+    def take_joins(self) -> list[JoinEvent]:
+        """Processes that joined or left since the last call, in order."""
+        return self.joins.take()
 
     def heartbeat(self) -> None:
         self.map.set_u64(P_HEARTBEAT, time.monotonic_ns())  # CLOCK_MONOTONIC, as the library reads it
@@ -294,36 +320,45 @@ class Policy:
     def bell_value(self) -> int:
         return self.bell.u32(0)
 
-    def joins(self) -> int:
-        """How many tenant processes have joined (a hint to list the slot files, not a count to trust)."""
-        return self.bell.u32(4)
-
     def wait_bell(self, seen: int, timeout_s: float) -> None:
         """Sleep until a tenant rings (the bell's word moves past ``seen``) or ``timeout_s`` passes."""
         if timeout_s > 0:
             self.bell.futex_wait(0, seen, timeout_s)
 
-    def close(self, *, remove: bool = True) -> None:
-        if remove:
-            for path in (self.prefix, self.prefix + ".bell"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        self.map.close()
-        self.bell.close()
+    def _close_pages(self) -> None:
+        for page in (getattr(self, "map", None), getattr(self, "bell", None)):
+            if page is not None:
+                page.close()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+    def close(self) -> None:
+        """Stop admitting tenants, remove the socket and the lock. Tenants keep their mappings of the
+        pages (the memory lives while anyone maps it) and fail open once the heartbeat stops."""
+        self.joins.stop()
+        remove_socket(self.prefix, self._sock_inode)
+        self._close_pages()
+        self.lock.release()
 
 
 class ProcView:
-    """A tenant process's counters, mapped read-only by the controller."""
+    """A tenant process's page, as the controller created it: its counters, written by the process.
 
-    def __init__(self, path: str) -> None:
-        self.map = Mapping(path, writable=False)
-        self.path = path
-        if self.map.u32(Q_MAGIC) != PROC_MAGIC or self.map.u32(Q_VERSION) != LAYOUT_VERSION:
-            self.map.close()
-            raise ValueError(f"{path} is not a version-{LAYOUT_VERSION} tenant slot")
-        self.pid = self.map.i32(Q_PID)
-        self.slot = self.map.i32(Q_SLOT)
-        self.tenant = self.map.text(Q_TENANT, NAME_LEN)
+    ``pid``, ``slot`` and ``tenant`` are the controller's own record of who joined (from the kernel and
+    the admission rules), never read back from the page the process can write."""
+
+    def __init__(self, fd: int, pid: int, slot: int, tenant: str) -> None:
+        self.map = Mapping(fd, writable=True, name=f"the page of pid {pid}")
+        self.pid, self.slot, self.tenant = pid, slot, tenant
+        m = self.map
+        ctypes.c_int32.from_address(m.addr + Q_PID).value = pid
+        ctypes.c_int32.from_address(m.addr + Q_SLOT).value = slot
+        name = tenant.encode()[:NAME_LEN - 1]
+        ctypes.memmove(m.addr + Q_TENANT, name, len(name))
+        m.set_u32(Q_VERSION, LAYOUT_VERSION)
+        m.set_u32(Q_MAGIC, PROC_MAGIC)
         self._offsets = {name: Q_COUNTERS + 8 * i for i, name in enumerate(PROC_COUNTERS)}
 
     @property
@@ -366,6 +401,16 @@ class ProcView:
         self.map.close()
 
 
+def _new_proc_page(pid: int, slot: int, tenant: str) -> tuple[int, ProcView]:
+    """A joining process's page: sealed, its header written by the controller."""
+    fd = sealed_page(f"gpuscope-share-pid{pid}")
+    try:
+        return fd, ProcView(fd, pid, slot, tenant)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def pid_alive(pid: int, *, zombie_check: bool = True) -> bool:
     """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not; telling
     one costs a read of /proc, which ``zombie_check=False`` skips)."""
@@ -383,17 +428,3 @@ def pid_alive(pid: int, *, zombie_check: bool = True) -> bool:
     except (OSError, IndexError):
         return True  # no procfs to ask: kill() said it exists
     return state not in ("Z", "X")
-
-
-def proc_paths(prefix: str) -> dict[int, str]:
-    """pid -> path of every tenant slot file next to the policy."""
-    folder, base = os.path.split(prefix)
-    out: dict[int, str] = {}
-    try:
-        names = os.listdir(folder or ".")
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if name.startswith(base + ".p") and name[len(base) + 2:].isdigit():
-            out[int(name[len(base) + 2:])] = os.path.join(folder, name)
-    return out
