@@ -492,6 +492,17 @@ SHARE_DRAIN_TIMEOUTS = _m("gpuscope_share_drain_timeouts_total", "counter",
                           "Hand-overs where the previous holder's queued work did not finish within "
                           "--share.drain-timeout (the next tenant was admitted anyway).", "handovers",
                           area=SHARE)
+SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
+                 "Connections to the controller's join socket, by result: joined, left (a joined process's "
+                 "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "
+                 "--share.allow for the tenant it named), bad_hello, timeout (no hello within 1 s, or "
+                 "closed to admit a newer one), full.", "connections", ("result",), area=SHARE)
+SHARE_HTTP_CONNECTIONS_CLOSED = _m(
+    "gpuscope_share_http_connections_closed_total", "counter",
+    "HTTP connections the share controller's /metrics server closed before answering, by reason: refused "
+    "(at --web.max-connections, all busy; answered 503), evicted (the longest-waiting idle connection, "
+    "closed to admit a new one), timeout (no complete request within --web.read-timeout).", "connections",
+    ("reason",), area=SHARE)
 SHARE_YIELDS = _m("gpuscope_share_yields_total", "counter",
                   "Draining hand-overs where the holder stopped launching at its slice's end by itself and "
                   "drained its queue before the controller looked (one controller wake-up, not two).",

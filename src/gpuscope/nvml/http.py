@@ -68,7 +68,8 @@ class ExporterServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], metrics: Callable[[str], tuple[bytes, str]],
                  health: Callable[[], dict], *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 closed_metric: cat.Metric = cat.EXPORTER_HTTP_CONNECTIONS_CLOSED) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         if not read_timeout > 0:
@@ -81,7 +82,8 @@ class ExporterServer(ThreadingHTTPServer):
         self._connections: dict[socket.socket, _Connection] = {}
         # The server's own metrics, appended to every /metrics answer (the exporter renders the rest).
         self.own_registry = CollectorRegistry()
-        self.connections_closed = cat.EXPORTER_HTTP_CONNECTIONS_CLOSED.create(self.own_registry)
+        # the exporter's name by default; another program serving through this class passes its own
+        self.connections_closed = closed_metric.create(self.own_registry)
         for reason in CLOSE_REASONS:
             self.connections_closed.labels(reason)
         # Rendered once per content type and kept until a count changes (rendering even these three

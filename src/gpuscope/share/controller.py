@@ -113,8 +113,9 @@ class Controller:
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None, keeper: bool = True,
                  access: Access | None = None, log: Callable[[str], None] | None = None) -> None:
-        self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us,
-                             inflight_slice=inflight_slice, inflight_open=inflight_open, access=access)
+        self.log = log or (lambda line: sys.stderr.write(line + "\n"))
+        self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us, inflight_slice=inflight_slice,
+                             inflight_open=inflight_open, access=access, log=self.log)
         self.tenants = tenants
         self.mode = mode
         self.slice_s = slice_s
@@ -147,7 +148,6 @@ class Controller:
         self._last_sample = 0.0
         self._mask = OPEN_MASK
         self._nvml_samples = self._nvml_matched = 0
-        self.log = log or (lambda line: sys.stderr.write(line + "\n"))
 
     # --- processes --------------------------------------------------------------------------
     def scan(self, *, zombie_check: bool = True) -> None:

@@ -87,7 +87,8 @@ class JoinServer:
     def __init__(self, sock: socket.socket, tenants: Sequence[str], access: Access,
                  shared_fds: tuple[int, int], make_page: Callable[[int, int, str], tuple[int, Any]],
                  ring: Callable[[], None], *, layout_version: int, hello_timeout_s: float = HELLO_TIMEOUT_S,
-                 max_pending: int = MAX_PENDING, max_processes: int = MAX_PROCESSES) -> None:
+                 max_pending: int = MAX_PENDING, max_processes: int = MAX_PROCESSES,
+                 log: Callable[[str], None] | None = None) -> None:
         self.sock = sock
         self.tenants = list(tenants)
         self.access = access
@@ -99,7 +100,8 @@ class JoinServer:
         self.max_pending = max_pending
         self.max_processes = max_processes
         self.results = dict.fromkeys(RESULTS, 0)
-        self.refusals: list[str] = []  # the last few refusals, for the log (bounded)
+        self.log = log
+        self._logged: set[tuple[str, int, str]] = set()  # (result, uid, tenant) refusals already logged
         self._events: list[JoinEvent] = []
         self._lock = threading.Lock()
         self._pending: dict[socket.socket, _Conn] = {}
@@ -140,11 +142,9 @@ class JoinServer:
             self._events.append(event)
         self.ring()
 
-    def _count(self, result: str, why: str = "") -> None:
+    def _count(self, result: str) -> None:
         with self._lock:
             self.results[result] += 1
-            if why:
-                self.refusals = [*self.refusals[-7:], why]
 
     # --- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -198,8 +198,13 @@ class JoinServer:
             self._count("left")
             self._emit(JoinEvent("leave", conn.pid))
 
-    def _refuse(self, sock: socket.socket, status: int, result: str, reason: str) -> None:
-        self._count(result, reason)
+    def _refuse(self, sock: socket.socket, status: int, result: str, reason: str, peer: Peer | None = None,
+                tenant: str = "") -> None:
+        self._count(result)
+        key = (result, peer.uid if peer else -1, tenant)
+        if self.log is not None and key not in self._logged and len(self._logged) < 256:
+            self._logged.add(key)  # once per kind of refusal: a loop of attempts is counted, not logged
+            self.log(f"gpuscope share: refused a join: {reason}")
         with contextlib.suppress(OSError):
             sock.send(REPLY.pack(REPLY_MAGIC, status, -1, 0, reason.encode()[:REASON_LEN - 1]))
         self._pending.pop(sock, None)
@@ -234,15 +239,17 @@ class JoinServer:
                          "the process is in a pid namespace the controller cannot see")
             return
         if name not in self.tenants:
-            self._refuse(sock, UNKNOWN_TENANT, "unknown_tenant", f"the controller has no share named {name}")
+            self._refuse(sock, UNKNOWN_TENANT, "unknown_tenant", f"the controller has no share named {name}",
+                         peer, name)
             return
         if not self.access.admits(name, peer):
             self._refuse(sock, NOT_ALLOWED, "not_allowed",
                          f"pid {peer.pid} (uid {peer.uid}, gid {peer.gid}) may not join as {name} "
-                         f"(--share.allow {name}={self.access.describe(name)})")
+                         f"(--share.allow {name}={self.access.describe(name)})", peer, name)
             return
         if len(self._joined) >= self.max_processes:
-            self._refuse(sock, FULL, "full", f"the controller holds {self.max_processes} processes already")
+            self._refuse(sock, FULL, "full", f"the controller holds {self.max_processes} processes already",
+                         peer, name)
             return
         slot = self.tenants.index(name)
         fd, page = self.make_page(peer.pid, slot, name)

@@ -190,7 +190,8 @@ class Policy:
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = 2000, inflight_slice: int = 2, inflight_open: int = 16,
-                 stale_ms: int = 2000, access: Access | None = None) -> None:
+                 stale_ms: int = 2000, access: Access | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:
             raise ValueError(f"between 1 and {MAX_TENANTS} tenants, not {len(tenants)}")
         for t in tenants:
@@ -210,7 +211,7 @@ class Policy:
             self.lock.release()
             raise
         self.joins = JoinServer(sock, [t.name for t in self.tenants], access or Access(), self._page_fds,
-                                _new_proc_page, self.ring, layout_version=LAYOUT_VERSION)
+                                _new_proc_page, self.ring, layout_version=LAYOUT_VERSION, log=log)
         self.joins.start()
 
     def _build(self, mode: str, window_us: int, inflight_slice: int, inflight_open: int,

@@ -13,14 +13,19 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import choose_encoder
 
+from gpuscope.contract import catalogue as cat
 from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
+from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, ExporterServer
+from gpuscope.share.access import Access, Rule, parse_allow
 from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
+from gpuscope.share.files import LedgerError
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.nvml_source import nvml_utilization
@@ -123,12 +128,30 @@ class ShareSettings:
     queued_windows: int = setting("--share.queued-windows", 2, "finished-but-unresolved windows a slice "
                                   "holder may have queued: bounds the work a hand-over overlaps or waits for")
     gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
+    allow: dict[str, tuple[Rule, ...]] | None = setting(
+        "--share.allow", None, "which processes may join as which tenant: NAME=RULE[|RULE...],... with rules "
+        "uid:N, user:NAME, gid:N, group:NAME, cgroup:PATH, any (a tenant not named: the controller's own "
+        "user only)", parse=parse_allow)
     listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
                           parse=listen_address, metavar="HOST:PORT")
+    max_connections: int = setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once: at the limit "
+        "the one waiting longest for a request is closed, or with all busy the new one gets a 503")
+    read_timeout: float = setting(
+        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request "
+        "within this (idle keep-alive time included), else it is closed", parse=parse_duration)
 
 
 def _parser() -> SettingsParser[ShareSettings]:
     return parser_for(ShareSettings, prog="gpuscope share", description=__doc__.splitlines()[0])
+
+
+def exposition(registry: CollectorRegistry) -> Callable[[str], tuple[bytes, str]]:
+    """The registry rendered in the format an Accept header asks for."""
+    def render(accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        return encoder(registry), content_type
+    return render
 
 
 def main(argv: list[str]) -> int:
@@ -141,6 +164,11 @@ def main(argv: list[str]) -> int:
     if args.probe_every < MIN_PROBE_EVERY_S:
         parser.error(f"--share.probe-every must be at least {MIN_PROBE_EVERY_S:g}s (a probe pauses the slice "
                      f"holder for {PROBE_S:g}s), not {args.probe_every:g}s")
+    if not 1 <= args.max_connections <= 100_000:
+        parser.error(f"--web.max-connections must be between 1 and 100000, not {args.max_connections}")
+    unknown = sorted(set(args.allow or {}) - {t.name for t in args.shares})
+    if unknown:
+        parser.error(f"--share.allow names tenants --share does not: {', '.join(unknown)}")
     host, port = parse_listen_address(args.listen)
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
@@ -156,7 +184,10 @@ def main(argv: list[str]) -> int:
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
                                 probe_every_s=args.probe_every,
                                 handover=str(args.handover), inflight_slice=args.queued_windows,
-                                utilization=utilization, keeper=args.turns == Turns.C)
+                                utilization=utilization, keeper=args.turns == Turns.C,
+                                access=Access(args.allow))
+    except LedgerError as exc:
+        parser.error(str(exc))
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
     stop = threading.Event()
@@ -165,16 +196,20 @@ def main(argv: list[str]) -> int:
     registry = CollectorRegistry()
     registry.register(ShareCollector(controller))
     try:
-        server, _ = start_http_server(port, host, registry=registry)
+        server = ExporterServer((host, port), exposition(registry), lambda: {"status": "ok"},
+                                max_connections=args.max_connections, read_timeout=args.read_timeout,
+                                closed_metric=cat.SHARE_HTTP_CONNECTIONS_CLOSED)
     except OSError as exc:
         controller.close()
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    server.serve_in_thread()
     shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" for t in args.shares)
     sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
-                     f"/metrics on http://{args.listen}/metrics\n")
+                     f"/metrics on {server.url}/metrics\n")
     try:
         controller.run(stop)
     finally:
         server.shutdown()
+        server.server_close()
         controller.close()
     return 0

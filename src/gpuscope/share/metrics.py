@@ -35,6 +35,7 @@ class ShareCollector:
             ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
             duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
             probes = c.stats.probes
+            joins = dict(c.policy.joins.results)
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
             for tenant, pid, counters in rows:
@@ -75,3 +76,7 @@ class ShareCollector:
         y = cat.SHARE_YIELDS.family()
         y.add_metric([], yields)
         yield y
+        j = cat.SHARE_JOINS.family()
+        for result, count in joins.items():
+            j.add_metric([result], count)
+        yield j
