@@ -23,6 +23,10 @@ Two modes:
 ``gpuscope_regions_entered_total`` for these ops is counted on sampled passes
 and scaled by passes / sampled passes (exact for a model whose modules run the
 same number of times every pass).
+
+Compiled models (``torch.compile(model)``, ``model.compile()``, in either order with ``instrument``)
+are timed by ``compiled.py``: sampling outside the compiled call, region boundaries as ops inside the
+graph. An eagerly instrumented model switches to that scheme the first time its compiled form runs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gpuscope.timing import compiled as compiled_mod
 from gpuscope.timing import hot
 from gpuscope.timing.core import OpState, TimerCore
 from gpuscope.timing.sequence import Sequence as RegionSequence
@@ -114,7 +119,19 @@ class Instrumentation:
         self.pass_state = core.new_pass_state(name)
         self.cost = PassCost()
         self.wrappers: list[tuple[Any, Callable]] = []
+        #: (module, its forward before instrument, op) of every chosen module
+        self.chosen: list[tuple[Any, Callable, OpState]] = []
+        #: the compiled-model state (compiled.py) once the model runs compiled, else None
+        self.compiled: compiled_mod.CompiledRegions | None = None
         self._model: Any = None
+        # the per-pass callable goes into _holder.__dict__[_key]; _saved: the instance attribute it
+        # replaces there (an OptimizedModule's own forward, a module's compiled call), None if none
+        self._holder: Any = None
+        self._key = "forward"
+        self._saved: Any = None
+        self._hooks: list[str] = []  # instance attributes that catch a later compile
+        self._attached = False
+        self._entry_pass: Callable | None = None  # the sampler torch.compile(model) reaches
         self._pass_wrapper: Callable | None = None
         self._local = threading.local()
 
@@ -135,21 +152,96 @@ class Instrumentation:
 
     def detach(self) -> None:
         """Stop timing the model, keeping counts, cost estimates and sampling state."""
-        if self._model is not None:
-            self._model.__dict__.pop("forward", None)
+        self._attached = False
+        holder = self._holder
+        if holder is not None:
+            if self._saved is None:
+                holder.__dict__.pop(self._key, None)
+            else:
+                holder.__dict__[self._key] = self._saved
 
     def attach(self) -> None:
         """Resume timing after ``detach()``."""
-        if self._model is not None:
-            self._model.__dict__["forward"] = self._pass_wrapper
+        self._attached = True
+        if self._holder is not None:
+            self._holder.__dict__[self._key] = self._pass_wrapper
 
     def remove(self) -> None:
         self.detach()
         if self._model is not None:
+            for name in self._hooks:
+                self._model.__dict__.pop(name, None)
             self._model = None
+        self._holder = None
         for module, _ in self.wrappers:
             module.__dict__.pop("forward", None)
+        if self.compiled is not None:
+            self.compiled.remove()
         self.core.unregister_sampler(self)
+
+    # --- compiled models (compiled.py) ----------------------------------------------------------
+
+    def run_compiled(self, holder: Any, key: str | None, compiled: Callable) -> None:
+        """Time the model through ``compiled`` from now on: per-module forwards become the traced
+        wrappers, installed for good (dynamo inlines them), and the per-pass sampler takes
+        ``holder.<key>``'s place (``key`` None: the caller calls ``_pass_wrapper`` itself)."""
+        if self.compiled is None:
+            self.detach()  # the eager pass wrapper must not be traced
+            for module, _ in self.wrappers:
+                module.__dict__.pop("forward", None)
+            regions = compiled_mod.CompiledRegions(self, [op.name for _, _, op in self.chosen],
+                                                   [op for _, _, op in self.chosen])
+            self.wrappers = [(module, compiled_mod.traced_forward(regions, i, original))
+                             for i, (module, original, _) in enumerate(self.chosen)]
+            for module, wrapper in self.wrappers:
+                module.__dict__["forward"] = wrapper
+            self.mode = "exact"  # partition's shared boundaries do not apply: each region has two markers
+            self.compiled = regions
+        self._holder, self._key = (holder, key) if key is not None else (None, "forward")
+        self._saved = holder.__dict__.get(key) if key is not None else None
+        self._pass_wrapper = compiled_mod.pass_call(self, self.compiled, compiled, UNSAMPLED_MEASURE_EVERY)
+        self.attach()
+
+    def _watch_for_compile(self, model: Any) -> None:
+        """Catch ``torch.compile(model)`` and ``model.compile()`` made after instrument(): the first
+        takes ``model.__call__`` (an instance attribute wins), the second calls ``model.compile``."""
+        inst = self
+        model_type = type(model)
+
+        def call_model(*args: Any, **kwargs: Any) -> Any:
+            return model_type.__call__(model, *args, **kwargs)
+
+        def switch() -> bool:
+            if inst._model is None or not inst._attached:
+                return False
+            if inst.compiled is None:
+                inst.run_compiled(model, None, call_model)
+            if inst._entry_pass is None:
+                inst._entry_pass = compiled_mod.pass_call(inst, inst.compiled, call_model,
+                                                          UNSAMPLED_MEASURE_EVERY)
+            return True
+
+        def compiled_entry(*args: Any, **kwargs: Any) -> Any:
+            # reached through the OptimizedModule of torch.compile(model), in a frame dynamo skips;
+            # also by code that calls model.__call__ itself (transformers' generate does): eager then
+            if not compiled_mod.dynamo_active():
+                return call_model(*args, **kwargs)
+            entry = inst._entry_pass
+            if entry is None or not inst._attached:
+                if not compiled_mod.untraced(switch):
+                    return call_model(*args, **kwargs)
+                entry = inst._entry_pass
+            return entry(*args, **kwargs)
+
+        def compile_in_place(*args: Any, **kwargs: Any) -> None:
+            model_type.compile(model, *args, **kwargs)
+            call = model.__dict__.get("_compiled_call_impl")
+            if call is not None and inst._model is not None and inst._attached:
+                inst.run_compiled(model, "_compiled_call_impl", call)
+
+        model.__dict__["__call__"] = compiled_mod.skip_frame(compiled_entry)
+        model.__dict__["compile"] = compile_in_place
+        self._hooks = ["__call__", "compile"]
 
 
 def _exact_forward(core: TimerCore, original: Callable, op: OpState) -> Callable:
@@ -275,8 +367,40 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
     """
     if mode not in ("exact", "partition"):
         raise ValueError(f"mode must be 'exact' or 'partition', got {mode!r}")
+    target = compiled_mod.compiled_target(model)
+    if target is not None:
+        return _instrument_compiled(timer, target, include, mode, op_name)
     if "forward" in model.__dict__:
         raise ValueError("instrument(): the model is already instrumented (or has an instance forward)")
+    inst = _instrument_modules(timer, model, include, mode, op_name)
+    inst._pass_wrapper = _pass_forward(inst, model.forward)
+    inst._model = inst._holder = model
+    inst.attach()
+    inst._watch_for_compile(model)
+    timer.core.register_sampler(inst)
+    return inst
+
+
+def _instrument_compiled(timer: Timer, target: tuple[str, Any], include: Any, mode: str,
+                         op_name: Callable[[str], str] | None) -> Instrumentation:
+    kind, obj = target
+    root = obj._orig_mod if kind == "optimized" else obj
+    key = "forward" if kind == "optimized" else "_compiled_call_impl"
+    current = obj.__dict__.get(key)
+    if root.__dict__.get("_gpuscope_compiled") or "forward" in root.__dict__:
+        raise ValueError("instrument(): the model is already instrumented (or has an instance forward)")
+    inst = _instrument_modules(timer, root, include, mode, op_name)
+    inst._model = root
+    inst.run_compiled(obj, key, current)
+    root.__dict__["_gpuscope_compiled"] = True
+    inst._hooks = ["_gpuscope_compiled"]
+    timer.core.register_sampler(inst)
+    return inst
+
+
+def _instrument_modules(timer: Timer, model: Any, include: Any, mode: str,
+                        op_name: Callable[[str], str] | None) -> Instrumentation:
+    """The chosen modules of ``model`` with their eager wrappers (not installed yet)."""
     match = _matcher(include)
     name_of = op_name or (lambda path: path)
     chosen: list[tuple[str, Any]] = []
@@ -300,10 +424,7 @@ def instrument(timer: Timer, model: Any, include: Any = None, *, mode: str = "ex
         wrapper = (_exact_forward(core, module.forward, op) if mode == "exact"
                    else _split_forward(inst, module.forward, op))
         inst.wrappers.append((module, wrapper))
-    inst._pass_wrapper = _pass_forward(inst, model.forward)
-    inst._model = model
-    inst.attach()
-    core.register_sampler(inst)
+        inst.chosen.append((module, module.forward, op))
     return inst
 
 

@@ -1,0 +1,549 @@
+"""``instrument()`` on ``torch.compile``'d models: per-module regions that dynamo traces through.
+
+The eager design (instrument.py) swaps per-module wrappers in and out of ``module.__dict__`` on
+sampled passes and reads a clock; inside a compiled region dynamo cannot trace either, so each
+became a graph break (and, under ``mode="reduce-overhead"``, a split CUDA graph). Here:
+
+- **Sampling is decided outside the compiled call.** The callable the user calls (an
+  ``OptimizedModule``'s ``forward``, a module's ``_compiled_call_impl`` after ``module.compile()``, or
+  the instance ``__call__`` that ``torch.compile(model)`` picks up when ``instrument`` came first) is
+  replaced by ``pass_call``: a frame dynamo skips (``torch._dynamo.skip``), which counts the pass,
+  decides whether it is timed, and calls the compiled model.
+- **Region boundaries are ops in the graph.** Each instrumented module's ``forward`` is wrapped,
+  once and for good, by a function dynamo inlines: when ``regions.timed`` is set it calls the
+  custom op ``gpuscope::region_mark(x, slot)`` on the module's first input tensor and on its first
+  output tensor. Dynamo guards on ``regions.timed``, so the model compiles twice: an untimed graph
+  with no marker at all, and a timed twin. Inductor keeps the markers (registered as side-effectful)
+  as extern calls in place; ``fusion.py`` checks, on the code Inductor emits, which regions still
+  bracket only their own kernels and merges the others (``a+b``), never reporting them apart.
+- **A marker either records an event now or becomes a graph node.** Where the compiled code runs
+  from Python (default ``torch.compile``, and CUDA graph trees' warm-up runs) the marker pops an
+  event from the timer's pool and records it, as ``timer.start``/``stop`` do. Under CUDA graph
+  capture (``mode="reduce-overhead"``) it records one of this shape's preallocated events as an
+  external event-record node (as ``timer.graph()`` does), so every replay of the timed graph
+  re-records it on the GPU with no Python. After a timed call whose graph was replayed, ``pass_call``
+  records a fence; the resolver reads the pairs once it completes and only then lets the timed graph
+  run again (meanwhile sampled passes run untimed and count ``graph_busy``).
+
+Per pass that is not timed: one Python frame, a countdown and the dynamo guard on ``timed``.
+A timed pass costs two marker calls per region from Python (default compile) or two event nodes per
+region on the GPU (reduce-overhead); the overhead budget sets how often (``budget.py``).
+
+One thread at a time per compiled model: markers run only for the thread whose pass is timed (a
+marker reached from another thread is counted in ``stray_marks`` and does nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gpuscope.timing import fusion
+from gpuscope.timing.core import Pending
+from gpuscope.timing.graphs import GraphRecorder, GraphReplay, TorchGraphs
+
+if TYPE_CHECKING:
+    from gpuscope.timing.instrument import Instrumentation
+
+log = logging.getLogger("gpuscope.timing")
+
+MARK_OP_NAME = "gpuscope::region_mark"
+#: Input shapes whose timed graphs get their own preallocated event nodes (a model served at a
+#: handful of batch sizes has a handful); passes of further shapes run untimed under CUDA graphs.
+MAX_GRAPH_SHAPES = 16
+#: Timed calls of a new input shape compiled with Inductor's caches off: a graph loaded from a
+#: cache skips the code generation where region merges are checked (fusion.py).
+UNCACHED_TIMED_CALLS = 3
+
+_lock = threading.Lock()
+#: region id → (CompiledRegions, index) ; a marker's slot is 2 × region id (+1 for the end)
+_regions: list[tuple[Any, int] | None] = []
+_op: Any = None
+_fusion_hooked = False
+
+
+def mark_op() -> Any:
+    """The marker op (registered once per process) ``gpuscope::region_mark(Tensor x, int slot) -> ()``."""
+    global _op, _fusion_hooked
+    with _lock:
+        if _op is not None:
+            return _op
+        import torch
+        from torch.fx.node import _side_effectful_functions
+
+        lib = torch.library.Library("gpuscope", "FRAGMENT")
+        lib.define("region_mark(Tensor x, int slot) -> ()")
+        lib.impl("region_mark", skip_frame(_mark_impl), "CompositeExplicitAutograd")
+        torch.library.register_fake(MARK_OP_NAME, _mark_fake, lib=lib)
+        op = torch.ops.gpuscope.region_mark.default
+        # A graph's dead-code elimination (FX's, AOT's, Inductor's) keeps impure ops only.
+        _side_effectful_functions.add(op)
+        _mark_op_lib.append(lib)
+        _fusion_hooked = fusion.install(op)
+        if not _fusion_hooked:
+            log.warning("gpuscope: Inductor's scheduler is not where expected: regions in compiled "
+                        "graphs cannot be checked for fusion and are reported per graph, merged")
+        fusion.add_listener(_on_graph)
+        _op = op
+        return op
+
+
+_mark_op_lib: list[Any] = []  # keeps the library (and its registrations) alive
+
+
+def _mark_fake(x: Any, slot: int) -> None:
+    return None
+
+
+def _mark_impl(x: Any, slot: int) -> None:
+    entry = _regions[slot >> 1] if (slot >> 1) < len(_regions) else None
+    if entry is None:
+        return
+    regions, index = entry
+    setter = _set_eval_frame
+    callback = setter(None) if setter is not None else None  # the timer's Python is never traced
+    try:
+        regions.mark(index, slot & 1)
+    except Exception:  # observability never breaks the observed program
+        regions.core.dropped["error"] += 1
+    finally:
+        if setter is not None:
+            setter(callback)
+
+
+def _on_graph(starts: dict[int, int], ends: dict[int, int], kernels: list[fusion.Kernel]) -> None:
+    """fusion.py's report on one emitted graph: hand each instrumentation its regions' groups."""
+    groups = fusion.merge_groups(starts, ends, kernels)
+    by_owner: dict[int, tuple[Any, list[list[int]]]] = {}
+    for group in groups:
+        members = [_regions[r] for r in group if r < len(_regions) and _regions[r] is not None]
+        if not members:
+            continue
+        owner = members[0][0]
+        # regions of two instrumentations never merge with each other's: each keeps its own
+        by_owner.setdefault(id(owner), (owner, []))[1].append(
+            [index for regions, index in members if regions is owner])
+    for owner, owner_groups in by_owner.values():
+        owner.add_graph(owner_groups)
+
+
+# --- which callable is the compiled one ---------------------------------------------------------
+
+
+def compiled_target(model: Any) -> tuple[str, Any] | None:
+    """("optimized", the OptimizedModule) or ("inplace", the module compiled with ``.compile()``),
+    or None for a model that is not compiled."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:
+        return None
+    if isinstance(model, OptimizedModule):
+        return ("optimized", model)
+    if model.__dict__.get("_compiled_call_impl") is not None:
+        return ("inplace", model)
+    return None
+
+
+def skip_frame(fn: Callable) -> Callable:
+    """``fn``'s own frame is never traced by dynamo (the frames it calls are, unless it runs them
+    under ``untraced``)."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except Exception:  # a torch without dynamo: nothing to skip
+        return fn
+    skip_code(fn.__code__)
+    return fn
+
+
+def _eval_frame_setter() -> Callable[[Any], Any] | None:
+    try:
+        from torch._C._dynamo.eval_frame import set_eval_frame
+    except Exception:
+        return None
+    return set_eval_frame
+
+
+def _run_with(callback: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with dynamo's frame callback set back to ``callback`` (the compiled
+    model's own call must be seen by dynamo; the timer's bookkeeping around it must not)."""
+    setter = _set_eval_frame
+    if setter is None:
+        return fn(*args, **kwargs)
+    previous = setter(callback)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        setter(previous)
+
+
+_set_eval_frame = _eval_frame_setter()
+
+
+def untraced(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with dynamo's frame callback off."""
+    return _run_with(None, fn, args, {})
+
+
+def dynamo_active() -> bool:
+    """Whether dynamo's frame callback is set on this thread (a compiled call is running)."""
+    setter = _set_eval_frame
+    if setter is None:
+        return False
+    callback = setter(None)
+    setter(callback)
+    return callback is not None
+
+
+_run_with = skip_frame(_run_with)
+untraced = skip_frame(untraced)
+dynamo_active = skip_frame(dynamo_active)
+
+
+# --- the traced per-module wrapper ------------------------------------------------------------
+
+
+def _first_tensor(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item
+    elif isinstance(value, dict):
+        for item in value.values():
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+def traced_forward(regions: CompiledRegions, index: int, original: Callable) -> Callable:
+    """The module's ``forward`` as dynamo sees it: markers around it on timed passes only."""
+    import torch
+
+    op = mark_op()
+    start_slot, end_slot = regions.slots[index]
+    is_compiling = torch.compiler.is_compiling
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not is_compiling() or not regions.timed:  # an eager call, or the untimed graph
+            return original(*args, **kwargs)
+        x = _first_tensor(args) if args else _first_tensor(kwargs)
+        if x is not None:
+            op(x, start_slot)
+        out = original(*args, **kwargs)
+        y = _first_tensor(out)
+        if y is not None:
+            op(y, end_slot)
+        return out
+
+    return forward
+
+
+# --- per-shape graph events ---------------------------------------------------------------------
+
+
+class ShapeGraphs:
+    """The event nodes of the timed graphs captured for one input shape, and their reading state
+    (the owner ``GraphReplay.read`` expects: ``baseline_s``, ``replays``, ``counted_replays``)."""
+
+    def __init__(self, regions: CompiledRegions, device: int) -> None:
+        self.regions = regions
+        self.recorder = GraphRecorder(regions.core, device, 2 * len(regions.names) + 2)
+        self.replay = GraphReplay(self, self.recorder, None, None)
+        self.events: dict[tuple[int, int], Any] = {}  # (index, is_end) → event node
+        self.calls = 0
+        self.replays = self.counted_replays = 0  # entered counts are kept by pass_call
+        self.baseline_s: float | None = None
+        self.retired: list[GraphRecorder] = []
+
+    def take(self, index: int, is_end: int, stream: int) -> None:
+        """A marker met while its graph is captured: an event node for this (index, end)."""
+        if (index, is_end) in self.events:
+            # re-captured (CUDA graph trees record again, e.g. after a new path): fresh events
+            self.retired.append(self.recorder)
+            self.recorder = GraphRecorder(self.regions.core, self.recorder.device, len(self.recorder.events))
+            self.replay = GraphReplay(self, self.recorder, None, None)
+            self.events = {}
+        event = self.recorder.take(stream)
+        if event is not None:
+            self.events[(index, is_end)] = event
+
+    def pairs(self) -> list[tuple[Any, Any, Any]]:
+        events, out = self.events, []
+        for first, last, op in self.regions.group_bounds():
+            start, end = events.get((first, 0)), events.get((last, 1))
+            if start is not None and end is not None:
+                out.append((op, start, end))
+        return out
+
+    def destroy(self) -> None:
+        for recorder in (self.recorder, *self.retired):
+            recorder.destroy()
+
+
+# --- the regions of one instrumentation ------------------------------------------------------
+
+
+class CompiledRegions:
+    """The markers, merge groups and per-pass state of one instrumented compiled model."""
+
+    def __init__(self, inst: Instrumentation, names: list[str], op_states: list[Any]) -> None:
+        mark_op()
+        self.inst = inst
+        self.core = inst.core
+        self.names = names
+        self.ops = op_states
+        #: read by the traced wrappers: dynamo guards on it, so timed and untimed graphs differ
+        self.timed = False
+        self.slots: list[tuple[int, int]] = []
+        with _lock:
+            for index in range(len(names)):
+                region = len(_regions)
+                _regions.append((self, index))
+                self.slots.append((2 * region, 2 * region + 1))
+        self._region_ids = {start // 2: i for i, (start, _) in enumerate(self.slots)}
+        # groups: each a list of indices; the default is every region on its own
+        self._group_of = list(range(len(names)))
+        self._groups: dict[int, list[int]] = {i: [i] for i in range(len(names))}
+        self._merged_ops: dict[tuple[int, ...], Any] = {}
+        self.graphs_checked = 0
+        self._actions: list[tuple[int, Any] | None] = []
+        self._bounds: list[tuple[int, int, Any]] = []
+        self._rebuild()
+        self._tokens: dict[int, Any] = {}
+        self._owner_thread: int | None = None
+        self._shapes: dict[Any, ShapeGraphs] = {}
+        self._current: ShapeGraphs | None = None
+        self._eager_marks = 0
+        self.stray_marks = 0
+        self._empty_pair: Callable[[Any], float | None] = TorchGraphs().empty_pair_seconds
+
+    # groups ------------------------------------------------------------------------------------
+
+    def add_graph(self, groups: list[list[int]]) -> None:
+        """fusion.py's groups for one graph (indices of this instrumentation). Merges are sticky:
+        a region merged in any graph of this model stays merged in all of them."""
+        self.graphs_checked += 1
+        changed = False
+        for group in groups:
+            roots = {self._find(i) for i in group}
+            if len(roots) > 1:
+                keep = min(roots)
+                for root in roots - {keep}:
+                    for i in self._groups.pop(root):
+                        self._group_of[i] = keep
+                        self._groups[keep].append(i)
+                self._groups[keep].sort()
+                changed = True
+        if changed:
+            self._rebuild()
+
+    def _find(self, index: int) -> int:
+        return self._group_of[index]
+
+    def merged(self) -> list[list[str]]:
+        """The merged groups, by op name (regions on their own are left out)."""
+        return [[self.names[i] for i in g] for g in self._groups.values() if len(g) > 1]
+
+    def _rebuild(self) -> None:
+        """Marker actions: the group's first member starts it, its last member ends it."""
+        actions: list[tuple[int, Any] | None] = [None] * (2 * len(self.names))
+        bounds = []
+        for root, members in sorted(self._groups.items()):
+            op = self.ops[members[0]] if len(members) == 1 else self._merged_op(members)
+            first, last = members[0], members[-1]
+            actions[2 * first] = (root, op)
+            actions[2 * last + 1] = (root, op)
+            bounds.append((first, last, op))
+        self._actions, self._bounds = actions, bounds
+
+    def _merged_op(self, members: list[int]) -> Any:
+        key = tuple(members)
+        op = self._merged_ops.get(key)
+        if op is None:
+            names = [self.names[i] for i in members]
+            label = "+".join(names) if len(names) <= 4 else f"{names[0]}+...+{names[-1]}"
+            op = self._merged_ops[key] = self.core.op_state(label)
+            op.owner = self.inst
+            self.inst.ops.append(op.name)
+            self.inst.op_states.append(op)
+        return op
+
+    def group_bounds(self) -> list[tuple[int, int, Any]]:
+        """(first index, last index, op) of every group."""
+        return self._bounds
+
+    # markers -------------------------------------------------------------------------------------
+
+    def mark(self, index: int, is_end: int) -> None:
+        """A marker ran (from the compiled code's Python, or while its CUDA graph is captured)."""
+        if threading.get_ident() != self._owner_thread:
+            self.stray_marks += 1
+            return
+        core = self.core
+        if core.capture_in_progress():
+            shapes = self._current
+            if shapes is None:
+                core.note_capture()
+                return
+            shapes.take(index, is_end, core.current_stream(core.current_device()))
+            return
+        self._eager_marks += 1
+        action = self._actions[2 * index + is_end]
+        if action is None:  # inside a merged group
+            return
+        group, op = action
+        if not is_end:
+            self._tokens[group] = core.record_start()
+            return
+        token = self._tokens.pop(group, None)
+        if token is not None:
+            core.end(op, token, None)
+
+    # a timed pass ------------------------------------------------------------------------------
+
+    def timed_call(self, compiled: Callable, args: tuple, kwargs: dict, callback: Any = None) -> Any:
+        """Run the timed graph for this pass (or the untimed one when this shape's timed graph has
+        not been read since its last replay). ``callback``: dynamo's frame callback to run the
+        compiled call under (the caller turned it off for everything else)."""
+        key = _shape_key(args, kwargs)
+        shapes = self._shapes.get(key)
+        if shapes is None and len(self._shapes) < MAX_GRAPH_SHAPES and not self.core.is_host:
+            shapes = self._shapes[key] = ShapeGraphs(self, self.core.current_device())
+        if shapes is not None and shapes.replay.busy:
+            self.core.dropped["graph_busy"] += 1
+            return _run_with(callback, compiled, args, kwargs)
+        for op in self.ops:
+            op.entered += 1
+        for op in self._merged_ops.values():
+            op.entered += 1
+        self._current, self._eager_marks, self._tokens = shapes, 0, {}
+        self._owner_thread = threading.get_ident()
+        self.timed = True
+        first_calls = shapes is not None and shapes.calls < UNCACHED_TIMED_CALLS
+        try:
+            if first_calls or shapes is None:
+                with _uncached():
+                    out = _run_with(callback, compiled, args, kwargs)
+            else:
+                out = _run_with(callback, compiled, args, kwargs)
+        finally:
+            self.timed = False
+            self._owner_thread = None
+            self._current = None
+        if shapes is not None:
+            shapes.calls += 1
+            if not self._eager_marks and shapes.events:
+                self._fence(shapes)  # the timed graph was replayed: read its event nodes after it
+        return out
+
+    def _fence(self, shapes: ShapeGraphs) -> None:
+        core = self.core
+        if shapes.baseline_s is None:
+            try:
+                shapes.baseline_s = self._empty_pair(core)
+            except Exception:
+                shapes.baseline_s = None
+        device = shapes.recorder.device
+        try:
+            free = core.pools[device]
+        except KeyError:
+            free = core.add_device(device)
+        if not free or len(core.ring) >= core.ring_size:
+            core.dropped["pool_empty" if not free else "ring_full"] += 1
+            return
+        pairs = shapes.pairs()
+        if not pairs:
+            return
+        shapes.recorder.pairs = pairs
+        fence = free.pop()
+        stream = core.current_stream(device)
+        if core.record_event(fence, stream):
+            free.append(fence)
+            core.record_failed()
+            return
+        shapes.replay.busy = True
+        core.ring.append(Pending(shapes.replay, device, stream, None, fence, core.active_trace_id(),
+                                 None, False))
+
+    def remove(self) -> None:
+        with _lock:
+            for start, _ in self.slots:
+                _regions[start // 2] = None
+        for shapes in self._shapes.values():
+            if not shapes.replay.busy:
+                shapes.destroy()
+        self._shapes = {}
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    import torch
+
+    key: list[Any] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            key.append((tuple(value.shape), value.dtype, value.device))
+    return tuple(key)
+
+
+class _uncached:
+    """Inductor's and AOT autograd's caches off for a call that may compile the timed graph."""
+
+    def __enter__(self) -> None:
+        try:
+            import torch._functorch.config as functorch_config
+            import torch._inductor.config as inductor_config
+
+            self._patches = [inductor_config.patch(fx_graph_cache=False),
+                             functorch_config.patch(enable_autograd_cache=False)]
+        except Exception:
+            self._patches = []
+        for patch in self._patches:
+            patch.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for patch in reversed(self._patches):
+            patch.__exit__(None, None, None)
+
+
+def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callable,
+              measure_every: int) -> Callable:
+    """The per-pass sampler around the compiled callable. Its frame is skipped by dynamo and the
+    frames it calls run with dynamo's callback off, except the compiled call itself: none of the
+    timer's Python is ever traced, so none of it can break a graph."""
+    state, cost = inst.pass_state, inst.cost
+    clock = time.thread_time_ns
+    timed_call = regions.timed_call
+    setter = _set_eval_frame
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        inst.passes += 1
+        countdown = state.countdown
+        if countdown:
+            state.countdown = countdown - 1
+            if inst.passes % measure_every:
+                return compiled(*args, **kwargs)
+            t0 = clock()
+            out = compiled(*args, **kwargs)
+            cost.add(False, clock() - t0)
+            return out
+        state.countdown = state.period - 1
+        inst.sampled_passes += 1
+        settled = inst.sampled_passes > UNCACHED_TIMED_CALLS  # the first ones compile and capture
+        callback = setter(None) if setter is not None else None
+        try:
+            t0 = clock()
+            out = timed_call(compiled, args, kwargs, callback)
+            if settled:
+                cost.add(True, clock() - t0)
+        finally:
+            if setter is not None:
+                setter(callback)
+        return out
+
+    return skip_frame(call)
