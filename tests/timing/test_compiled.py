@@ -1,0 +1,172 @@
+"""instrument() on torch.compile'd models, on CPU (Inductor's C++ backend), and the merge rules.
+
+Compiling is slow on CI's two cores, so the compile tests are few and their models tiny.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from gpuscope.timing import fusion
+from gpuscope.timing.fusion import Kernel, merge_groups
+
+# --- merge rules (positions chosen by hand) ----------------------------------------------------
+
+
+def test_regions_whose_kernels_stay_inside_are_kept_apart():
+    # a: start 0, kernel 1, end 2; glue kernel 3; b: start 4, kernel 5, end 6
+    kernels = [Kernel(1, frozenset({0})), Kernel(3, frozenset()), Kernel(5, frozenset({1}))]
+    assert merge_groups({0: 0, 1: 4}, {0: 2, 1: 6}, kernels) == [[0], [1]]
+
+
+def test_a_kernel_fused_across_a_boundary_merges_both_regions():
+    # a's last op and b's first op in one kernel, emitted before a's end marker
+    kernels = [Kernel(1, frozenset({0})), Kernel(2, frozenset({0, 1})), Kernel(6, frozenset({1}))]
+    assert merge_groups({0: 0, 1: 4}, {0: 3, 1: 7}, kernels) == [[0, 1]]
+
+
+def test_a_kernel_moved_out_of_its_region_merges_every_region_it_crossed():
+    # c's kernel emitted before b's start: b's span would miss it, a's would not hold it alone
+    kernels = [Kernel(1, frozenset({0})), Kernel(3, frozenset({2})), Kernel(5, frozenset({1})),
+               Kernel(9, frozenset({2}))]
+    starts, ends = {0: 0, 1: 4, 2: 8}, {0: 2, 1: 6, 2: 10}
+    assert merge_groups(starts, ends, kernels) == [[0], [1, 2]]
+
+
+def test_glue_inside_a_span_is_charged_to_it_and_nested_regions_stay_apart():
+    # layer (0) holds attn (1); a glue kernel inside the layer is the layer's
+    kernels = [Kernel(2, frozenset({0, 1})), Kernel(4, frozenset()), Kernel(5, frozenset({0}))]
+    assert merge_groups({0: 0, 1: 1}, {0: 6, 1: 3}, kernels) == [[0], [1]]
+
+
+def test_a_region_missing_a_marker_merges_the_whole_graph():
+    assert merge_groups({0: 0}, {0: 2, 1: 5}, [Kernel(1, frozenset({0}))]) == [[0, 1]]
+
+
+# --- compiled models on CPU --------------------------------------------------------------------
+
+needs_compiler = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                    reason="Inductor's CPU backend needs a C++ compiler")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+OPS = ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+
+
+def compiled_and_instrumented(order: str, timer):
+    torch.manual_seed(0)
+    model = Model().eval()
+    if order == "compile, then instrument":
+        compiled = torch.compile(model)
+        inst = timer.instrument(compiled, include=("attn", "mlp"))
+    elif order == "instrument, then compile":
+        inst = timer.instrument(model, include=("attn", "mlp"))
+        compiled = torch.compile(model)
+    else:  # in place
+        inst = timer.instrument(model, include=("attn", "mlp"))
+        model.compile()
+        compiled = model
+    return model, compiled, inst
+
+
+@needs_compiler
+@pytest.mark.parametrize("order", ["compile, then instrument", "instrument, then compile", "in place"])
+def test_a_compiled_model_is_timed_with_no_graph_break(make_timer, order):
+    timer = make_timer(sample_rate=0.5)  # every other pass timed: both graphs run
+    torch._dynamo.reset()
+    counters.clear()
+    model, compiled, inst = compiled_and_instrumented(order, timer)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        expected = Model.forward(model, x) if order != "in place" else None
+        outputs = [compiled(x) for _ in range(6)]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2  # the untimed graph and its timed twin
+    if expected is not None:
+        for out in outputs:  # timed and untimed passes return the same values
+            torch.testing.assert_close(out, expected)
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert inst.passes == 6 and inst.sampled_passes == 3
+    assert inst.compiled.graphs_checked >= 1  # the timed graph's regions were checked for merges
+    assert timer.flush(5)
+    timed = {op.name: op.hists for op in timer.core.ops()}
+    groups = inst.compiled.merged()
+    for name in OPS:
+        if any(name in group for group in groups):
+            continue
+        assert sum(h.count for h in timed[name].values()) == 3, name
+    assert inst.compiled.stray_marks == 0
+    inst.remove()
+    assert "forward" not in model.blocks[0].attn.__dict__
+
+
+class Fusing(torch.nn.Module):
+    """a's output feeds b's elementwise ops: Inductor may fuse them into a's last kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        self.b = torch.nn.Sequential(torch.nn.Sigmoid(), torch.nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+@needs_compiler
+def test_regions_fused_by_inductor_are_reported_merged_and_never_apart(make_timer):
+    timer = make_timer(sample_rate=1.0)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs: list[tuple] = []
+
+    def listen(*found) -> None:
+        graphs.append(found)
+
+    fusion.add_listener(listen)
+    try:
+        model = Fusing().eval()
+        compiled = torch.compile(model)
+        inst = timer.instrument(compiled, include=("a", "b"))
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(torch.randn(4, 16))
+    finally:
+        fusion.remove_listener(listen)
+    assert not counters["graph_break"]
+    assert graphs, "the timed graph was not analysed"
+    starts, ends, kernels = graphs[-1]
+    groups = merge_groups(starts, ends, kernels)
+    merged = inst.compiled.merged()
+    assert timer.flush(5)
+    names = {op.name: sum(h.count for h in op.hists.values()) for op in timer.core.ops()}
+    if any(len(g) > 1 for g in groups):
+        assert merged == [["a", "b"]]
+        assert names["a+b"] == 3 and names["a"] == 0 and names["b"] == 0
+    else:  # kept apart: every kernel of each region lies between its own markers
+        assert merged == []
+        assert names["a"] == 3 and names["b"] == 3
