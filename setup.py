@@ -19,8 +19,9 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("gpuscope.timing._hotpath", ["src/gpuscope/timing/_hotpath.c"],
               extra_compile_args=["-O2"], optional=True),
-    Extension("gpuscope.share._preload", ["src/gpuscope/share/_preload.c"],
-              depends=["src/gpuscope/share/_wake_bits.h"],
+    Extension("gpuscope.share._preload", ["src/gpuscope/share/_preload.c", "src/gpuscope/share/_memory.c"],
+              depends=["src/gpuscope/share/_wake_bits.h", "src/gpuscope/share/_ledger.h",
+                       "src/gpuscope/share/_preload.h"],
               extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"],
               extra_link_args=["-ldl", "-lpthread"],
               optional=True),

@@ -280,7 +280,7 @@ class Controller:
                                    "--web.listen-address", f"127.0.0.1:{port}", *extra], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 30
-        while not os.path.exists(ledger):
+        while not os.path.exists(ledger + ".sock"):  # tenants join through it
             if self.p.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"controller did not start: {self.p.communicate()[1][-1000:]}")
             time.sleep(0.05)

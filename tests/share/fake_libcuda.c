@@ -118,7 +118,85 @@ LAUNCH_EX(cuLaunchKernelEx_ptsz)
 GRAPH(cuGraphLaunch)
 GRAPH(cuGraphLaunch_ptsz)
 
-CUresult cuMemAlloc_v2(void **p, size_t n) { *p = malloc(n); log_call("cuMemAlloc_v2", 0, 0); return 0; }
+/* Device memory: FAKE_CUDA_MEM_TOTAL bytes (default 80 GiB), handed out as made-up addresses (never
+ * touched), sizes kept in a small table so that frees give them back; past the total, the driver's
+ * CUDA_ERROR_OUT_OF_MEMORY (2). Virtual-memory handles (cuMemCreate) share the table. */
+#include <pthread.h>
+#define FAKE_ALLOCS 65536
+static struct { uint64_t key, size; } allocs[FAKE_ALLOCS];
+static uint64_t allocated, next_address = 0x700000000000ull;
+static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t mem_total(void) {
+    const char *t = getenv("FAKE_CUDA_MEM_TOTAL");
+    return t ? strtoull(t, NULL, 10) : 80ull << 30;
+}
+
+static CUresult fake_alloc(unsigned long long *out, size_t n) {
+    pthread_mutex_lock(&alloc_lock);
+    if (allocated + n > mem_total()) {
+        pthread_mutex_unlock(&alloc_lock);
+        return 2;
+    }
+    for (int i = 0; i < FAKE_ALLOCS; i++)
+        if (!allocs[i].key) {
+            allocs[i].key = next_address;
+            allocs[i].size = n;
+            *out = next_address;
+            next_address += (n + 0xfffff) & ~0xfffffull;
+            allocated += n;
+            pthread_mutex_unlock(&alloc_lock);
+            return 0;
+        }
+    pthread_mutex_unlock(&alloc_lock);
+    return 2;
+}
+
+static CUresult fake_free(unsigned long long key) {
+    pthread_mutex_lock(&alloc_lock);
+    for (int i = 0; i < FAKE_ALLOCS; i++)
+        if (allocs[i].key == key) {
+            allocated -= allocs[i].size;
+            allocs[i].key = 0;
+            pthread_mutex_unlock(&alloc_lock);
+            return 0;
+        }
+    pthread_mutex_unlock(&alloc_lock);
+    return 1; /* CUDA_ERROR_INVALID_VALUE */
+}
+
+CUresult cuMemAlloc_v2(unsigned long long *p, size_t n) { return fake_alloc(p, n); }
+CUresult cuMemAllocManaged(unsigned long long *p, size_t n, unsigned flags) { (void)flags; return fake_alloc(p, n); }
+CUresult cuMemAllocAsync(unsigned long long *p, size_t n, CUstream s) { (void)s; return fake_alloc(p, n); }
+CUresult cuMemAllocAsync_ptsz(unsigned long long *p, size_t n, CUstream s) { (void)s; return fake_alloc(p, n); }
+CUresult cuMemAllocFromPoolAsync(unsigned long long *p, size_t n, void *pool, CUstream s) {
+    (void)pool; (void)s;
+    return fake_alloc(p, n);
+}
+CUresult cuMemAllocFromPoolAsync_ptsz(unsigned long long *p, size_t n, void *pool, CUstream s) {
+    (void)pool; (void)s;
+    return fake_alloc(p, n); /* not through cuMemAllocFromPoolAsync: the preload library hooks that name */
+}
+CUresult cuMemAllocPitch_v2(unsigned long long *p, size_t *pitch, size_t width, size_t height, unsigned elem) {
+    (void)elem;
+    *pitch = (width + 511) & ~(size_t)511;
+    return fake_alloc(p, *pitch * height);
+}
+CUresult cuMemFree_v2(unsigned long long p) { return fake_free(p); }
+CUresult cuMemFreeAsync(unsigned long long p, CUstream s) { (void)s; return fake_free(p); }
+CUresult cuMemFreeAsync_ptsz(unsigned long long p, CUstream s) { (void)s; return fake_free(p); }
+CUresult cuMemCreate(unsigned long long *h, size_t n, const void *prop, unsigned long long flags) {
+    (void)prop; (void)flags;
+    return fake_alloc(h, n);
+}
+CUresult cuMemRelease(unsigned long long h) { return fake_free(h); }
+CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
+    pthread_mutex_lock(&alloc_lock);
+    *total = mem_total();
+    *free_b = mem_total() - allocated;
+    pthread_mutex_unlock(&alloc_lock);
+    return 0;
+}
 
 /* Events: a slot holding the fake clock at record time. */
 typedef struct { uint64_t at; int recorded; } fake_event;
@@ -157,6 +235,15 @@ static const struct { const char *name; void *fn; void *ptsz; } table[] = {
     {"cuLaunchKernelEx", (void *)cuLaunchKernelEx, (void *)cuLaunchKernelEx_ptsz},
     {"cuGraphLaunch", (void *)cuGraphLaunch, (void *)cuGraphLaunch_ptsz},
     {"cuMemAlloc", (void *)cuMemAlloc_v2, (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2, (void *)cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", (void *)cuMemAllocManaged, (void *)cuMemAllocManaged},
+    {"cuMemAllocAsync", (void *)cuMemAllocAsync, (void *)cuMemAllocAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync, (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemFree", (void *)cuMemFree_v2, (void *)cuMemFree_v2},
+    {"cuMemFreeAsync", (void *)cuMemFreeAsync, (void *)cuMemFreeAsync_ptsz},
+    {"cuMemCreate", (void *)cuMemCreate, (void *)cuMemCreate},
+    {"cuMemRelease", (void *)cuMemRelease, (void *)cuMemRelease},
+    {"cuMemGetInfo", (void *)cuMemGetInfo_v2, (void *)cuMemGetInfo_v2},
     {"cuEventRecord", (void *)cuEventRecord, (void *)cuEventRecord_ptsz},
 };
 

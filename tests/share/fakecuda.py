@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from gpuscope.share.preload import library_path
@@ -74,3 +76,20 @@ class Joined:
         for view in self.views.values():
             view.close()
         self.views.clear()
+
+
+@contextlib.contextmanager
+def running_controller(prefix: str, tenants, **options):
+    """A Controller with its loop in a thread, closed at the end (``options``: Controller's)."""
+    from gpuscope.share.controller import Controller
+
+    c = Controller(prefix, tenants, log=lambda line: None, **options)
+    stop = threading.Event()
+    loop = threading.Thread(target=c.run, args=(stop,))
+    loop.start()
+    try:
+        yield c
+    finally:
+        stop.set()
+        loop.join()
+        c.close()

@@ -6,7 +6,6 @@ and the /metrics server held by stalled clients."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -22,29 +21,18 @@ import pytest
 
 from gpuscope.share import joins
 from gpuscope.share.access import Access, Peer, parse_allow, process_cgroups
-from gpuscope.share.controller import Controller
 from gpuscope.share.joins import hello
 from gpuscope.share.ledger import LAYOUT_VERSION, Policy, TenantPolicy
 from gpuscope.util.freeport import free_port
 from tests.conftest import wait_for
-from tests.share.fakecuda import HERE, Joined, child_env
+from tests.share.fakecuda import HERE, Joined, child_env, running_controller
 from tests.share.hostile import JOIN_SCRIPT, NOBODY, as_nobody, join, other_user_python, shared_folder
 
 TENANTS = [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)]
 
 
-@contextlib.contextmanager
 def controller(prefix: str, access: Access | None = None):
-    c = Controller(prefix, TENANTS, access=access, log=lambda line: None)
-    stop = threading.Event()
-    loop = threading.Thread(target=c.run, args=(stop,))
-    loop.start()
-    try:
-        yield c
-    finally:
-        stop.set()
-        loop.join()
-        c.close()
+    return running_controller(prefix, TENANTS, access=access)
 
 
 def share_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -81,7 +69,7 @@ def test_nothing_another_user_can_write_is_left_where_the_controller_maps_or_tru
         # the controller still runs and admits its own tenants; the other user is refused
         sock, status, fds, _ = join(c.policy.prefix, "a")
         try:
-            assert status == joins.OK and len(fds) == 3
+            assert status == joins.OK and len(fds) == 4
             wait_for(lambda: os.getpid() in c.procs, what="the join to be adopted")
         finally:
             for fd in fds:
@@ -95,7 +83,7 @@ def test_a_tenant_can_neither_resize_its_pages_nor_write_the_policy(tmp_path):
         sock, status, fds, _ = join(c.policy.prefix, "b")
         try:
             assert status == joins.OK
-            policy_fd, _, page_fd = fds
+            policy_fd, _, page_fd, _ = fds
             for fd in fds:  # sealed (or read-only): a SIGBUS through truncation is impossible for anyone
                 for size in (0, 1 << 20):
                     with pytest.raises(OSError):
@@ -129,7 +117,7 @@ def test_a_process_of_another_user_joins_only_where_the_policy_allows_it():
             assert nobody_joins(python, c.policy.prefix, "nosuch") == (joins.UNKNOWN_TENANT, 0)
             assert c.policy.joins.results["not_allowed"] == 1 and c.procs == {}
         with controller(str(folder / "l2"), Access(parse_allow(f"a=uid:{NOBODY}"))) as c:
-            assert nobody_joins(python, c.policy.prefix, "a") == (joins.OK, 3)
+            assert nobody_joins(python, c.policy.prefix, "a") == (joins.OK, 4)
             assert nobody_joins(python, c.policy.prefix, "b") == (joins.NOT_ALLOWED, 0)  # b: its default
             assert c.policy.joins.results["joined"] == 1
 
@@ -305,7 +293,7 @@ def test_a_fake_controller_cannot_hand_a_tenant_pages_it_could_truncate(fake_cud
     def fake_controller() -> None:
         conn, _ = listener.accept()
         conn.recv(1024)
-        fds = [os.memfd_create("plain") for _ in range(3)]
+        fds = [os.memfd_create("plain") for _ in range(4)]
         for fd in fds:
             os.ftruncate(fd, 4096)
         socket.send_fds(conn, [joins.REPLY.pack(joins.REPLY_MAGIC, joins.OK, 0, os.getpid(), b"")], fds)

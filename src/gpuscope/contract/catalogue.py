@@ -426,6 +426,12 @@ RECEIVER = "Alert receiver (`gpuscope receiver`)"
 RECEIVER_NOTIFICATIONS = _m("gpuscope_receiver_notifications_total", "counter",
                             "Alertmanager notifications received, by status (firing, resolved).",
                             "notifications", ("status",), area=RECEIVER)
+RECEIVER_HTTP_CONNECTIONS_CLOSED = _m(
+    "gpuscope_receiver_http_connections_closed_total", "counter",
+    "HTTP connections the alert receiver closed before answering, by reason: refused (at "
+    "--web.max-connections, all busy; answered 503), evicted (the longest-waiting idle or half-sent "
+    "connection, closed to admit a new one), timeout (no complete request, body included, within "
+    "--web.read-timeout).", "connections", ("reason",), area=RECEIVER)
 RECEIVER_PROFILE_REQUESTS = _m("gpuscope_receiver_profile_requests_total", "counter",
                                "Kernel profiles the receiver asked servers for on firing latency or "
                                "composite alerts, by result: requested, rate_limited, refused (another "
@@ -492,6 +498,17 @@ SHARE_DRAIN_TIMEOUTS = _m("gpuscope_share_drain_timeouts_total", "counter",
                           "Hand-overs where the previous holder's queued work did not finish within "
                           "--share.drain-timeout (the next tenant was admitted anyway).", "handovers",
                           area=SHARE)
+SHARE_MEMORY_USED = _m("gpuscope_share_memory_used_bytes", "gauge",
+                       "Device memory a tenant's processes hold together, as reserved by the preload library "
+                       "before each allocation (given back at each free, and when a process ends).", "bytes",
+                       ("tenant",), area=SHARE)
+SHARE_MEMORY_CAP = _m("gpuscope_share_memory_cap_bytes", "gauge",
+                      "A tenant's memory cap (--share NAME=F:P:MEMORY); absent for a tenant without one, or "
+                      "with a fraction of a card no process has reported yet.", "bytes", ("tenant",),
+                      area=SHARE)
+SHARE_MEMORY_REFUSED = _m("gpuscope_share_memory_refused_total", "counter",
+                          "Allocations refused with CUDA_ERROR_OUT_OF_MEMORY because they would take the "
+                          "tenant past its memory cap.", "allocations", ("tenant",), area=SHARE)
 SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "

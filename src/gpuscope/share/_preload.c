@@ -51,11 +51,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_ledger.h"
+#include "_preload.h"
 #include "_wake_bits.h"
 
-#define EXPORT __attribute__((visibility("default")))
-
-typedef int CUresult;
 typedef void *CUstream;
 typedef void *CUfunction;
 typedef void *CUgraphExec;
@@ -73,48 +72,6 @@ typedef struct {
 #define CU_EVENT_BLOCKING_SYNC 1u
 
 /* ------------------------------------------------------------------------------------------------ */
-/* Shared layout (ledger.py mirrors every offset)                                                   */
-
-#define POLICY_MAGIC 0x48535347u /* "GSSH" */
-#define PROC_MAGIC 0x50535347u   /* "GSSP" */
-#define LAYOUT_VERSION 6u
-#define MAX_TENANTS 16
-#define NAME_LEN 40
-
-typedef struct {
-    uint32_t magic, version;
-    int32_t controller_pid;
-    uint32_t ntenants;
-    _Atomic uint64_t heartbeat_ns; /* the controller's CLOCK_MONOTONIC */
-    _Atomic uint32_t gate;         /* futex word: bit i = tenant slot i may launch; bits 16..31 generation */
-    uint32_t mode;                 /* 0 events, 1 nvml */
-    uint32_t window_us, inflight_slice, inflight_open, stale_ms;
-    _Atomic uint32_t busy_mask;    /* bit i: slot i times each launch on its own (a probe, running alone) */
-    _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
-    _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
-    struct {
-        char name[NAME_LEN];
-        uint32_t share_ppm, priority, active;
-        _Atomic uint32_t duty_ppm; /* beside the holder: the part of each DUTY_PERIOD_NS it may launch in */
-        uint8_t pad2[64 - NAME_LEN - 16];
-    } tenants[MAX_TENANTS];
-} policy_t;
-
-typedef struct {
-    uint32_t magic, version;
-    int32_t pid;
-    int32_t slot;
-    char tenant[NAME_LEN];
-    _Atomic uint32_t waiting;     /* threads held at the gate */
-    _Atomic uint32_t drained_gen; /* futex word: generation of the last closed gate with no work queued */
-    _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
-        inflight, failed_open, started_ns, waits, window_open, busy_launches, busy_ns;
-} proc_t;
-
-_Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
-_Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
-
-/* ------------------------------------------------------------------------------------------------ */
 /* Real symbols                                                                                     */
 
 enum { H_LAUNCH, H_LAUNCH_PTSZ, H_LAUNCH_EX, H_LAUNCH_EX_PTSZ, H_GRAPH, H_GRAPH_PTSZ, H_GPA, H_GPA_V2, H_N };
@@ -124,16 +81,15 @@ static const char *const hook_names[H_N] = {
 static _Atomic(void *) real_fn[H_N];
 static void *hook_fn[H_N];
 
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym;
+dlsym_fn real_dlsym;
 static void *libcuda;
 
-static void find_real_dlsym(void) {
+void find_real_dlsym(void) {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", NULL};
     for (int i = 0; versions[i] && !real_dlsym; i++) real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
 }
 
-static void *driver_symbol(const char *name) {
+void *driver_symbol(const char *name) {
     if (!real_dlsym) find_real_dlsym();
     if (!real_dlsym) return NULL;
     if (!libcuda) libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
@@ -182,7 +138,7 @@ static struct {
 #define QUIET_NS 1000000ull /* a holder idle this long after its work finished gives its slice up */
 
 static int say_fd = 2;
-static void say(const char *fmt, ...) {
+void say(const char *fmt, ...) {
     char buf[512];
     va_list ap;
     va_start(ap, fmt);
@@ -197,11 +153,12 @@ static void say(const char *fmt, ...) {
 static const uint32_t all_open = 0xffffffffu;
 /* The word the fast path reads: the controller's gate, or all_open while passing through. */
 static const _Atomic uint32_t *gate = (const _Atomic uint32_t *)&all_open;
-static uint32_t slot_bit = 1;
+uint32_t slot_bit = 1;
 
 static pthread_once_t join_once = PTHREAD_ONCE_INIT;
-static policy_t *policy;
-static proc_t *proc;
+policy_t *policy;
+proc_t *proc;
+tenant_mem_t *tenant_mem;
 static proc_t local_proc; /* counters when no ledger is mapped */
 static atomic_int failed_open;
 
@@ -294,6 +251,8 @@ static void after_fork_in_child(void) {
     conn_fd = -1;
     policy = NULL;
     proc = &local_proc;
+    atomic_store(&local_proc.mem_bytes, 0); /* the parent's allocations are not the child's */
+    tenant_mem = NULL;
     bell = NULL;
     gate = (const _Atomic uint32_t *)&all_open;
     slot_bit = 1;
@@ -327,10 +286,15 @@ typedef struct {
 } reply_t;
 _Static_assert(sizeof(hello_t) == 48 && sizeof(reply_t) == 136, "join protocol layout");
 
+/* The pages a joining process receives, in this order. */
+enum { PAGE_POLICY, PAGE_BELL, PAGE_PROC, PAGE_TENANT, N_PAGES };
+
 typedef struct {
+    void *pages[N_PAGES]; /* as mapped (MAP_FAILED where not) */
     policy_t *policy;
     proc_t *proc;
     _Atomic uint32_t *bell;
+    tenant_mem_t *tenant;
     int conn, slot;
     int retry; /* on failure: whether trying again later may help (no controller yet, or a restart) */
     char why[200];
@@ -367,6 +331,11 @@ static int sealed_page(int fd) {
            (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
 }
 
+static void unmap_pages(joined_t *j) {
+    for (int i = 0; i < N_PAGES; i++)
+        if (j->pages[i] && j->pages[i] != MAP_FAILED) munmap(j->pages[i], 4096);
+}
+
 static int join_failed(joined_t *j, int fd, int retry, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -395,7 +364,7 @@ static int connect_controller(const char *tenant, joined_t *j) {
     if (send(fd, &h, sizeof h, MSG_NOSIGNAL) != (ssize_t)sizeof h)
         return join_failed(j, fd, 1, "the controller did not take the hello (%s)", strerror(errno));
     reply_t r;
-    int fds[3] = {-1, -1, -1}, got = 0;
+    int fds[N_PAGES], got = 0;
     union {
         char buf[CMSG_SPACE(sizeof fds)];
         struct cmsghdr align;
@@ -410,7 +379,7 @@ static int connect_controller(const char *tenant, joined_t *j) {
             for (int i = 0; i < k; i++) {
                 int one;
                 memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof one);
-                if (got < 3) fds[got++] = one;
+                if (got < N_PAGES) fds[got++] = one;
                 else close(one);
             }
         }
@@ -420,33 +389,40 @@ static int connect_controller(const char *tenant, joined_t *j) {
         for (int i = 0; i < got; i++) close(fds[i]);
         return join_failed(j, fd, 0, "%s", r.reason);
     }
-    if (!ok || got != 3) {
+    if (!ok || got != N_PAGES) {
         for (int i = 0; i < got; i++) close(fds[i]);
         return join_failed(j, fd, 1, "no valid answer from the controller at %s", addr.sun_path);
     }
-    int sealed = sealed_page(fds[0]) && sealed_page(fds[1]) && sealed_page(fds[2]);
-    policy_t *p = sealed ? mmap(NULL, sizeof(policy_t), PROT_READ, MAP_SHARED, fds[0], 0) : MAP_FAILED;
-    void *b = sealed ? mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0) : MAP_FAILED;
-    proc_t *q = sealed ? mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0) : MAP_FAILED;
-    for (int i = 0; i < 3; i++) close(fds[i]);
+    int sealed = 1;
+    for (int i = 0; i < N_PAGES; i++) sealed = sealed && sealed_page(fds[i]);
+    for (int i = 0; i < N_PAGES; i++) {
+        j->pages[i] = sealed ? mmap(NULL, 4096, i == PAGE_POLICY ? PROT_READ : PROT_READ | PROT_WRITE,
+                                    MAP_SHARED, fds[i], 0) : MAP_FAILED;
+        close(fds[i]);
+    }
+    int mapped = 1;
+    for (int i = 0; i < N_PAGES; i++) mapped = mapped && j->pages[i] != MAP_FAILED;
+    policy_t *p = j->pages[PAGE_POLICY];
+    tenant_mem_t *t = j->pages[PAGE_TENANT];
     int slot = r.slot;
-    int valid = p != MAP_FAILED && b != MAP_FAILED && q != MAP_FAILED && p->magic == POLICY_MAGIC &&
-                p->version == LAYOUT_VERSION && slot >= 0 && slot < MAX_TENANTS && (uint32_t)slot < p->ntenants &&
+    int valid = mapped && p->magic == POLICY_MAGIC && p->version == LAYOUT_VERSION && t->magic == TENANT_MAGIC &&
+                slot >= 0 && slot < MAX_TENANTS && (uint32_t)slot < p->ntenants &&
                 strncmp(p->tenants[slot].name, tenant, NAME_LEN) == 0;
     if (!valid) {
-        if (p != MAP_FAILED) munmap(p, sizeof(policy_t));
-        if (b != MAP_FAILED) munmap(b, 4096);
-        if (q != MAP_FAILED) munmap(q, 4096);
+        unmap_pages(j);
         return join_failed(j, fd, 0, sealed ? "the controller's pages are not a version-%u ledger"
                                             : "the controller's pages are not sealed (version %u?)", LAYOUT_VERSION);
     }
-    j->policy = p, j->proc = q, j->bell = b, j->conn = fd, j->slot = slot;
+    j->policy = p, j->bell = j->pages[PAGE_BELL], j->proc = j->pages[PAGE_PROC], j->tenant = t;
+    j->conn = fd, j->slot = slot;
     return 0;
 }
 
 /* Make a joined controller this process's: the gate last, so that a launch that sees it sees the rest. */
 static void install(joined_t *j) {
     atomic_store(&j->proc->started_ns, now_ns());
+    memory_carry(j->tenant, j->proc, proc); /* what this process holds already counts on the new pages */
+    tenant_mem = j->tenant;
     slot_bit = 1u << j->slot;
     helper_bit = helper_wake_bit(j->proc->pid); /* the pid as the controller knows it */
     bell = j->bell;
@@ -491,9 +467,7 @@ static void *watcher_main(void *arg) {
         }
         refused = 0;
         if (!policy_alive(j.policy)) { /* a controller that has stopped beating: not taken back yet */
-            munmap(j.policy, sizeof(policy_t));
-            munmap((void *)j.bell, 4096);
-            munmap(j.proc, 4096);
+            unmap_pages(&j);
             close(j.conn);
             continue;
         }
@@ -530,9 +504,7 @@ static void join(void) {
     if (!policy_alive(j.policy)) {
         say("gpuscope-share: the controller of %s is not running: tenant %s runs unthrottled until one "
             "starts\n", ledger_prefix(), tenant);
-        munmap(j.policy, sizeof(policy_t));
-        munmap((void *)j.bell, 4096);
-        munmap(j.proc, 4096);
+        unmap_pages(&j);
         close(j.conn);
         atomic_store(&failed_open, 1);
         start_watcher(tenant);
@@ -543,6 +515,8 @@ static void join(void) {
 }
 
 static inline void ensure_joined(void) { pthread_once(&join_once, join); }
+
+void share_join(void) { ensure_joined(); }
 
 static void ring_bell(void) {
     _Atomic uint32_t *b = bell;
@@ -1119,6 +1093,7 @@ EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, ui
     CUresult rc = fn(symbol, pfn, version, flags);
     int i = hook_index(symbol, flags);
     if (rc == 0 && pfn && i >= 0) *pfn = wrap(i, *pfn);
+    else if (rc == 0 && pfn) *pfn = memory_wrap(symbol, flags, *pfn);
     return rc;
 }
 
@@ -1128,6 +1103,7 @@ EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
     CUresult rc = fn(symbol, pfn, version, flags, status);
     int i = hook_index(symbol, flags);
     if (rc == 0 && pfn && i >= 0) *pfn = wrap(i, *pfn);
+    else if (rc == 0 && pfn) *pfn = memory_wrap(symbol, flags, *pfn);
     return rc;
 }
 
@@ -1139,7 +1115,8 @@ EXPORT void *dlsym(void *handle, const char *symbol) {
     void *p = real_dlsym(handle, symbol);
     if (handle == RTLD_NEXT) return p;
     int i = hook_index(symbol, 0);
-    if (i < 0 || !p) return p;
+    if (i < 0) return memory_wrap(symbol, 0, p); /* p itself unless a memory or NVML entry point */
+    if (!p) return p;
     if (p == hook_fn[i]) return p; /* found this library's own export: real() resolves the driver's */
     return wrap(i, p);
 }

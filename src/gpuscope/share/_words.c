@@ -59,6 +59,19 @@ static PyObject *set_u64(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
+/* sub_u64_floor(addr, value): an atomic subtraction that stops at zero (a word other processes add to). */
+static PyObject *sub_u64_floor(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    void *p;
+    if (check_args(n, 2, "sub_u64_floor") || address(args[0], &p)) return NULL;
+    unsigned long long v = PyLong_AsUnsignedLongLong(args[1]);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    uint64_t old = __atomic_load_n((uint64_t *)p, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n((uint64_t *)p, &old, old > v ? old - v : 0, 1, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED)) {
+    }
+    Py_RETURN_NONE;
+}
+
 /* futex_wait(addr, expected, timeout_s) -> False when it timed out, else True (woken, or the word no
  * longer held `expected`). The GIL is released while it sleeps. */
 static PyObject *futex_wait(PyObject *self, PyObject *const *args, Py_ssize_t n) {
@@ -92,6 +105,8 @@ static PyMethodDef methods[] = {
     {"u64", (PyCFunction)(void (*)(void))u64, METH_FASTCALL, "u64(addr): the 64-bit word at addr"},
     {"set_u32", (PyCFunction)(void (*)(void))set_u32, METH_FASTCALL, "set_u32(addr, value)"},
     {"set_u64", (PyCFunction)(void (*)(void))set_u64, METH_FASTCALL, "set_u64(addr, value)"},
+    {"sub_u64_floor", (PyCFunction)(void (*)(void))sub_u64_floor, METH_FASTCALL,
+     "sub_u64_floor(addr, value): atomically subtract, stopping at zero"},
     {"futex_wait", (PyCFunction)(void (*)(void))futex_wait, METH_FASTCALL,
      "futex_wait(addr, expected, timeout_s) -> False on timeout"},
     {"futex_wake", (PyCFunction)(void (*)(void))futex_wake, METH_FASTCALL, "futex_wake(addr): wake every waiter"},

@@ -169,8 +169,11 @@ class Controller:
         state = self.procs.pop(pid)
         tenant = self.tenants[state.view.slot].name
         totals = self.stats.departed.setdefault(tenant, {})
-        for name, value in state.view.counters().items():
+        counters = state.view.counters()
+        for name, value in counters.items():
             totals[name] = totals.get(name, 0) + value
+        # the driver frees what a process held when it ends: give it back to its tenant's count
+        self.policy.memory[state.view.slot].give_back(counters["mem_bytes"])
         state.view.close()
 
     def _charge(self, now: float) -> None:

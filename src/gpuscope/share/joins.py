@@ -5,8 +5,8 @@ A process that loads the preload library with ``GPUSCOPE_SHARE_TENANT`` set conn
 version, tenant name). The controller takes the process's pid, uid and gid from the kernel
 (``SO_PEERCRED``: the process cannot lie about them), checks the name against the policy and the
 admission rules (``access.py``), and answers (``REPLY``: magic, status, slot, pid, reason). Admitted,
-the answer carries three descriptors (``SCM_RIGHTS``): the policy (read-only), the bell, and a fresh
-page of the process's own, all sealed against resizing (``pages.py``).
+the answer carries four descriptors (``SCM_RIGHTS``): the policy (read-only), the bell, a fresh page
+of the process's own, and its tenant's memory page, all sealed against resizing (``pages.py``).
 
 The connection stays open while the process lives: its end (the process exited, or was killed) tells
 the controller at once, and a controller that restarts is told by its tenants connecting again.
@@ -81,11 +81,12 @@ class JoinServer:
     """Admits tenant processes on a listening socket, in a thread of its own.
 
     ``make_page(pid, slot, tenant)`` returns ``(fd, page)``: a sealed page with the process's header
-    written, and the object the controller keeps for it; ``shared_fds`` the policy (read-only) and the
-    bell; ``ring`` wakes the controller after each event."""
+    written, and the object the controller keeps for it; ``shared_fds(slot)`` the policy (read-only),
+    the bell and the tenant's memory page; ``ring`` wakes the controller after each event."""
 
     def __init__(self, sock: socket.socket, tenants: Sequence[str], access: Access,
-                 shared_fds: tuple[int, int], make_page: Callable[[int, int, str], tuple[int, Any]],
+                 shared_fds: Callable[[int], tuple[int, int, int]],
+                 make_page: Callable[[int, int, str], tuple[int, Any]],
                  ring: Callable[[], None], *, layout_version: int, hello_timeout_s: float = HELLO_TIMEOUT_S,
                  max_pending: int = MAX_PENDING, max_processes: int = MAX_PROCESSES,
                  log: Callable[[str], None] | None = None) -> None:
@@ -256,7 +257,9 @@ class JoinServer:
         try:
             sock.setblocking(True)
             sock.settimeout(self.hello_timeout_s)
-            socket.send_fds(sock, [REPLY.pack(REPLY_MAGIC, OK, slot, peer.pid, b"")], [*self.shared_fds, fd])
+            policy_fd, bell_fd, tenant_fd = self.shared_fds(slot)
+            socket.send_fds(sock, [REPLY.pack(REPLY_MAGIC, OK, slot, peer.pid, b"")],
+                            [policy_fd, bell_fd, fd, tenant_fd])
             sock.setblocking(False)
         except OSError:
             page.close()

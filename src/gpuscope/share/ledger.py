@@ -51,7 +51,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -63,14 +63,20 @@ P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
 P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
 P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
-P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, duty_ppm
+P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
+T_MEM_CAP = NAME_LEN + 16  # its memory cap: bytes, or MEM_CAP_FRACTION | parts per million of the card
+MEM_CAP_FRACTION = 1 << 63
+
+# tenant_mem_t: one page per tenant, written by all its processes
+TENANT_MAGIC = 0x54535347  # "GSST"
+M_MAGIC, M_VERSION, M_USED, M_REFUSED, M_PEAK, M_CARD = 0, 4, 8, 16, 24, 32
 
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
-                 "busy_launches", "busy_ns")
+                 "busy_launches", "busy_ns", "mem_bytes", "mem_refused")
 Q_COUNTERS = 64
 #: Where the words the controller's turn keeper reads (in C) lie in a process's page: whether it wants
 #: the GPU (threads held at the gate, a window open, windows in flight, its last launch) and the
@@ -113,6 +119,13 @@ class CtypesWords:
     @staticmethod
     def set_u64(addr: int, value: int) -> None:
         ctypes.c_uint64.from_address(addr).value = value
+
+    @staticmethod
+    def sub_u64_floor(addr: int, value: int) -> None:
+        # not atomic: the C extension is (this path serves only where nothing was compiled, and then
+        # no tenant runs the preload library either)
+        word = ctypes.c_uint64.from_address(addr)
+        word.value = max(0, word.value - value)
 
     @staticmethod
     def futex_wait(addr: int, expected: int, timeout_s: float) -> bool:
@@ -177,11 +190,60 @@ class Mapping:
 
 @dataclass(frozen=True)
 class TenantPolicy:
-    """One tenant's entry in the policy: its name, target share of GPU time and priority."""
+    """One tenant's entry in the policy: its name, target share of GPU time, priority and memory cap
+    (``memory``: bytes if at least 1, a fraction of the card if below; 0: none)."""
 
     name: str
     share: float
     priority: int = 0
+    memory: float = 0
+
+    def mem_cap_word(self) -> int:
+        """The cap as the policy page holds it."""
+        if self.memory <= 0:
+            return 0
+        if self.memory < 1 or (isinstance(self.memory, float) and self.memory == 1.0):
+            return MEM_CAP_FRACTION | round(self.memory * 1e6)
+        return int(self.memory)
+
+
+class TenantMemory:
+    """A tenant's memory page: what its processes hold together, reserved before each allocation."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.map = Mapping(fd, writable=True, name=f"the memory page of tenant {name}")
+        self.map.set_u32(M_VERSION, LAYOUT_VERSION)
+        self.map.set_u32(M_MAGIC, TENANT_MAGIC)
+
+    @property
+    def used(self) -> int:
+        return self.map.u64(M_USED)
+
+    @property
+    def refused(self) -> int:
+        return self.map.u64(M_REFUSED)
+
+    @property
+    def peak(self) -> int:
+        return self.map.u64(M_PEAK)
+
+    @property
+    def card_bytes(self) -> int:
+        """The card's size as a tenant process saw it (0 until one asked)."""
+        return self.map.u64(M_CARD)
+
+    def give_back(self, nbytes: int) -> None:
+        """What a process that is gone held: the driver freed it with the process."""
+        _words.sub_u64_floor(self.map.addr + M_USED, nbytes)
+
+    def cap_bytes(self, word: int) -> int:
+        """The cap in bytes for its policy word (a fraction needs the card's size: 0 until known)."""
+        if word & MEM_CAP_FRACTION:
+            return (word & 0xFFFFFFFF) * self.card_bytes // 1_000_000
+        return word
+
+    def close(self) -> None:
+        self.map.close()
 
 
 class Policy:
@@ -210,7 +272,7 @@ class Policy:
             self._close_pages()
             self.lock.release()
             raise
-        self.joins = JoinServer(sock, [t.name for t in self.tenants], access or Access(), self._page_fds,
+        self.joins = JoinServer(sock, [t.name for t in self.tenants], access or Access(), self._shared_fds,
                                 _new_proc_page, self.ring, layout_version=LAYOUT_VERSION, log=log)
         self.joins.start()
 
@@ -221,6 +283,8 @@ class Policy:
         self._fds.append(read_only(policy_fd))
         self.bell = Mapping(bell_fd, writable=True, name="the bell")
         self.map = Mapping(policy_fd, writable=True, name="the policy")
+        self._tenant_fds = [sealed_page(f"gpuscope-share-tenant{i}") for i in range(len(self.tenants))]
+        self.memory = [TenantMemory(fd, t.name) for fd, t in zip(self._tenant_fds, self.tenants, strict=True)]
         m = self.map
         m.set_u32(P_VERSION, LAYOUT_VERSION)
         ctypes.c_int32.from_address(m.addr + P_PID).value = os.getpid()
@@ -236,15 +300,20 @@ class Policy:
             m.set_u32(base + NAME_LEN, round(t.share * 1e6))
             m.set_u32(base + NAME_LEN + 4, t.priority)
             m.set_u32(base + NAME_LEN + 8, 1)
+            m.set_u64(base + T_MEM_CAP, t.mem_cap_word())
         self.gen = 1
         m.set_u32(P_GATE, (self.gen << 16) | OPEN_MASK)
         self.heartbeat()
         m.set_u32(P_MAGIC, POLICY_MAGIC)
 
-    @property
-    def _page_fds(self) -> tuple[int, int]:
-        """What a joining tenant gets besides its own page: the policy (read-only) and the bell."""
-        return self._fds[2], self._fds[0]
+    def _shared_fds(self, slot: int) -> tuple[int, int, int]:
+        """What a tenant's joining process gets besides its own page: the policy (read-only), the bell
+        and its tenant's memory page."""
+        return self._fds[2], self._fds[0], self._tenant_fds[slot]
+
+    def mem_cap_bytes(self, slot: int) -> int:
+        """Tenant ``slot``'s memory cap in bytes (0: none, or a fraction of a card not seen yet)."""
+        return self.memory[slot].cap_bytes(self.map.u64(P_TENANTS + slot * TENANT_SIZE + T_MEM_CAP))
 
     def ring(self) -> None:
         """Wake the controller's loop (or turn keeper) sleeping on the bell, as a tenant would. Not an
@@ -327,10 +396,10 @@ class Policy:
             self.bell.futex_wait(0, seen, timeout_s)
 
     def _close_pages(self) -> None:
-        for page in (getattr(self, "map", None), getattr(self, "bell", None)):
+        for page in (getattr(self, "map", None), getattr(self, "bell", None), *getattr(self, "memory", ())):
             if page is not None:
                 page.close()
-        for fd in self._fds:
+        for fd in [*self._fds, *getattr(self, "_tenant_fds", ())]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []

@@ -10,6 +10,7 @@ docs/share.md explains the mechanism, its limits and its security model.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -33,9 +34,33 @@ from gpuscope.share.preload import DEFAULT_LEDGER, library_path
 from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+#: A memory cap below this is a typo (a unit forgotten), not a cap.
+MIN_MEMORY_CAP = 2**20
+
+
+def parse_memory(text: str) -> float:
+    """A memory cap: a fraction of the card in (0, 1] (``0.4``), or a size (``40GiB``, ``512MB``,
+    ``1073741824``) of at least 1 MiB."""
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", text.strip())
+    if match is None:
+        raise ValueError(f"memory {text!r} is neither a fraction of the card (0.4) nor a size "
+                         "(40GiB)")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _UNITS:
+        raise ValueError(f"memory {text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    if not unit and 0 < value <= 1:
+        return value
+    size = int(value * _UNITS[unit])
+    if size < MIN_MEMORY_CAP:
+        raise ValueError(f"memory {text!r}: a fraction of the card must be in (0, 1] and a size at "
+                         "least 1MiB")
+    return size
+
 
 def parse_shares(text: str) -> list[TenantPolicy]:
-    """``NAME=FRACTION[:PRIORITY],...`` → tenants; fractions in (0, 1] summing to at most 1."""
+    """``NAME=FRACTION[:PRIORITY[:MEMORY]],...`` → tenants; fractions in (0, 1] summing to at most 1."""
     tenants: list[TenantPolicy] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -43,13 +68,14 @@ def parse_shares(text: str) -> list[TenantPolicy]:
         name, sep, rest = item.partition("=")
         name = name.strip()
         if not sep or not name:
-            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY]")
+            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY[:MEMORY]]")
         if len(name.encode()) >= NAME_LEN or not all(ch.isalnum() or ch in "-_." for ch in name):
             raise ValueError(f"tenant name {name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} bytes")
-        fraction, _, priority = rest.partition(":")
+        fraction, _, tail = rest.partition(":")
+        priority, _, memory = tail.partition(":")
         try:
             share = float(fraction)
-            prio = int(priority) if priority else 0
+            prio = int(priority) if priority.strip() else 0
         except ValueError:
             raise ValueError(f"{item!r}: FRACTION must be a number and PRIORITY an integer") from None
         if not 0 < share <= 1:
@@ -58,13 +84,17 @@ def parse_shares(text: str) -> list[TenantPolicy]:
             raise ValueError(f"{item!r}: the priority must be between 0 and 1000")
         if any(t.name == name for t in tenants):
             raise ValueError(f"tenant {name!r} named twice")
-        tenants.append(TenantPolicy(name, share, prio))
+        cap = parse_memory(memory) if memory.strip() else 0
+        tenants.append(TenantPolicy(name, share, prio, cap))
     if not tenants:
-        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY],...")
+        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY[:MEMORY]],...")
     if len(tenants) > MAX_TENANTS:
         raise ValueError(f"at most {MAX_TENANTS} tenants")
     if sum(t.share for t in tenants) > 1.0 + 1e-9:
         raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
+    fractions = [t.memory for t in tenants if 0 < t.memory <= 1]
+    if sum(fractions) > 1.0 + 1e-9:
+        raise ValueError(f"the memory fractions add up to {sum(fractions):g}, more than the card")
     return tenants
 
 
@@ -98,7 +128,9 @@ class ShareSettings:
     """The flags of ``gpuscope share``."""
 
     shares: list[TenantPolicy] | None = setting(
-        "--share", None, "tenants and their shares: NAME=FRACTION[:PRIORITY],... (higher priority first)",
+        "--share", None, "tenants, their shares, priorities and memory caps: "
+        "NAME=FRACTION[:PRIORITY[:MEMORY]],... (higher priority first; MEMORY a fraction of the card such as "
+        "0.4, or a size such as 40GiB)",
         parse=parse_shares)
     accounting: Accounting = setting(
         "--share.accounting", Accounting.EVENTS, "events: slices charged by the tenants' CUDA events; nvml: "
@@ -158,7 +190,7 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_settings(argv)
     if args.shares is None:
-        parser.error("--share is required: NAME=FRACTION[:PRIORITY],...")
+        parser.error("--share is required: NAME=FRACTION[:PRIORITY[:MEMORY]],...")
     if not 1 <= args.queued_windows <= 255:
         parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
     if args.probe_every < MIN_PROBE_EVERY_S:

@@ -36,6 +36,8 @@ class ShareCollector:
             duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
             probes = c.stats.probes
             joins = dict(c.policy.joins.results)
+            memory = [(t.name, page.used, page.refused, c.policy.mem_cap_bytes(slot))
+                      for slot, (t, page) in enumerate(zip(c.tenants, c.policy.memory, strict=True))]
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
             for tenant, pid, counters in rows:
@@ -76,6 +78,16 @@ class ShareCollector:
         y = cat.SHARE_YIELDS.family()
         y.add_metric([], yields)
         yield y
+        used, cap, refused = (m.family() for m in (cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP,
+                                                   cat.SHARE_MEMORY_REFUSED))
+        for tenant, held, refusals, cap_bytes in memory:
+            used.add_metric([tenant], held)
+            refused.add_metric([tenant], refusals)
+            if cap_bytes:
+                cap.add_metric([tenant], cap_bytes)
+        yield used
+        yield cap
+        yield refused
         j = cat.SHARE_JOINS.family()
         for result, count in joins.items():
             j.add_metric([result], count)

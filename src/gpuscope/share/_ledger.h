@@ -1,0 +1,66 @@
+/* gpuscope share: the layout of the ledger's pages, as the preload library sees them. ledger.py
+ * mirrors every offset (and the tests read both sides). Each page is a sealed memfd the controller
+ * hands over the join socket (joins.py): the policy (read-only to tenants), the bell, one page per
+ * tenant process, and one per tenant shared by all its processes (its memory use against its cap).
+ */
+#ifndef GPUSCOPE_SHARE_LEDGER_H
+#define GPUSCOPE_SHARE_LEDGER_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define POLICY_MAGIC 0x48535347u /* "GSSH" */
+#define PROC_MAGIC 0x50535347u   /* "GSSP" */
+#define TENANT_MAGIC 0x54535347u /* "GSST" */
+#define LAYOUT_VERSION 7u
+#define MAX_TENANTS 16
+#define NAME_LEN 40
+/* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
+#define MEM_CAP_FRACTION 0x8000000000000000ull
+
+typedef struct {
+    uint32_t magic, version;
+    int32_t controller_pid;
+    uint32_t ntenants;
+    _Atomic uint64_t heartbeat_ns; /* the controller's CLOCK_MONOTONIC */
+    _Atomic uint32_t gate;         /* futex word: bit i = tenant slot i may launch; bits 16..31 generation */
+    uint32_t mode;                 /* 0 events, 1 nvml */
+    uint32_t window_us, inflight_slice, inflight_open, stale_ms;
+    _Atomic uint32_t busy_mask;    /* bit i: slot i times each launch on its own (a probe, running alone) */
+    _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
+    _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
+    struct {
+        char name[NAME_LEN];
+        uint32_t share_ppm, priority, active;
+        _Atomic uint32_t duty_ppm; /* beside the holder: the part of each DUTY_PERIOD_NS it may launch in */
+        uint64_t mem_cap;          /* 0: none; bytes, or MEM_CAP_FRACTION | ppm of the card */
+    } tenants[MAX_TENANTS];
+} policy_t;
+
+typedef struct {
+    uint32_t magic, version;
+    int32_t pid; /* as the controller knows it (its pid namespace), written by the controller */
+    int32_t slot;
+    char tenant[NAME_LEN];
+    _Atomic uint32_t waiting;     /* threads held at the gate */
+    _Atomic uint32_t drained_gen; /* futex word: generation of the last closed gate with no work queued */
+    _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
+        inflight, failed_open, started_ns, waits, window_open, busy_launches, busy_ns;
+    _Atomic uint64_t mem_bytes, mem_refused; /* device memory this process holds; allocations refused */
+} proc_t;
+
+/* One per tenant, written by all its processes: what they hold together, reserved atomically before
+ * each allocation goes to the driver, so two processes of a tenant never pass its cap together. */
+typedef struct {
+    uint32_t magic, version;
+    _Atomic uint64_t used, refused, peak;
+    _Atomic uint64_t card_bytes; /* the device's real total, as the first process to ask saw it */
+} tenant_mem_t;
+
+_Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
+_Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 64 + 56, "policy tenant layout");
+_Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
+_Static_assert(__builtin_offsetof(proc_t, mem_bytes) == 64 + 14 * 8, "proc memory layout");
+_Static_assert(__builtin_offsetof(tenant_mem_t, used) == 8, "tenant memory layout");
+
+#endif

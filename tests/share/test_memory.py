@@ -1,0 +1,166 @@
+"""Memory caps against the fake driver: every allocation path is held to the tenant's cap (as a
+whole, across its processes), frees and crashes give memory back, the out-of-memory code is the
+driver's, and cuMemGetInfo and NVML show the cap as the card."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuscope.share.ledger import TenantPolicy
+from gpuscope.share.main import parse_memory, parse_shares
+from gpuscope.share.metrics import ShareCollector
+from tests.conftest import wait_for
+from tests.share.fakecuda import HERE, child_env, running_controller
+
+MiB, GiB = 2**20, 2**30
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+CARD = 80 * GiB  # the fake driver's and fake NVML's card
+ROUTES = ["symbol", "gpa", "pitch", "managed", "async", "async_ptsz", "pool", "create"]
+
+
+class Tenant:
+    """tests/share/allocator.py as a tenant process, driven one command at a time."""
+
+    def __init__(self, fake, tmp_path, name: str, ledger: str) -> None:
+        env = child_env(fake, os.devnull, tenant=name, ledger=ledger)
+        self.p = subprocess.Popen([sys.executable, str(HERE / "allocator.py")], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        self.err: str | None = None
+
+    def ask(self, *command) -> object:
+        self.p.stdin.write(json.dumps(command) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, self.p.stderr.read()
+        return json.loads(line)
+
+    def close(self) -> str:
+        """Its stderr, once it has exited (asked to, if it still runs)."""
+        if self.err is None:
+            if self.p.poll() is None:
+                self.p.stdin.write('["exit"]\n')
+                self.p.stdin.close()
+            self.p.wait(30)
+            self.err = self.p.stderr.read()
+            self.p.stdout.close()
+            self.p.stderr.close()
+        return self.err
+
+
+@pytest.fixture
+def capped(fake_cuda, tmp_path):
+    """A controller whose tenant a may hold 1 GiB and b is uncapped; a factory of tenant processes."""
+    tenants = [TenantPolicy("a", 0.5, 0, GiB), TenantPolicy("b", 0.5)]
+    started: list[Tenant] = []
+    with running_controller(str(tmp_path / "ledger"), tenants) as c:
+        def start(name: str) -> Tenant:
+            tenant = Tenant(fake_cuda, tmp_path, name, c.policy.prefix)
+            started.append(tenant)
+            return tenant
+        try:
+            yield c, start
+        finally:
+            for tenant in started:
+                if tenant.p.poll() is None:
+                    tenant.p.kill()
+                tenant.close()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_allocation_path_is_held_to_the_cap_and_a_free_gives_it_back(capped, route):
+    c, start = capped
+    t = start("a")
+    assert t.ask("alloc", route, 256 * MiB, 4) == [0, 0, 0, 0]  # exactly the cap
+    assert t.ask("alloc", route, 256 * MiB, 1) == [OOM]  # the driver's own out-of-memory code
+    assert c.policy.memory[0].used == GiB and c.policy.memory[0].refused == 1
+    assert t.ask("free", 2) == [0, 0]
+    assert c.policy.memory[0].used == GiB // 2
+    assert t.ask("alloc", route, 512 * MiB, 1) == [0]  # what was freed can be taken again
+    assert t.ask("alloc", route, MiB, 1) == [OOM]
+    assert t.close() == ""
+
+
+def test_two_processes_of_a_tenant_share_its_cap_exactly_while_allocating_at_once(capped):
+    c, start = capped
+    first, second = start("a"), start("a")
+    answers = {}
+
+    def allocate(tenant: Tenant) -> None:  # 64 × 32 MiB each: together twice the cap
+        answers[tenant] = tenant.ask("alloc", "symbol", 32 * MiB, 64)
+
+    threads = [threading.Thread(target=allocate, args=(t,)) for t in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    granted = sum(rc == 0 for a in answers.values() for rc in a)
+    assert granted * 32 * MiB == GiB  # not one allocation past the cap, none refused below it
+    assert c.policy.memory[0].used == GiB and c.policy.memory[0].refused == 128 - granted
+    wait_for(lambda: len(c.procs) == 2, what="both processes")
+    held = sorted(state.view.counter("mem_bytes") for state in c.procs.values())
+    assert sum(held) == GiB
+
+
+def test_a_crashed_process_gives_its_memory_back(capped):
+    c, start = capped
+    t = start("a")
+    assert t.ask("alloc", "create", 768 * MiB, 1) == [0]
+    assert c.policy.memory[0].used == 768 * MiB
+    os.kill(t.p.pid, signal.SIGKILL)
+    t.p.wait()
+    wait_for(lambda: c.policy.memory[0].used == 0, what="the dead process's memory given back")
+    other = start("a")
+    assert other.ask("alloc", "symbol", GiB, 1) == [0]
+
+
+def test_the_card_is_shown_as_the_cap_in_cuda_and_nvml(capped):
+    _, start = capped
+    a, b = start("a"), start("b")
+    a.ask("alloc", "symbol", 256 * MiB, 1)
+    seen = a.ask("info")
+    assert seen["cuda"] == {"total": GiB, "free": 768 * MiB}
+    assert seen["nvml"] == {"total": GiB, "free": 768 * MiB, "used": 256 * MiB}
+    assert seen["nvml_v2"] == {"total": GiB, "reserved": 0, "free": 768 * MiB, "used": 256 * MiB}
+    plain = b.ask("info")  # uncapped: the card as the driver and NVML see it
+    assert plain["cuda"]["total"] == CARD and plain["nvml"]["total"] == CARD
+    assert plain["cuda"]["free"] == CARD  # (the fake card is each process's own)
+    assert plain["nvml_v2"]["reserved"] == 2**28
+
+
+def test_a_fraction_of_the_card_and_the_metrics(fake_cuda, tmp_path):
+    tenants = [TenantPolicy("a", 0.5, 0, 0.25), TenantPolicy("b", 0.5)]
+    with running_controller(str(tmp_path / "ledger"), tenants) as c:
+        t = Tenant(fake_cuda, tmp_path, "a", c.policy.prefix)
+        try:
+            assert t.ask("alloc", "symbol", 10 * GiB, 3) == [0, 0, OOM]  # a quarter of 80 GiB: 20 GiB
+            assert t.ask("info")["cuda"]["total"] == 20 * GiB
+            registry = CollectorRegistry()
+            registry.register(ShareCollector(c))
+            text = generate_latest(registry).decode()
+        finally:
+            t.close()
+    assert 'gpuscope_share_memory_cap_bytes{tenant="a"} 2.147483648e+10' in text
+    assert 'gpuscope_share_memory_used_bytes{tenant="a"} 2.147483648e+10' in text
+    assert 'gpuscope_share_memory_refused_total{tenant="a"} 1.0' in text
+    assert 'gpuscope_share_memory_cap_bytes{tenant="b"}' not in text  # uncapped: no cap series
+
+
+def test_memory_flags():
+    assert parse_memory("40GiB") == 40 * GiB and parse_memory("512MB") == 512 * 10**6
+    assert parse_memory("0.4") == 0.4 and parse_memory("1") == 1.0
+    assert parse_shares("online=0.3:1:40GiB,batch=0.7::0.5") == [TenantPolicy("online", 0.3, 1, 40 * GiB),
+                                                                  TenantPolicy("batch", 0.7, 0, 0.5)]
+    for bad, why in (("a=0.5:0:12", "at least 1MiB"), ("a=0.5:0:3XB", "unknown unit"),
+                     ("a=0.5:0:lots", "neither"), ("a=0.5:0:0.6,b=0.5:0:0.6", "memory fractions add up")):
+        with pytest.raises(ValueError) as info:
+            parse_shares(bad)
+        assert why in str(info.value), (bad, str(info.value))
