@@ -12,7 +12,10 @@ fusion and every reordering pass), once per compiled graph:
 
 - each FX node of the graph is owned by the regions whose markers enclose it in the FX graph
   (nested regions: all of them);
-- each emitted kernel is owned by the union of its origin nodes' owners;
+- each emitted kernel is owned by the union of the owners of the FX nodes whose values it writes
+  (each fused part's ``origin_node``; all its origins where Inductor records none). A pointwise
+  producer that Inductor recomputes inside a consumer's kernel is not seen (its work, usually an
+  elementwise op or a gather, is charged to the consumer's region);
 - a group (one region, or merged ones) spans from its first start marker to its last end marker in
   emission order.
 
@@ -131,26 +134,48 @@ def _origins(snode: Any) -> Iterable[Any]:
 Positions = tuple[dict[int, int], dict[int, int], list[Kernel]]
 
 
+def _outputs(snode: Any, order: dict[Any, int], mark_op: Any) -> list[Any]:
+    """The FX node whose value each fused part of the kernel writes: its ``origin_node``, or where
+    Inductor records none, the part's last origin in graph order. All origins would over-reach: a
+    pointwise producer recomputed inside its consumer's kernel (an embedding gather inside the next
+    residual add, a mask rebuilt in each attention) lists the producer, tying later kernels to the
+    region where it first ran."""
+    out: list[Any] = []
+    for node in snode.get_nodes():
+        ir_node = getattr(node, "node", None)
+        if ir_node is None:
+            continue
+        origin = getattr(ir_node, "origin_node", None)
+        if origin is None or origin not in order:
+            origins = [o for o in (getattr(ir_node, "origins", None) or ())
+                       if o in order and o.target is not mark_op]
+            origin = max(origins, key=order.__getitem__) if origins else None
+        if origin is not None and origin.target is not mark_op:
+            out.append(origin)
+    return out
+
+
 def analyse(snodes: Sequence[Any], mark_op: Any) -> Positions | None:
     """(start positions, end positions, kernels) by region id, or None when no marker is in the
     graph. A marker's slot is 2 × region id, + 1 for the region's end."""
     marker_pos: dict[int, int] = {}  # slot -> emission position
-    kernel_origins: list[tuple[int, list[Any]]] = []
+    kernel_positions: list[tuple[int, Any]] = []
     graph = None
     for position, snode in enumerate(snodes):
-        origins = list(_origins(snode))
-        marks = [o for o in origins if o.target is mark_op]
+        marks = [o for o in _origins(snode) if o.target is mark_op]
         if marks and getattr(getattr(snode, "node", None), "op_overload", None) is mark_op:
             marker_pos[int(marks[0].args[1])] = position
             graph = marks[0].graph
             continue
-        kernel_origins.append((position, [o for o in origins if o.target is not mark_op]))
+        kernel_positions.append((position, snode))
     if not marker_pos or graph is None:
         return None
     # FX ownership: the regions whose markers enclose each node in the graph's order
+    order: dict[Any, int] = {}
     owners_of: dict[Any, frozenset[int]] = {}
     open_regions: set[int] = set()
-    for node in graph.nodes:
+    for i, node in enumerate(graph.nodes):
+        order[node] = i
         if node.op == "call_function" and node.target is mark_op:
             slot = int(node.args[1])
             if slot % 2 == 0:
@@ -161,8 +186,9 @@ def analyse(snodes: Sequence[Any], mark_op: Any) -> Positions | None:
         if open_regions:
             owners_of[node] = frozenset(open_regions)
     kernels = []
-    for position, origins in kernel_origins:
-        owners: frozenset[int] = frozenset().union(*(owners_of.get(o, frozenset()) for o in origins))
+    for position, snode in kernel_positions:
+        outputs = _outputs(snode, order, mark_op)
+        owners: frozenset[int] = frozenset().union(*(owners_of.get(o, frozenset()) for o in outputs))
         kernels.append(Kernel(position, owners))
     starts = {slot // 2: p for slot, p in marker_pos.items() if slot % 2 == 0}
     ends = {slot // 2: p for slot, p in marker_pos.items() if slot % 2 == 1}

@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""The timer on compiled models: throughput against an untimed twin, graph breaks, merges, accuracy.
+
+Workloads (bf16, one GPU, random weights, nothing downloaded):
+
+- ``encoder``: ``nn.TransformerEncoder``, 6 layers, d 512, 8 heads, batch 16 × 256; each layer a region;
+- ``llama-prefill`` / ``llama-decode``: a Llama-shaped decoder built from ``transformers``'
+  ``LlamaConfig`` (8 layers, d 1024, 16 heads, 8 KV heads), prefill 4 × 512 tokens and a batch-1
+  one-token step (no KV cache: the launch-bound shape of a decode step); regions: embedding, each
+  layer's attention and MLP, the head;
+- ``resnet50``: torchvision's ResNet-50, batch 32 × 224², channels-last; regions: every top-level
+  child (stem, the four stages, pooling, head).
+
+For each workload and each mode (``torch.compile`` default, ``mode="reduce-overhead"``): the model is
+compiled twice, an untimed twin and the instrumented copy (``torch.compile(m)`` then
+``timer.instrument(compiled)``). Throughput in interleaved paired rounds (the order alternates each
+round): twin vs instrumented at the default budget, then twin vs instrumented with every pass
+sampled; reported as medians of the paired ratios with quartiles. Also: graph breaks counted by
+dynamo while compiling and running the instrumented model, the regions Inductor's fusion merged,
+the budget's sampling period, and regions vs CUPTI (torch.profiler) kernel time over the same passes
+(every pass timed, each read before the next; regions cover only the instrumented modules, so glue
+kernels outside them are in CUPTI's sum only).
+
+Writes ``--out`` after every workload (partial results survive a time limit); a table last.
+
+    python benchmarks/compile_timing_bench.py --out benchmarks/results/timer-compile-h200.json
+    python benchmarks/compile_timing_bench.py --workloads encoder --modes default --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+from benchlib import logger, rnd  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+from gpuscope.timing import Timer, fusion  # noqa: E402
+
+log = logger("compile_timing_bench")
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # --device cpu: a smoke test of the script itself (Inductor's C++ backend)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def encoder() -> tuple:
+    layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+    x = torch.randn(16, 256, 512, device=DEVICE, dtype=DTYPE)
+    return model, (x,), {}, lambda path, m: isinstance(m, torch.nn.TransformerEncoderLayer)
+
+
+def llama(tokens: tuple[int, int]) -> tuple:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=2048)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 32000, tokens, device=DEVICE)
+    return model, (), {"input_ids": ids, "use_cache": False}, ("embed_tokens", "self_attn", "mlp", "lm_head")
+
+
+def resnet50() -> tuple:
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None)
+    x = torch.randn(32, 3, 224, 224, device=DEVICE, dtype=DTYPE).to(memory_format=torch.channels_last)
+    top = {"conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc"}
+    return model, (x,), {}, lambda path, m: path in top
+
+
+WORKLOADS = {"encoder": encoder, "llama-decode": lambda: llama((1, 1)),
+             "llama-prefill": lambda: llama((4, 512)), "resnet50": resnet50}
+
+
+def rate(fn, steps: int) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return steps / (time.perf_counter() - t0)
+
+
+def quartiles(values: list[float]) -> dict:
+    if len(values) < 2:
+        return {"median": rnd(values[0], 4) if values else None}
+    q = statistics.quantiles(values, n=4)
+    return {"median": rnd(statistics.median(values), 4), "q1": rnd(q[0], 4), "q3": rnd(q[2], 4),
+            "min": rnd(min(values), 4), "max": rnd(max(values), 4)}
+
+
+def paired(twin, inst_fn, steps: int, rounds: int) -> dict:
+    ratios, on, off = [], [], []
+    for i in range(rounds):
+        pair = [("on", inst_fn), ("off", twin)]
+        if i % 2:
+            pair.reverse()
+        got = {name: rate(fn, steps) for name, fn in pair}
+        on.append(got["on"])
+        off.append(got["off"])
+        ratios.append(got["on"] / got["off"])
+    loss = [1 - r for r in ratios]
+    return {"loss": quartiles(loss), "untimed_steps_per_s": rnd(statistics.median(off), 1),
+            "instrumented_steps_per_s": rnd(statistics.median(on), 1), "rounds": rounds}
+
+
+def kernel_seconds(prof) -> float:
+    """Sum of GPU kernel durations in a torch.profiler run (CUPTI's records)."""
+    total = 0.0
+    try:
+        for event in prof.profiler.kineto_results.events():
+            name = event.name().lower()
+            if event.device_type() == torch.autograd.DeviceType.CUDA and "memcpy" not in name \
+                    and "memset" not in name:
+                total += event.duration_ns() * 1e-9
+        return total
+    except Exception:
+        return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) * 1e-6
+
+
+def region_sums(timer: Timer, names: set[str]) -> tuple[float, int]:
+    s = n = 0
+    for op in timer.core.ops():
+        if op.name in names:
+            for h in op.hists.values():
+                s += h.sum
+                n += h.count
+    return s, n
+
+
+def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    model, call_args, call_kwargs, include = WORKLOADS[name]()
+    model = model.to(DEVICE, DTYPE).eval()
+    if name == "resnet50":
+        model = model.to(memory_format=torch.channels_last)
+    twin_model = copy.deepcopy(model)
+    compile_mode = None if mode == "default" else mode
+    result: dict = {"workload": name, "mode": mode}
+    registry = CollectorRegistry()
+    timer = Timer(registry, calibrate_every=0)  # default budget (1%)
+    with torch.no_grad():
+        expected = model(*call_args, **call_kwargs)
+        counters.clear()
+        twin = torch.compile(twin_model, mode=compile_mode)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            twin(*call_args, **call_kwargs)
+        sync()
+        result["twin_compile_s"] = rnd(time.perf_counter() - t0, 1)
+        result["twin_graph_breaks"] = sum(counters["graph_break"].values())  # the model's own
+        counters.clear()
+        compiled = torch.compile(model, mode=compile_mode)
+        inst = timer.instrument(compiled, include=include)
+        t0 = time.perf_counter()
+        outputs_close = True
+        for _ in range(8):  # compiles the untimed graph and its timed twin, captures both
+            out = compiled(*call_args, **call_kwargs)
+            ref = out.logits if hasattr(out, "logits") else out
+            want = expected.logits if hasattr(expected, "logits") else expected
+            close = torch.allclose(ref.float(), want.float(), atol=0.1, rtol=0.1)
+            outputs_close = outputs_close and bool(close)
+        sync()
+        result["instrumented_compile_s"] = rnd(time.perf_counter() - t0, 1)
+        result["outputs_close_to_eager"] = outputs_close
+
+        def run_twin() -> None:
+            twin(*call_args, **call_kwargs)
+
+        def run_inst() -> None:
+            compiled(*call_args, **call_kwargs)
+
+        per_step = 1 / max(1e-3, rate(run_twin, 5))
+        steps = max(5, int(args.segment_s / per_step))
+        result["steps_per_segment"] = steps
+        warm_until = time.perf_counter() + args.settle_s  # the budget controller adapts once a second
+        while time.perf_counter() < warm_until:
+            rate(run_inst, steps)
+        result["budget"] = paired(run_twin, run_inst, steps, args.rounds)
+        result["budget"]["period"] = timer.sampling_period()
+        result["budget"]["overhead_ratio_estimate"] = rnd(timer.budget_controller.overhead_ratio, 5)
+        result["budget"]["timed_passes"] = inst.sampled_passes
+        result["budget"]["passes"] = inst.passes
+        # every pass sampled (the CUDA graph's timed twin still runs only once read: graph_busy)
+        timer.core.fixed_rate = True
+        timer.core.set_period(1)
+        busy0, sampled0, passes0 = timer.dropped["graph_busy"], inst.sampled_passes, inst.passes
+        rate(run_inst, steps)
+        result["full"] = paired(run_twin, run_inst, steps, args.rounds)
+        result["full"]["graph_busy"] = timer.dropped["graph_busy"] - busy0
+        result["full"]["sampled_passes"] = inst.sampled_passes - sampled0
+        result["full"]["passes"] = inst.passes - passes0
+        # regions vs CUPTI over the same passes: each pass timed and read before the next
+        timer.flush(10)
+        merged = inst.compiled.merged()
+        merged_names = {n for g in merged for n in g}
+        apart = {n for n in inst.ops if "+" not in n and n not in merged_names}
+        s0, n0 = region_sums(timer, set(inst.ops))
+        from torch.profiler import ProfilerActivity, profile
+
+        activity = ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            for _ in range(args.accuracy_passes):
+                run_inst()
+                sync()
+                timer.flush(10)
+        s1, n1 = region_sums(timer, set(inst.ops))
+        kernels = kernel_seconds(prof)
+        result["accuracy"] = {
+            "passes": args.accuracy_passes, "samples": n1 - n0, "region_sum_ms": rnd((s1 - s0) * 1e3, 4),
+            "cupti_kernel_sum_ms": rnd(kernels * 1e3, 4),
+            "regions_over_cupti": rnd((s1 - s0) / kernels, 4) if kernels else None,
+            "regions_apart": len(apart), "regions": len(inst.compiled.names)}
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["graph_break_reasons"] = list(counters["graph_break"])[:5]
+        result["unique_graphs"] = counters["stats"]["unique_graphs"]
+        result["merged"] = merged
+        result["graphs_checked"] = inst.compiled.graphs_checked
+        result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
+        result["stray_marks"] = inst.compiled.stray_marks
+        result["fusion_analysis_failures"] = fusion.analysis_failures[0]
+    inst.remove()
+    timer.close()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| workload | mode | untimed steps/s | default budget loss (q1–q3) | period | full loss (q1–q3) "
+            "| breaks | merged | regions/CUPTI |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['workload']} | {r['mode']} | error: {r['error'][:60]} |||||||")
+            continue
+        b, f, a = r["budget"], r["full"], r["accuracy"]
+
+        def pct(x: dict) -> str:
+            return f"{100 * x['median']:.2f}% ({100 * x['q1']:.2f}–{100 * x['q3']:.2f})" if "q1" in x else "?"
+
+        rows.append(f"| {r['workload']} | {r['mode']} | {b['untimed_steps_per_s']} | {pct(b['loss'])} | "
+                    f"{b['period']} | {pct(f['loss'])} | {r['graph_breaks']} | {len(r['merged'])} | "
+                    f"{a['regions_over_cupti']} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workloads", default="encoder,llama-decode,llama-prefill,resnet50")
+    parser.add_argument("--modes", default="reduce-overhead,default")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--segment-s", type=float, default=0.2)
+    parser.add_argument("--settle-s", type=float, default=3.0)
+    parser.add_argument("--accuracy-passes", type=int, default=10)
+    parser.add_argument("--deadline-s", type=float, default=1e9, help="skip what would start after this")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    torch._dynamo.config.cache_size_limit = 64
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    start = time.perf_counter()
+    doc = {"date": dt.date.today().isoformat(),
+           "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+           "torch": torch.__version__, "args": vars(args), "results": []}
+    for name in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            if time.perf_counter() - start > args.deadline_s:
+                doc["results"].append({"workload": name, "mode": mode, "error": "skipped: out of time"})
+                continue
+            log(f"{name} / {mode}")
+            try:
+                doc["results"].append(run_one(name, mode, args))
+            except Exception as exc:
+                traceback.print_exc()
+                doc["results"].append({"workload": name, "mode": mode, "error": repr(exc)[:400]})
+            log(json.dumps(doc["results"][-1])[:600])
+            Path(args.out).write_text(json.dumps(doc, indent=1))
+            torch._dynamo.reset()
+    print(table(doc["results"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""instrument() on compiled models on a real GPU: default torch.compile and CUDA graph trees."""
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch._dynamo.utils import counters
+
+from gpuscope.timing import Timer
+
+pytestmark = pytest.mark.gpu
+
+
+class Model(torch.nn.Module):
+    def __init__(self, d: int = 1024) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+def samples(timer: Timer) -> dict[str, int]:
+    return {op.name: sum(h.count for h in op.hists.values()) for op in timer.core.ops()}
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_model_is_timed_without_graph_breaks(mode):
+    torch.manual_seed(0)
+    model = Model().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    with Timer(CollectorRegistry(), sample_rate=1.0, calibrate_every=0) as timer, torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, mode=mode)
+        inst = timer.instrument(compiled, include=("attn", "mlp"))
+        outputs = []
+        for _ in range(12):
+            outputs.append(compiled(x).clone())
+            torch.cuda.synchronize()
+            assert timer.flush(30)  # read before the next pass: every pass can be timed
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        for out in outputs:
+            torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)  # Inductor's own rounding
+        assert all(torch.equal(out, outputs[-1]) for out in outputs[3:])  # timed passes change no value
+        got = samples(timer)
+        merged = inst.compiled.merged()
+        timed = [name for name in ("attn", "mlp") if not any(name in g for g in merged)]
+        for name in timed:
+            assert got[name] >= 8, (name, got)
+        if mode == "reduce-overhead":
+            shapes = next(iter(inst.compiled._shapes.values()))
+            assert shapes.events, "the timed CUDA graph holds no event nodes"
+        assert timer.dropped["error"] == 0
+        inst.remove()
