@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import parse_memory, parse_shares
 from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.unmanaged import UnmanagedWatch
 from tests.conftest import wait_for
 from tests.share.fakecuda import HERE, child_env, running_controller
 
@@ -164,3 +165,27 @@ def test_memory_flags():
         with pytest.raises(ValueError) as info:
             parse_shares(bad)
         assert why in str(info.value), (bad, str(info.value))
+
+
+def test_a_process_on_the_gpu_that_never_joined_is_reported_and_logged_once():
+    on_gpu = {101: 2 * GiB, 102: GiB}
+    joined = {101}
+    lines: list[str] = []
+    watch = UnmanagedWatch(lambda: on_gpu, lambda: joined, log=lines.append)
+    watch.sample()
+    assert watch.unmanaged == {}  # seen once: it may be a tenant between its context and its join
+    watch.sample()
+    assert watch.unmanaged == {102: GiB} and len(lines) == 1 and "pid 102" in lines[0]
+    watch.sample()
+    assert len(lines) == 1  # logged once
+    joined.add(102)  # it joined after all
+    watch.sample()
+    assert watch.unmanaged == {}
+
+    def broken() -> dict[int, int]:
+        raise RuntimeError("NVML gone")
+
+    watch.source = broken
+    watch.sample()
+    watch.sample()
+    assert watch.errors == 2 and watch.samples == 4 and len(lines) == 2  # the failure logged once

@@ -509,6 +509,13 @@ SHARE_MEMORY_CAP = _m("gpuscope_share_memory_cap_bytes", "gauge",
 SHARE_MEMORY_REFUSED = _m("gpuscope_share_memory_refused_total", "counter",
                           "Allocations refused with CUDA_ERROR_OUT_OF_MEMORY because they would take the "
                           "tenant past its memory cap.", "allocations", ("tenant",), area=SHARE)
+SHARE_UNMANAGED_PROCESSES = _m("gpuscope_share_unmanaged_processes", "gauge",
+                               "Processes NVML lists on the controller's GPU that never joined it (seen in "
+                               "two samples in a row): they run outside every share and memory cap.",
+                               "processes", area=SHARE)
+SHARE_UNMANAGED_MEMORY = _m("gpuscope_share_unmanaged_memory_bytes", "gauge",
+                            "Device memory held by the unmanaged processes, as NVML reports it.", "bytes",
+                            area=SHARE)
 SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "

@@ -176,6 +176,11 @@ class Controller:
         self.policy.memory[state.view.slot].give_back(counters["mem_bytes"])
         state.view.close()
 
+    def joined_pids(self) -> list[int]:
+        """The pids of the processes that joined and still run (for the unmanaged-process watch)."""
+        with self.lock:
+            return list(self.procs)
+
     def _charge(self, now: float) -> None:
         """Charge the GPU time the processes posted since the last call.
 

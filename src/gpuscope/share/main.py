@@ -31,6 +31,7 @@ from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.nvml_source import nvml_utilization
 from gpuscope.share.preload import DEFAULT_LEDGER, library_path
+from gpuscope.share.unmanaged import UnmanagedWatch, nvml_processes
 from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
@@ -159,7 +160,11 @@ class ShareSettings:
                             "events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", 2, "finished-but-unresolved windows a slice "
                                   "holder may have queued: bounds the work a hand-over overlaps or waits for")
-    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting)")
+    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting, and the watch for "
+                       "processes that never joined)")
+    watch_interval: float = setting(
+        "--share.watch-interval", 0.5, "how often NVML's list of the GPU's processes is compared with the "
+        "ones that joined (a process seen twice without joining is reported)", parse=parse_duration)
     allow: dict[str, tuple[Rule, ...]] | None = setting(
         "--share.allow", None, "which processes may join as which tenant: NAME=RULE[|RULE...],... with rules "
         "uid:N, user:NAME, gid:N, group:NAME, cgroup:PATH, any (a tenant not named: the controller's own "
@@ -225,8 +230,17 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
         signal.signal(sig, lambda *_: stop.set())
+    watch = None
+    try:
+        watch = UnmanagedWatch(nvml_processes(args.gpu), controller.joined_pids,
+                               interval_s=args.watch_interval, log=controller.log)
+    except Exception as exc:  # no NVML (a CPU host, a container without the driver's library): say so once
+        controller.log(f"gpuscope share: NVML cannot list GPU {args.gpu}'s processes ({exc}): processes that "
+                       "never joined go unseen")
     registry = CollectorRegistry()
-    registry.register(ShareCollector(controller))
+    registry.register(ShareCollector(controller, watch))
+    if watch is not None:
+        watch.start()
     try:
         server = ExporterServer((host, port), exposition(registry), lambda: {"status": "ok"},
                                 max_connections=args.max_connections, read_timeout=args.read_timeout,
@@ -235,12 +249,15 @@ def main(argv: list[str]) -> int:
         controller.close()
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
     server.serve_in_thread()
-    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" for t in args.shares)
+    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" + (f":{t.memory:g}" if t.memory else "")
+                       for t in args.shares)
     sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
                      f"/metrics on {server.url}/metrics\n")
     try:
         controller.run(stop)
     finally:
+        if watch is not None:
+            watch.stop()
         server.shutdown()
         server.server_close()
         controller.close()

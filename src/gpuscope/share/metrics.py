@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from gpuscope.contract import catalogue as cat
 from gpuscope.share.controller import Controller
+from gpuscope.share.unmanaged import UnmanagedWatch
 
 _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_GPU_SECONDS, "gpu_ns", 1e-9),
@@ -21,8 +22,9 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
 class ShareCollector:
     """A prometheus_client collector over a running Controller."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, watch: UnmanagedWatch | None = None) -> None:
         self.controller = controller
+        self.watch = watch  # None where NVML cannot list the GPU's processes: no series then
 
     def collect(self) -> Iterator[object]:
         c = self.controller
@@ -88,6 +90,13 @@ class ShareCollector:
         yield used
         yield cap
         yield refused
+        if self.watch is not None:
+            unmanaged = dict(self.watch.unmanaged)
+            count, held = cat.SHARE_UNMANAGED_PROCESSES.family(), cat.SHARE_UNMANAGED_MEMORY.family()
+            count.add_metric([], len(unmanaged))
+            held.add_metric([], sum(unmanaged.values()))
+            yield count
+            yield held
         j = cat.SHARE_JOINS.family()
         for result, count in joins.items():
             j.add_metric([result], count)
