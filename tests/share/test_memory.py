@@ -14,6 +14,7 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuscope.share.crosscheck import ReportCheck
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import parse_memory, parse_shares
 from gpuscope.share.metrics import ShareCollector
@@ -189,3 +190,19 @@ def test_a_process_on_the_gpu_that_never_joined_is_reported_and_logged_once():
     watch.sample()
     watch.sample()
     assert watch.errors == 2 and watch.samples == 4 and len(lines) == 2  # the failure logged once
+
+
+def test_a_tenant_that_reports_less_gpu_time_than_nvml_sees_is_flagged_over_minutes():
+    lines: list[str] = []
+    check = ReportCheck(window_s=300, tolerance=0.15, log=lines.append)
+    tenants = {11: "honest", 12: "liar"}
+    charged = {"honest": 0.0, "liar": 0.0}
+    for second in range(0, 301, 5):  # both keep the GPU busy 40% of the time; the liar reports 10%
+        check.sample(float(second), {11: 0.4, 12: 0.4}, tenants, charged)
+        if second < 250:
+            assert not any(check.flagged.values())  # not yet a whole window: no verdict
+        charged["honest"] += 0.4 * 5
+        charged["liar"] += 0.1 * 5
+    assert check.flagged == {"honest": False, "liar": True}
+    assert len(lines) == 1 and "liar" in lines[0]
+    assert check.nvml_busy_s["liar"] == pytest.approx(0.4 * 300)

@@ -516,6 +516,14 @@ SHARE_UNMANAGED_PROCESSES = _m("gpuscope_share_unmanaged_processes", "gauge",
 SHARE_UNMANAGED_MEMORY = _m("gpuscope_share_unmanaged_memory_bytes", "gauge",
                             "Device memory held by the unmanaged processes, as NVML reports it.", "bytes",
                             area=SHARE)
+SHARE_NVML_BUSY_SECONDS = _m("gpuscope_share_nvml_busy_seconds_total", "counter",
+                             "GPU time of a tenant's processes as NVML's per-process SM utilization shows it "
+                             "(independent of what the processes report).", "seconds", ("tenant",),
+                             area=SHARE)
+SHARE_UNDER_REPORTED = _m("gpuscope_share_under_reported", "gauge",
+                          "1 while NVML has seen a tenant's processes busy for more than they were charged, "
+                          "by over 15% of the last 5 minutes: a process may under-report its GPU time.",
+                          "boolean", ("tenant",), area=SHARE)
 SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "

@@ -181,6 +181,14 @@ class Controller:
         with self.lock:
             return list(self.procs)
 
+    def tenants_by_pid(self) -> dict[int, str]:
+        with self.lock:
+            return {pid: self.tenants[state.view.slot].name for pid, state in self.procs.items()}
+
+    def charged_seconds(self) -> dict[str, float]:
+        with self.lock:
+            return dict(self.stats.charged_s)
+
     def _charge(self, now: float) -> None:
         """Charge the GPU time the processes posted since the last call.
 

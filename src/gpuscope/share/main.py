@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
 from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, ExporterServer
 from gpuscope.share.access import Access, Rule, parse_allow
 from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
+from gpuscope.share.crosscheck import ReportCheck
 from gpuscope.share.files import LedgerError
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
 from gpuscope.share.metrics import ShareCollector
@@ -231,14 +233,21 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
         signal.signal(sig, lambda *_: stop.set())
     watch = None
+    check = ReportCheck(log=controller.log)
     try:
+        sampled = nvml_utilization(args.gpu)  # its own: the nvml accounting's is the loop's
+
+        def cross_check() -> None:
+            check.sample(time.monotonic(), sampled(), controller.tenants_by_pid(),
+                         controller.charged_seconds())
+
         watch = UnmanagedWatch(nvml_processes(args.gpu), controller.joined_pids,
-                               interval_s=args.watch_interval, log=controller.log)
+                               interval_s=args.watch_interval, log=controller.log, also=cross_check)
     except Exception as exc:  # no NVML (a CPU host, a container without the driver's library): say so once
         controller.log(f"gpuscope share: NVML cannot list GPU {args.gpu}'s processes ({exc}): processes that "
                        "never joined go unseen")
     registry = CollectorRegistry()
-    registry.register(ShareCollector(controller, watch))
+    registry.register(ShareCollector(controller, watch, check if watch is not None else None))
     if watch is not None:
         watch.start()
     try:

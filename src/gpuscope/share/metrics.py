@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from gpuscope.contract import catalogue as cat
 from gpuscope.share.controller import Controller
+from gpuscope.share.crosscheck import ReportCheck
 from gpuscope.share.unmanaged import UnmanagedWatch
 
 _PER_PROCESS = (  # catalogue metric, ledger counter, scale
@@ -22,9 +23,11 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
 class ShareCollector:
     """A prometheus_client collector over a running Controller."""
 
-    def __init__(self, controller: Controller, watch: UnmanagedWatch | None = None) -> None:
+    def __init__(self, controller: Controller, watch: UnmanagedWatch | None = None,
+                 check: ReportCheck | None = None) -> None:
         self.controller = controller
         self.watch = watch  # None where NVML cannot list the GPU's processes: no series then
+        self.check = check
 
     def collect(self) -> Iterator[object]:
         c = self.controller
@@ -97,6 +100,13 @@ class ShareCollector:
             held.add_metric([], sum(unmanaged.values()))
             yield count
             yield held
+        if self.check is not None:
+            busy, flagged = cat.SHARE_NVML_BUSY_SECONDS.family(), cat.SHARE_UNDER_REPORTED.family()
+            for tenant in (t.name for t in c.tenants):
+                busy.add_metric([tenant], self.check.nvml_busy_s.get(tenant, 0.0))
+                flagged.add_metric([tenant], 1.0 if self.check.flagged.get(tenant) else 0.0)
+            yield busy
+            yield flagged
         j = cat.SHARE_JOINS.family()
         for result, count in joins.items():
             j.add_metric([result], count)

@@ -42,8 +42,10 @@ class UnmanagedWatch:
     """Samples ``source`` every ``interval_s`` in a thread; ``joined()`` the pids that joined."""
 
     def __init__(self, source: ProcessSource, joined: Callable[[], Collection[int]], *,
-                 interval_s: float = 0.5, log: Callable[[str], None] | None = None) -> None:
+                 interval_s: float = 0.5, log: Callable[[str], None] | None = None,
+                 also: Callable[[], None] | None = None) -> None:
         self.source = source
+        self.also = also  # another NVML look to take in the same thread at each sample
         self.joined = joined
         self.interval_s = interval_s
         self.log = log or (lambda line: None)
@@ -88,3 +90,10 @@ class UnmanagedWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
+            if self.also is not None:
+                try:
+                    self.also()
+                except Exception as exc:  # counted with the rest, never fatal to the thread
+                    self.errors += 1
+                    if self.errors == 1:
+                        self.log(f"gpuscope share: an NVML check failed ({exc})")
