@@ -93,3 +93,33 @@ def running_controller(prefix: str, tenants, **options):
         stop.set()
         loop.join()
         c.close()
+
+
+class Tenant:
+    """tests/share/allocator.py as a tenant process, driven one command at a time."""
+
+    def __init__(self, fake: Path, tmp_path: Path, name: str, ledger: str) -> None:
+        env = child_env(fake, os.devnull, tenant=name, ledger=ledger)
+        self.p = subprocess.Popen([sys.executable, str(HERE / "allocator.py")], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        self.err: str | None = None
+
+    def ask(self, *command) -> object:
+        self.p.stdin.write(json.dumps(command) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, self.p.stderr.read()
+        return json.loads(line)
+
+    def close(self) -> str:
+        """Its stderr, once it has exited (asked to, if it still runs)."""
+        if self.err is None:
+            if self.p.poll() is None:
+                self.p.stdin.write('["exit"]\n')
+                self.p.stdin.close()
+            self.p.wait(30)
+            self.err = self.p.stderr.read()
+            self.p.stdout.close()
+            self.p.stderr.close()
+        return self.err

@@ -17,8 +17,8 @@ from gpuscope.contract import catalogue
 from gpuscope.share.controller import Controller
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import main as share_main
-from gpuscope.share.main import parse_shares
 from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.policy import parse_shares
 from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env
 

@@ -4,11 +4,8 @@ driver's, and cuMemGetInfo and NVML show the cap as the card."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -16,46 +13,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuscope.share.crosscheck import ReportCheck
 from gpuscope.share.ledger import TenantPolicy
-from gpuscope.share.main import parse_memory, parse_shares
 from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.policy import parse_memory, parse_shares
 from gpuscope.share.unmanaged import UnmanagedWatch
 from tests.conftest import wait_for
-from tests.share.fakecuda import HERE, child_env, running_controller
+from tests.share.fakecuda import Tenant, running_controller
 
 MiB, GiB = 2**20, 2**30
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 CARD = 80 * GiB  # the fake driver's and fake NVML's card
 ROUTES = ["symbol", "gpa", "pitch", "managed", "async", "async_ptsz", "pool", "create"]
-
-
-class Tenant:
-    """tests/share/allocator.py as a tenant process, driven one command at a time."""
-
-    def __init__(self, fake, tmp_path, name: str, ledger: str) -> None:
-        env = child_env(fake, os.devnull, tenant=name, ledger=ledger)
-        self.p = subprocess.Popen([sys.executable, str(HERE / "allocator.py")], env=env,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
-        self.err: str | None = None
-
-    def ask(self, *command) -> object:
-        self.p.stdin.write(json.dumps(command) + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        assert line, self.p.stderr.read()
-        return json.loads(line)
-
-    def close(self) -> str:
-        """Its stderr, once it has exited (asked to, if it still runs)."""
-        if self.err is None:
-            if self.p.poll() is None:
-                self.p.stdin.write('["exit"]\n')
-                self.p.stdin.close()
-            self.p.wait(30)
-            self.err = self.p.stderr.read()
-            self.p.stdout.close()
-            self.p.stderr.close()
-        return self.err
 
 
 @pytest.fixture

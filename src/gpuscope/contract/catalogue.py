@@ -524,6 +524,9 @@ SHARE_UNDER_REPORTED = _m("gpuscope_share_under_reported", "gauge",
                           "1 while NVML has seen a tenant's processes busy for more than they were charged, "
                           "by over 15% of the last 5 minutes: a process may under-report its GPU time.",
                           "boolean", ("tenant",), area=SHARE)
+SHARE_POLICY_RELOADS = _m("gpuscope_share_policy_reloads_total", "counter",
+                          "Changes of --share.policy-file taken (applied) or refused (the file did not "
+                          "validate: the policy in force stayed).", "reloads", ("result",), area=SHARE)
 SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "

@@ -108,12 +108,15 @@ static int pick(const keeper_t *k, uint32_t wanting) {
 }
 
 /* SliceScheduler.quantum: the base slice for the smallest share among those taking turns, longer in
- * proportion to the share, at most eight times. */
+ * proportion to the share, at most eight times (a tenant without a share, removed from the policy
+ * while it runs, gets the base slice and sets no scale). */
 static int64_t quantum(const keeper_t *k, int slot, uint32_t wanting) {
-    double smallest = k->share[slot];
+    double smallest = 0;
     for (int s = 0; s < k->nslots; s++)
-        if ((wanting >> s & 1) && k->share[s] < smallest) smallest = k->share[s];
-    double ratio = k->share[slot] / (smallest > 1e-9 ? smallest : 1e-9);
+        if ((wanting >> s & 1 || s == slot) && k->share[s] > 0 && (smallest == 0 || k->share[s] < smallest))
+            smallest = k->share[s];
+    double ratio = smallest > 0 ? k->share[slot] / smallest : 1.0;
+    ratio = ratio < 1.0 ? 1.0 : ratio;
     return (int64_t)((double)k->base_slice * (ratio < 8.0 ? ratio : 8.0));
 }
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from gpuscope.share.access import Access
 from gpuscope.share.ledger import (
     KEEPER_OFFSETS,
+    MAX_TENANTS,
     OPEN_MASK,
     Policy,
     ProcView,
     TenantPolicy,
     pid_alive,
 )
+from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time
 
 try:
@@ -72,6 +74,9 @@ KEEPER_RETURN_S = 0.25
 #: (the yield comes at its next launch, and the queue holds two windows).
 YIELD_GRACE_WINDOWS = 4
 
+#: How often the policy file (--share.policy-file) is looked at for a change.
+POLICY_CHECK_S = 1.0
+
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
 
@@ -104,6 +109,7 @@ class Stats:
     state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
     binding: bool = False
+    policy_reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "refused": 0})
 
 
 class Controller:
@@ -112,7 +118,8 @@ class Controller:
                  handover: str = "drain", probe_every_s: float = PROBE_EVERY_S,
                  inflight_slice: int = 2, inflight_open: int = 16,
                  utilization: UtilizationSource | None = None, keeper: bool = True,
-                 access: Access | None = None, log: Callable[[str], None] | None = None) -> None:
+                 access: Access | None = None, log: Callable[[str], None] | None = None,
+                 policy_file: PolicyFile | None = None) -> None:
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
         self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us, inflight_slice=inflight_slice,
                              inflight_open=inflight_open, access=access, log=self.log)
@@ -145,6 +152,9 @@ class Controller:
         self._last_charge = self._last_state_count = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
         self._last_scan = self._last_zombie_check = 0.0
+        self.policy_file = policy_file
+        self._last_policy_check = time.monotonic()
+        self.reload_now = False  # set by SIGHUP: look at the policy file at the next step
         self._last_sample = 0.0
         self._mask = OPEN_MASK
         self._nvml_samples = self._nvml_matched = 0
@@ -456,9 +466,49 @@ class Controller:
             for state, seconds in parts.items():
                 self.stats.state_s[(name, state)] = self.stats.state_s.get((name, state), 0.0) + seconds
 
+    # --- a new policy, live ------------------------------------------------------------------
+    def apply_policy(self, spec: PolicySpec) -> None:
+        """Take ``spec``'s tenants and admission rules, without a restart: tenants kept keep their
+        slots and usage, new ones get new slots, removed ones keep theirs with share 0 (their running
+        processes go on with what the others leave; new ones may not join). Raises ValueError,
+        changing nothing, when the slots would run out."""
+        with self.lock:
+            wanted = {t.name: t for t in spec.tenants}
+            kept = [wanted.get(t.name, TenantPolicy(t.name, 0.0)) for t in self.tenants]
+            known = {t.name for t in self.tenants}
+            tenants = kept + [t for t in spec.tenants if t.name not in known]
+            if len(tenants) > MAX_TENANTS:
+                raise ValueError(f"{len(tenants)} tenants with the removed ones still holding slots: at most "
+                                 f"{MAX_TENANTS} until the controller restarts")
+            self.policy.set_tenants(tenants, Access(spec.allow))
+            self.tenants = tenants
+            self.scheduler.set_tenants(tenants)
+            self.buckets.set_tenants(tenants)
+            for t in tenants:
+                self.stats.slices.setdefault(t.name, 0)
+                self.stats.charged_s.setdefault(t.name, 0.0)
+
+    def _check_policy_file(self, now: float) -> None:
+        due = self.reload_now or now - self._last_policy_check >= POLICY_CHECK_S
+        if self.policy_file is None or not due:
+            return
+        self._last_policy_check, forced, self.reload_now = now, self.reload_now, False
+        if not (forced or self.policy_file.changed()):
+            return
+        try:
+            self.apply_policy(self.policy_file.read())
+        except ValueError as exc:
+            self.stats.policy_reloads["refused"] += 1
+            self.log(f"gpuscope share: {self.policy_file.path} refused: {exc}; the policy in force stays")
+            return
+        self.stats.policy_reloads["applied"] += 1
+        shares = ", ".join(f"{t.name}={t.share:g}" for t in self.tenants if t.share > 0)
+        self.log(f"gpuscope share: {self.policy_file.path} applied: {shares}")
+
     def step(self) -> float:
         now = time.monotonic()
         self.policy.heartbeat()
+        self._check_policy_file(now)
         self._count_states(now)
         if now - self._last_scan >= SCAN_S:
             # liveness of the known processes every time (kill(pid, 0)); reading /proc for zombies, a

@@ -84,7 +84,7 @@ class JoinServer:
     written, and the object the controller keeps for it; ``shared_fds(slot)`` the policy (read-only),
     the bell and the tenant's memory page; ``ring`` wakes the controller after each event."""
 
-    def __init__(self, sock: socket.socket, tenants: Sequence[str], access: Access,
+    def __init__(self, sock: socket.socket, tenants: Sequence[str | None], access: Access,
                  shared_fds: Callable[[int], tuple[int, int, int]],
                  make_page: Callable[[int, int, str], tuple[int, Any]],
                  ring: Callable[[], None], *, layout_version: int, hello_timeout_s: float = HELLO_TIMEOUT_S,
@@ -132,6 +132,12 @@ class JoinServer:
         self.sock.close()
         self._wake_r.close()
         self._wake_w.close()
+
+    def set_tenants(self, tenants: Sequence[str | None], access: Access | None = None) -> None:
+        """A new policy's names, slot for slot (None: removed), and its admission rules."""
+        self.tenants = list(tenants)  # one assignment each: the join thread sees the old or the new
+        if access is not None:
+            self.access = access
 
     def take(self) -> list[JoinEvent]:
         with self._lock:
@@ -239,7 +245,8 @@ class JoinServer:
             self._refuse(sock, NOT_ALLOWED, "not_allowed",
                          "the process is in a pid namespace the controller cannot see")
             return
-        if name not in self.tenants:
+        tenants = self.tenants
+        if not name or name not in tenants:
             self._refuse(sock, UNKNOWN_TENANT, "unknown_tenant", f"the controller has no share named {name}",
                          peer, name)
             return
@@ -252,7 +259,7 @@ class JoinServer:
             self._refuse(sock, FULL, "full", f"the controller holds {self.max_processes} processes already",
                          peer, name)
             return
-        slot = self.tenants.index(name)
+        slot = tenants.index(name)
         fd, page = self.make_page(peer.pid, slot, name)
         try:
             sock.setblocking(True)

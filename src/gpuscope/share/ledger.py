@@ -272,7 +272,7 @@ class Policy:
             self._close_pages()
             self.lock.release()
             raise
-        self.joins = JoinServer(sock, [t.name for t in self.tenants], access or Access(), self._shared_fds,
+        self.joins = JoinServer(sock, _joinable(self.tenants), access or Access(), self._shared_fds,
                                 _new_proc_page, self.ring, layout_version=LAYOUT_VERSION, log=log)
         self.joins.start()
 
@@ -293,18 +293,38 @@ class Policy:
         for off, value in ((P_WINDOW_US, window_us), (P_INFLIGHT_SLICE, inflight_slice),
                            (P_INFLIGHT_OPEN, inflight_open), (P_STALE_MS, stale_ms)):
             m.set_u32(off, value)
+        self._write_entries()
+        self.gen = 1
+        m.set_u32(P_GATE, (self.gen << 16) | OPEN_MASK)
+        self.heartbeat()
+        m.set_u32(P_MAGIC, POLICY_MAGIC)
+
+    def _write_entries(self) -> None:
+        """Every tenant's entry, then how many there are (a process reads an entry only below it)."""
+        m = self.map
         for i, t in enumerate(self.tenants):
             base = P_TENANTS + i * TENANT_SIZE
             name = t.name.encode()
             ctypes.memmove(m.addr + base, name, len(name))
             m.set_u32(base + NAME_LEN, round(t.share * 1e6))
             m.set_u32(base + NAME_LEN + 4, t.priority)
-            m.set_u32(base + NAME_LEN + 8, 1)
+            m.set_u32(base + NAME_LEN + 8, 1 if t.share > 0 else 0)
             m.set_u64(base + T_MEM_CAP, t.mem_cap_word())
-        self.gen = 1
-        m.set_u32(P_GATE, (self.gen << 16) | OPEN_MASK)
-        self.heartbeat()
-        m.set_u32(P_MAGIC, POLICY_MAGIC)
+        m.set_u32(P_NTENANTS, len(self.tenants))
+
+    def set_tenants(self, tenants: Sequence[TenantPolicy], access: Access | None = None) -> None:
+        """A new policy, slot for slot: ``tenants`` keeps the current slots in order (a tenant removed
+        has share 0: its running processes keep their slot, new ones may not join) and may add some."""
+        if len(tenants) > MAX_TENANTS or [t.name for t in tenants[:len(self.tenants)]] != \
+                [t.name for t in self.tenants]:
+            raise ValueError(f"a new policy keeps the slots of the old one, at most {MAX_TENANTS}")
+        for i in range(len(self.tenants), len(tenants)):
+            fd = sealed_page(f"gpuscope-share-tenant{i}")
+            self._tenant_fds.append(fd)
+            self.memory.append(TenantMemory(fd, tenants[i].name))
+        self.tenants = list(tenants)
+        self._write_entries()
+        self.joins.set_tenants(_joinable(self.tenants), access)
 
     def _shared_fds(self, slot: int) -> tuple[int, int, int]:
         """What a tenant's joining process gets besides its own page: the policy (read-only), the bell
@@ -469,6 +489,11 @@ class ProcView:
 
     def close(self) -> None:
         self.map.close()
+
+
+def _joinable(tenants: Sequence[TenantPolicy]) -> list[str | None]:
+    """The names processes may join as, slot for slot (None: a slot whose tenant was removed)."""
+    return [t.name if t.share > 0 else None for t in tenants]
 
 
 def _new_proc_page(pid: int, slot: int, tenant: str) -> tuple[int, ProcView]:

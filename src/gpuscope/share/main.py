@@ -10,7 +10,6 @@ docs/share.md explains the mechanism, its limits and its security model.
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import threading
@@ -29,77 +28,14 @@ from gpuscope.share.access import Access, Rule, parse_allow
 from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
 from gpuscope.share.crosscheck import ReportCheck
 from gpuscope.share.files import LedgerError
-from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.nvml_source import nvml_utilization
+from gpuscope.share.policy import PolicyFile, parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER, library_path
 from gpuscope.share.unmanaged import UnmanagedWatch, nvml_processes
 from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
 from gpuscope.util.settings import SettingsParser, parser_for, setting
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-#: A memory cap below this is a typo (a unit forgotten), not a cap.
-MIN_MEMORY_CAP = 2**20
-
-
-def parse_memory(text: str) -> float:
-    """A memory cap: a fraction of the card in (0, 1] (``0.4``), or a size (``40GiB``, ``512MB``,
-    ``1073741824``) of at least 1 MiB."""
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", text.strip())
-    if match is None:
-        raise ValueError(f"memory {text!r} is neither a fraction of the card (0.4) nor a size "
-                         "(40GiB)")
-    value, unit = float(match.group(1)), match.group(2).upper()
-    if unit not in _UNITS:
-        raise ValueError(f"memory {text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    if not unit and 0 < value <= 1:
-        return value
-    size = int(value * _UNITS[unit])
-    if size < MIN_MEMORY_CAP:
-        raise ValueError(f"memory {text!r}: a fraction of the card must be in (0, 1] and a size at "
-                         "least 1MiB")
-    return size
-
-
-def parse_shares(text: str) -> list[TenantPolicy]:
-    """``NAME=FRACTION[:PRIORITY[:MEMORY]],...`` → tenants; fractions in (0, 1] summing to at most 1."""
-    tenants: list[TenantPolicy] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        name, sep, rest = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY[:MEMORY]]")
-        if len(name.encode()) >= NAME_LEN or not all(ch.isalnum() or ch in "-_." for ch in name):
-            raise ValueError(f"tenant name {name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} bytes")
-        fraction, _, tail = rest.partition(":")
-        priority, _, memory = tail.partition(":")
-        try:
-            share = float(fraction)
-            prio = int(priority) if priority.strip() else 0
-        except ValueError:
-            raise ValueError(f"{item!r}: FRACTION must be a number and PRIORITY an integer") from None
-        if not 0 < share <= 1:
-            raise ValueError(f"{item!r}: the share must be in (0, 1]")
-        if not 0 <= prio <= 1000:
-            raise ValueError(f"{item!r}: the priority must be between 0 and 1000")
-        if any(t.name == name for t in tenants):
-            raise ValueError(f"tenant {name!r} named twice")
-        cap = parse_memory(memory) if memory.strip() else 0
-        tenants.append(TenantPolicy(name, share, prio, cap))
-    if not tenants:
-        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY[:MEMORY]],...")
-    if len(tenants) > MAX_TENANTS:
-        raise ValueError(f"at most {MAX_TENANTS} tenants")
-    if sum(t.share for t in tenants) > 1.0 + 1e-9:
-        raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
-    fractions = [t.memory for t in tenants if 0 < t.memory <= 1]
-    if sum(fractions) > 1.0 + 1e-9:
-        raise ValueError(f"the memory fractions add up to {sum(fractions):g}, more than the card")
-    return tenants
-
 
 #: Probes more often than this would pause the slice holder for a fifth of its time.
 MIN_PROBE_EVERY_S = 5 * PROBE_S
@@ -138,6 +74,10 @@ class ShareSettings:
     accounting: Accounting = setting(
         "--share.accounting", Accounting.EVENTS, "events: slices charged by the tenants' CUDA events; nvml: "
         "token buckets fed by NVML utilization every 100 ms (what the peer projects do)")
+    policy_file: str = setting(
+        "--share.policy-file", "", "a YAML file of the tenants (shares, priorities, memory caps, admission "
+        "rules) instead of --share and --share.allow; a change is applied within a second (or at SIGHUP), "
+        "after validation, without restarting anything")
     ledger: str = setting("--share.ledger", DEFAULT_LEDGER, "path prefix of the shared-memory ledger "
                           "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
     slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
@@ -196,8 +136,19 @@ def exposition(registry: CollectorRegistry) -> Callable[[str], tuple[bytes, str]
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_settings(argv)
-    if args.shares is None:
-        parser.error("--share is required: NAME=FRACTION[:PRIORITY[:MEMORY]],...")
+    policy_file = None
+    tenants, allow = args.shares, args.allow
+    if args.policy_file:
+        if args.shares is not None or args.allow is not None:
+            parser.error("give the tenants either in --share (and --share.allow) or in --share.policy-file")
+        policy_file = PolicyFile(args.policy_file)
+        try:
+            spec = policy_file.read()
+        except ValueError as exc:
+            parser.error(f"--share.policy-file {args.policy_file}: {exc}")
+        tenants, allow = spec.tenants, spec.allow
+    if tenants is None:
+        parser.error("--share is required: NAME=FRACTION[:PRIORITY[:MEMORY]],... (or --share.policy-file)")
     if not 1 <= args.queued_windows <= 255:
         parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
     if args.probe_every < MIN_PROBE_EVERY_S:
@@ -205,7 +156,7 @@ def main(argv: list[str]) -> int:
                      f"holder for {PROBE_S:g}s), not {args.probe_every:g}s")
     if not 1 <= args.max_connections <= 100_000:
         parser.error(f"--web.max-connections must be between 1 and 100000, not {args.max_connections}")
-    unknown = sorted(set(args.allow or {}) - {t.name for t in args.shares})
+    unknown = sorted(set(allow or {}) - {t.name for t in tenants})
     if unknown:
         parser.error(f"--share.allow names tenants --share does not: {', '.join(unknown)}")
     host, port = parse_listen_address(args.listen)
@@ -219,12 +170,12 @@ def main(argv: list[str]) -> int:
         except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
             parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")
     try:
-        controller = Controller(args.ledger, args.shares, mode=args.accounting, slice_s=args.slice,
+        controller = Controller(args.ledger, tenants, mode=args.accounting, slice_s=args.slice,
                                 drain_timeout_s=args.drain_timeout, window_us=int(args.window * 1e6),
                                 probe_every_s=args.probe_every,
                                 handover=str(args.handover), inflight_slice=args.queued_windows,
                                 utilization=utilization, keeper=args.turns == Turns.C,
-                                access=Access(args.allow))
+                                access=Access(allow), policy_file=policy_file)
     except LedgerError as exc:
         parser.error(str(exc))
     except OSError as exc:
@@ -232,6 +183,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: setattr(controller, "reload_now", True))  # reread the file now
     watch = None
     check = ReportCheck(log=controller.log)
     try:
@@ -259,7 +211,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
     server.serve_in_thread()
     shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" + (f":{t.memory:g}" if t.memory else "")
-                       for t in args.shares)
+                       for t in tenants)
     sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
                      f"/metrics on {server.url}/metrics\n")
     try:

@@ -41,6 +41,7 @@ class ShareCollector:
             duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
             probes = c.stats.probes
             joins = dict(c.policy.joins.results)
+            reloads = dict(c.stats.policy_reloads)
             memory = [(t.name, page.used, page.refused, c.policy.mem_cap_bytes(slot))
                       for slot, (t, page) in enumerate(zip(c.tenants, c.policy.memory, strict=True))]
         for metric, key, scale in _PER_PROCESS:
@@ -107,6 +108,10 @@ class ShareCollector:
                 flagged.add_metric([tenant], 1.0 if self.check.flagged.get(tenant) else 0.0)
             yield busy
             yield flagged
+        pr = cat.SHARE_POLICY_RELOADS.family()
+        for result, count in reloads.items():
+            pr.add_metric([result], count)
+        yield pr
         j = cat.SHARE_JOINS.family()
         for result, count in joins.items():
             j.add_metric([result], count)

@@ -142,9 +142,17 @@ class SliceScheduler:
 
     def quantum(self, slot: int, wanting: Iterable[int], base_s: float) -> float:
         """Slice length for ``slot``: ``base_s`` for the smallest share among ``wanting``, longer in
-        proportion to the share (weighted round robin; the deficits correct what is left)."""
-        smallest = min((self.tenants[s].share for s in wanting), default=self.tenants[slot].share)
-        return base_s * min(8.0, self.tenants[slot].share / max(smallest, 1e-9))
+        proportion to the share (weighted round robin; the deficits correct what is left). A tenant
+        without a share (removed from the policy while it runs) gets ``base_s`` and sets no scale."""
+        shares = [self.tenants[s].share for s in {*wanting, slot} if self.tenants[s].share > 0]
+        smallest = min(shares, default=0.0)
+        ratio = self.tenants[slot].share / smallest if smallest > 0 else 1.0
+        return base_s * min(8.0, max(1.0, ratio))
+
+    def set_tenants(self, tenants: Sequence[TenantPolicy]) -> None:
+        """A new policy: the same slots first (their usage kept), new ones after."""
+        self.tenants = list(tenants)
+        self.used += [0.0] * (len(self.tenants) - len(self.used))
 
     def preempts(self, holder: int, slot: int, wanting: Iterable[int]) -> bool:
         """Whether waiting ``slot`` should take the GPU from ``holder`` before its slice ends."""
@@ -204,6 +212,11 @@ class TokenBuckets:
         self.tenants = list(tenants)
         self.burst_s = burst_s
         self.tokens = [burst_s] * len(tenants)
+
+    def set_tenants(self, tenants: Sequence[TenantPolicy]) -> None:
+        """A new policy: the same slots first (their buckets kept), new ones after."""
+        self.tenants = list(tenants)
+        self.tokens += [self.burst_s] * (len(self.tenants) - len(self.tokens))
 
     def update(self, utilization: Mapping[int, float], wanting: Iterable[int], dt_s: float) -> int:
         """Refill by share, drain by measured utilization over ``dt_s``; returns the gate mask."""

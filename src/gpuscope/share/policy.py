@@ -1,0 +1,167 @@
+"""The tenants' policy as operators write it: the ``--share`` flag, ``--share.allow``, or a policy file.
+
+A policy file (``--share.policy-file``, a ConfigMap in Kubernetes) holds the same facts as the two
+flags, in YAML (JSON is YAML too)::
+
+    tenants:
+      online: {share: 0.3, priority: 1, memory: 40GiB, allow: [uid:1001, "cgroup:/kubepods.slice"]}
+      batch: {share: 0.7, memory: 0.5}
+
+Every form goes through one validation (``validate``): names, shares in (0, 1] summing to at most 1,
+priorities, memory caps (a fraction of the card, or a size of at least 1 MiB) whose fractions sum to
+at most the card, and admission rules (``access.parse_rule``). A file that fails it is refused with
+one line saying why, and the policy in force stays.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import yaml
+
+from gpuscope.share.access import Rule, parse_rule
+from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+#: A memory cap below this is a typo (a unit forgotten), not a cap.
+MIN_MEMORY_CAP = 2**20
+
+
+def parse_memory(text: str) -> float:
+    """A memory cap: a fraction of the card in (0, 1] (``0.4``), or a size (``40GiB``, ``512MB``,
+    ``1073741824``) of at least 1 MiB."""
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", str(text).strip())
+    if match is None:
+        raise ValueError(f"memory {text!r} is neither a fraction of the card (0.4) nor a size (40GiB)")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    if unit not in _UNITS:
+        raise ValueError(f"memory {text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    if not unit and 0 < value <= 1:
+        return value
+    size = int(value * _UNITS[unit])
+    if size < MIN_MEMORY_CAP:
+        raise ValueError(f"memory {text!r}: a fraction of the card must be in (0, 1] and a size at "
+                         "least 1MiB")
+    return size
+
+
+def validate(tenants: list[TenantPolicy]) -> list[TenantPolicy]:
+    """``tenants`` if they make a policy, else ValueError saying what is wrong."""
+    names: set[str] = set()
+    for t in tenants:
+        fits = 0 < len(t.name.encode()) < NAME_LEN
+        if not fits or not all(c.isalnum() or c in "-_." for c in t.name):
+            raise ValueError(f"tenant name {t.name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} "
+                             "bytes")
+        if t.name in names:
+            raise ValueError(f"tenant {t.name!r} named twice")
+        names.add(t.name)
+        if not 0 < t.share <= 1:
+            raise ValueError(f"tenant {t.name!r}: the share must be in (0, 1], not {t.share:g}")
+        if not 0 <= t.priority <= 1000:
+            raise ValueError(f"tenant {t.name!r}: the priority must be between 0 and 1000, not {t.priority}")
+    if not tenants:
+        raise ValueError("no tenants: give NAME=FRACTION[:PRIORITY[:MEMORY]],...")
+    if len(tenants) > MAX_TENANTS:
+        raise ValueError(f"at most {MAX_TENANTS} tenants")
+    if sum(t.share for t in tenants) > 1.0 + 1e-9:
+        raise ValueError(f"the shares add up to {sum(t.share for t in tenants):g}, more than 1")
+    fractions = [t.memory for t in tenants if 0 < t.memory <= 1]
+    if sum(fractions) > 1.0 + 1e-9:
+        raise ValueError(f"the memory fractions add up to {sum(fractions):g}, more than the card")
+    return tenants
+
+
+def parse_shares(text: str) -> list[TenantPolicy]:
+    """``NAME=FRACTION[:PRIORITY[:MEMORY]],...`` → tenants."""
+    tenants: list[TenantPolicy] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, rest = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not NAME=FRACTION[:PRIORITY[:MEMORY]]")
+        fraction, _, tail = rest.partition(":")
+        priority, _, memory = tail.partition(":")
+        try:
+            share = float(fraction)
+            prio = int(priority) if priority.strip() else 0
+        except ValueError:
+            raise ValueError(f"{item!r}: FRACTION must be a number and PRIORITY an integer") from None
+        tenants.append(TenantPolicy(name.strip(), share, prio, parse_memory(memory) if memory.strip() else 0))
+    return validate(tenants)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a policy file says: the tenants and, for those that name any, their admission rules."""
+
+    tenants: list[TenantPolicy]
+    allow: dict[str, tuple[Rule, ...]]
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """A policy file's text → PolicySpec (ValueError with one line on anything wrong)."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), dict):
+        raise ValueError("expected a mapping with 'tenants': {NAME: {share: ..., priority: ..., memory: ..., "
+                         "allow: [...]}}")
+    unknown = set(doc) - {"tenants"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} (only 'tenants')")
+    tenants, allow = [], {}
+    for name, entry in doc["tenants"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"tenant {name!r}: expected a mapping such as {{share: 0.5}}")
+        extra = set(entry) - {"share", "priority", "memory", "allow"}
+        if extra:
+            raise ValueError(f"tenant {name!r}: unknown keys {sorted(extra)} (share, priority, memory, "
+                             "allow)")
+        try:
+            share = float(entry.get("share", "none"))
+            priority = int(entry.get("priority", 0))
+        except (TypeError, ValueError):
+            raise ValueError(f"tenant {name!r}: share must be a number and priority an integer") from None
+        memory = parse_memory(entry["memory"]) if entry.get("memory") not in (None, 0, "") else 0
+        tenants.append(TenantPolicy(str(name), share, priority, memory))
+        rules = entry.get("allow")
+        if rules is not None:
+            if not isinstance(rules, list) or not rules:
+                raise ValueError(f"tenant {name!r}: allow must be a list of rules such as [uid:1001]")
+            allow[str(name)] = tuple(parse_rule(str(r)) for r in rules)
+    return PolicySpec(validate(tenants), allow)
+
+
+class PolicyFile:
+    """A policy file watched for changes (a ConfigMap update swaps a symlink: the target is compared)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def read(self) -> PolicySpec:
+        """Parse it now (ValueError with one line when it cannot be read or is not a policy)."""
+        self._seen = self._identity()
+        try:
+            with open(self.path) as f:
+                text = f.read(1 << 20)
+        except OSError as exc:
+            raise ValueError(f"cannot read {self.path}: {exc.strerror}") from None
+        return parse_policy(text)
+
+    def changed(self) -> bool:
+        """Whether the file is another one than at the last read."""
+        return self._identity() != self._seen
