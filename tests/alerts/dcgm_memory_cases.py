@@ -13,8 +13,8 @@ MiB, labelled ``gpu``, ``UUID``, ``pci_bus_id``, ``device``, ``modelName``, ``Ho
 - silent: ``restart`` (the server on the GPU killed at 120m and warming up again: its memory leaves
   the framebuffer), ``cycles15`` (15-minute allocate/free cycles), ``cache95`` (a cache cycling up
   to 95%);
-- firing: ``early`` (a leak from the process's first minute: ``trigger="near_full"`` with about a
-  minute left).
+- firing: ``early`` (a leak from the process's first minute: ``trigger="climbing"``, then
+  ``trigger="near_full"`` with about a minute left).
 """
 
 from __future__ import annotations
@@ -94,26 +94,40 @@ def render(p: Profile) -> str:
                 "        exp_alerts: []"]
     # MiB rounding of the samples moves the slope a little off the server series' (memory_shapes).
     now, left = {"production": ("78.67GiB", "29.98s"), "test": ("76GiB", "7.499s")}[p.name]
-    out += ["  # A leak from the process's first minute, 0 -> 100% in 30m: near_full pages at 90%, climbing.",
+    climbing_left = {"production": "29.99s", "test": "6.001s"}[p.name]
+    w = ALERT_PROFILES[p.name].windows
+    out += ["  # A leak from the process's first minute, 0 -> 100% in 30m: climbing pages once its climb",
+            "  # runs out within 10m; near_full joins at 90%, climbing.",
             "  - name: early", f"    interval: {30 / p.compression:g}s", "    input_series:",
             *_series({"3": shapes.early}, 30, 30), "    alert_rule_test:",
-            f"      - eval_time: {_seconds(26, p)}", "        alertname: GPUFramebufferRunningOut",
+            f"      - eval_time: {_seconds(19, p)}", "        alertname: GPUFramebufferRunningOut",
             "        exp_alerts: []",
             f"      - eval_time: {_seconds(29.5, p)}", "        alertname: GPUFramebufferRunningOut",
-            "        exp_alerts:", "          - exp_labels:", "              severity: critical",
+            "        exp_alerts:",
+            *_firing("climbing", duration(w.leak_climb_horizon),
+                     f"GPU 3 on {HOST} holds {now} of 80GiB, above every earlier peak, and its floor grew in "
+                     f"every {duration(w.leak_climb_step)} of the last {duration(w.leak_climb)} at the pace "
+                     f"of a leak, not of a load: at its slowest growth the memory runs out in "
+                     f"{climbing_left}."),
+            *_firing("near_full", horizon,
+                     f"GPU 3 on {HOST} holds {now} of 80GiB (at least 90%, above every earlier peak) and is "
+                     f"still climbing: at its growth since the last evaluation the memory runs out in "
+                     f"{left}.")]
+    return "\n".join(out) + "\n"
+
+
+def _firing(trigger: str, horizon: str, description: str) -> list[str]:
+    return ["          - exp_labels:", "              severity: critical",
             "              service: gpuscope-exporter", "              job: dcgm-exporter",
-            f"              instance: {HOST}", '              gpu: "3"', "              trigger: near_full",
+            f"              instance: {HOST}", '              gpu: "3"', f"              trigger: {trigger}",
             # The GPU alerts carry the board's identity from gpuscope:gpu:info (no pod: not Kubernetes).
             "              uuid: GPU-5b4e07f6-3a86-4340-039d-25f2a83cdc43",
             "              name: NVIDIA H100 80GB HBM3",
             "            exp_annotations:",
             f"              summary: 'GPU 3 on {HOST} runs out of memory within {horizon}'",
-            f"              description: 'GPU 3 on {HOST} holds {now} of 80GiB (at least 90%, above every "
-            f"earlier peak) and is still climbing: at its growth since the last evaluation the memory runs "
-            f"out in {left}.'",
+            f"              description: '{description}'",
             f"              runbook_url: {RUNBOOK}#gpuframebufferrunningout",
             f"              dashboard_url: http://localhost:3000/d/gpuscope-fleet?var-instance={HOST}&var-gpu=3"]
-    return "\n".join(out) + "\n"
 
 
 def outputs() -> dict[str, str]:

@@ -17,8 +17,11 @@ Leaks must fire (checked silent just before, firing with full labels and annotat
 - ``noisy``: 50%, then +10%/h from 60m, with ±1% allocation noise on 30-second scrapes (360m);
 - ``fast``: 40% for an hour, then +3% a minute (out of memory at 80m): GPUMemoryRunningOut;
 - ``early``: a leak from the process's first minute, 0 → 100% in 30 minutes: GPUMemoryRunningOut
-  (``trigger="near_full"``) with about a minute left, though the process is younger than the warm-up
-  guard.
+  (``trigger="climbing"``) with about 9 minutes left, then ``near_full`` with about a minute left,
+  though the process is younger than the warm-up guard;
+- ``young``: a process that starts at 40% and grows 3% of capacity a minute (out of memory at 20m):
+  ``trigger="climbing"`` pages at least 5 minutes before exhaustion (``tests/alerts/leak_envelope.py``
+  measures which other linear leaks do).
 
 Healthy shapes must stay silent at every check (every 5 minutes for 6 hours, all four alerts):
 
@@ -38,6 +41,15 @@ Healthy shapes must stay silent at every check (every 5 minutes for 6 hours, all
   the same warm-up again under the same labels;
 - ``redeploy``: 40% for two hours, a restart (one missed scrape) and a warm-up to 88% in 15 minutes,
   above every earlier peak: the restart starts the warm-up guard again.
+
+Server only (a GPU's framebuffer has no process start time):
+
+- ``reload``: 40% for two hours, a restart that loads its 40% within the missed scrape, then a
+  warm-up to 70% in 15 minutes: memory never falls, so only the changed ``process_start_time_seconds``
+  in the scrape tells the warm-up guard that the process is new.
+
+Every server series comes with the process's ``process_start_time_seconds``, which changes where a
+shape restarts.
 
 A restart's missed scrapes end the series (a staleness marker, as Prometheus writes when a scrape
 fails) until the new process answers.
@@ -129,6 +141,10 @@ def early(t: float) -> float:
     return min(t / 30, 1.0)
 
 
+def young(t: float) -> float:
+    return min(0.40 + 0.03 * t, 1.0)
+
+
 def warmup(t: float) -> float:
     return (2e9 + 2.5e9 * min(t, 20)) / CAPACITY
 
@@ -198,6 +214,25 @@ def redeploy(t: float) -> float | None:
     return (2e9 + (0.88 * CAPACITY - 2e9) * min(t - 121, 15) / 15) / CAPACITY
 
 
+def reload(t: float) -> float | None:
+    if t < 120:
+        return 0.40
+    if t < 120.5:
+        return None  # one scrape fails; the new process has loaded its 40% by the next
+    return 0.40 + 0.30 * min(t - 120.5, 15) / 15
+
+
+#: Shape → the minute its process (re)started last, by minute (the start time the scrape shows).
+RESTARTS: dict[str, float] = {"restart": 121.5, "redeploy": 121, "reload": 120.5}
+#: process_start_time_seconds of a shape's first process.
+BOOT = 1_700_000_000
+
+
+def start_time(name: str, t: float) -> float:
+    restarted = RESTARTS.get(name)
+    return BOOT + (restarted * 60 if restarted is not None and t >= restarted else 0)
+
+
 # --- cases ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -233,6 +268,7 @@ ALERTS = ("GPUMemoryLeak", "GPUMemoryRunningOut", "GPUFramebufferFillingUp", "GP
 HEALTHY = {"warmup": warmup, "sawtooth": sawtooth, "creep": creep, "warm95": warm95, "saw60": saw60,
            "plateau": plateau, "surge": surge, "cycles15": cycles15, "cycles60": cycles60, "cache95": cache95,
            "restart": restart, "redeploy": redeploy}
+HEALTHY_SERVER_ONLY = {"reload": reload}
 
 
 def _server(instance: str, alertname: str, description: dict[str, str], trigger: str = "") -> Firing:
@@ -265,10 +301,17 @@ def _near_full(where: str, now: str, left: str) -> str:
             f"at its growth since the last evaluation the memory runs out in {left}.")
 
 
+def _climbing(where: str, now: str, left: str) -> str:
+    return (f"{where} holds {now} of 80GiB, above every earlier peak, and its floor grew in every "
+            f"{{climb_step}} of the last {{climb}} at the pace of a leak, not of a load: at its slowest "
+            f"growth the memory runs out in {left}.")
+
+
 def cases() -> list[Case]:
     healthy = Case(
         "healthy", "Healthy shapes, on the server and on GPU framebuffers: silent at every check.",
-        minutes=360, step_s=30, server=HEALTHY, gpus={str(i): fn for i, fn in enumerate(HEALTHY.values())},
+        minutes=360, step_s=30, server={**HEALTHY, **HEALTHY_SERVER_ONLY},
+        gpus={str(i): fn for i, fn in enumerate(HEALTHY.values())},
         checks=[Check(minute, name) for minute in range(0, 361, 5) for name in ALERTS])
     s = "The server {i}:8000 on cuda:0"
     return [
@@ -320,30 +363,62 @@ def cases() -> list[Case]:
                  Check(180, "GPUMemoryRunningOut"),
              ]),
         Case("fast", "fast: 40%, then +3% a minute from 60m; runs out at 80m. GPU 0 the same.\n"
-                     "GPUMemoryLeak cannot see it in time; GPUMemoryRunningOut pages ~7m before the end.",
+                     "GPUMemoryLeak cannot see it in time; GPUMemoryRunningOut pages ~7m before the end\n"
+                     "(sustained, and climbing after its 12m climb).",
              minutes=80, step_s=30, server={"fast": fast}, gpus={"0": fast},
              checks=[
                  Check(72, "GPUMemoryRunningOut"), Check(72, "GPUFramebufferRunningOut"),
                  Check(75, "GPUMemoryRunningOut", (_server("fast:8000", "GPUMemoryRunningOut", {
                      "production": _fast(s.format(i="fast"), "68GiB", "40.96MiB", "5m 0s"),
-                     "test": _fast(s.format(i="fast"), "68GiB", "614.4MiB", "20s")}, "sustained"),)),
+                     "test": _fast(s.format(i="fast"), "68GiB", "614.4MiB", "20s")}, "sustained"),
+                     _server("fast:8000", "GPUMemoryRunningOut", {
+                     "production": _climbing(s.format(i="fast"), "68GiB", "5m 0s"),
+                     "test": _climbing(s.format(i="fast"), "68GiB", "20s")}, "climbing"))),
                  Check(75, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
                      "production": _fast("GPU 0 on gpu-host:9400", "68GiB", "40.96MiB", "5m 0s"),
-                     "test": _fast("GPU 0 on gpu-host:9400", "68GiB", "614.4MiB", "20s")}, "sustained"),)),
+                     "test": _fast("GPU 0 on gpu-host:9400", "68GiB", "614.4MiB", "20s")}, "sustained"),
+                     _gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _climbing("GPU 0 on gpu-host:9400", "68GiB", "5m 0s"),
+                     "test": _climbing("GPU 0 on gpu-host:9400", "68GiB", "20s")}, "climbing"))),
                  Check(75, "GPUMemoryLeak"),
              ]),
         Case("early", "early: a leak from the process's first minute, 0 -> 100% in 30m; GPU 0 the same.\n"
-                      "Younger than the warm-up guard, so only the near-full rule can page: at 90% (27m)\n"
-                      "and still climbing, for one more minute.",
+                      "Younger than the warm-up guard: the climbing rule pages once its 12m climb runs out\n"
+                      "within 10m; the near-full rule joins at 90% (27m), still climbing, a minute later.",
              minutes=30, step_s=30, server={"early": early}, gpus={"0": early},
              checks=[
-                 Check(26, "GPUMemoryRunningOut"), Check(26, "GPUFramebufferRunningOut"),
+                 Check(19, "GPUMemoryRunningOut"), Check(19, "GPUFramebufferRunningOut"),
+                 Check(24, "GPUMemoryRunningOut", (_server("early:8000", "GPUMemoryRunningOut", {
+                     "production": _climbing(s.format(i="early"), "64GiB", "6m 0s"),
+                     "test": _climbing(s.format(i="early"), "62.67GiB", "26s")}, "climbing"),)),
+                 Check(24, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _climbing("GPU 0 on gpu-host:9400", "64GiB", "6m 0s"),
+                     "test": _climbing("GPU 0 on gpu-host:9400", "62.67GiB", "26s")}, "climbing"),)),
                  Check(29.5, "GPUMemoryRunningOut", (_server("early:8000", "GPUMemoryRunningOut", {
+                     "production": _climbing(s.format(i="early"), "78.67GiB", "30s"),
+                     "test": _climbing(s.format(i="early"), "76GiB", "6s")}, "climbing"),
+                     _server("early:8000", "GPUMemoryRunningOut", {
                      "production": _near_full(s.format(i="early"), "78.67GiB", "30s"),
-                     "test": _near_full(s.format(i="early"), "76GiB", "7.5s")}, "near_full"),)),
+                     "test": _near_full(s.format(i="early"), "76GiB", "7.5s")}, "near_full"))),
                  Check(29.5, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _climbing("GPU 0 on gpu-host:9400", "78.67GiB", "30s"),
+                     "test": _climbing("GPU 0 on gpu-host:9400", "76GiB", "6s")}, "climbing"),
+                     _gpu("0", "GPUFramebufferRunningOut", {
                      "production": _near_full("GPU 0 on gpu-host:9400", "78.67GiB", "30s"),
-                     "test": _near_full("GPU 0 on gpu-host:9400", "76GiB", "7.5s")}, "near_full"),)),
+                     "test": _near_full("GPU 0 on gpu-host:9400", "76GiB", "7.5s")}, "near_full"))),
+             ]),
+        Case("young", "young: a process that starts at 40% and grows 3% of capacity a minute; runs out at\n"
+                      "20m. GPU 0 the same. The climbing rule pages with at least 5 minutes left (15m).",
+             minutes=20, step_s=30, server={"young": young}, gpus={"0": young},
+             checks=[
+                 Check(11, "GPUMemoryRunningOut"), Check(11, "GPUFramebufferRunningOut"),
+                 Check(15, "GPUMemoryRunningOut", (_server("young:8000", "GPUMemoryRunningOut", {
+                     "production": _climbing(s.format(i="young"), "68GiB", "5m 0s"),
+                     "test": _climbing(s.format(i="young"), "68GiB", "20s")}, "climbing"),)),
+                 Check(15, "GPUFramebufferRunningOut", (_gpu("0", "GPUFramebufferRunningOut", {
+                     "production": _climbing("GPU 0 on gpu-host:9400", "68GiB", "5m 0s"),
+                     "test": _climbing("GPU 0 on gpu-host:9400", "68GiB", "20s")}, "climbing"),)),
+                 Check(15, "GPUMemoryLeak"), Check(15, "GPUFramebufferFillingUp"),
              ]),
     ]
 
@@ -366,6 +441,18 @@ def _values(fn: Callable[[float], float | None], case: Case) -> str:
     return " ".join(out)
 
 
+def _start_times(name: str, fn: Callable[[float], float | None], case: Case) -> str:
+    """The process's start time where its memory was scraped (a failed scrape misses both)."""
+    out: list[str] = []
+    for i in range(case.minutes * 60 // case.step_s + 1):
+        t = i * case.step_s / 60
+        if fn(t) is None:
+            out.append("stale" if out and out[-1] not in ("stale", "_") else "_")
+        else:
+            out.append(f"{start_time(name, t):.0f}")
+    return " ".join(out)
+
+
 def _windows(p: Profile) -> dict[str, str]:
     from gpuscope.alerting.rules import duration
     from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
@@ -374,7 +461,8 @@ def _windows(p: Profile) -> dict[str, str]:
     span = w.leak - w.leak_floor
     return {"floor": duration(w.leak_floor), "step": duration(w.leak_step), "span": duration(span),
             "rate_span": duration(span - w.leak_step), "fast_step": duration(w.leak_fast_step),
-            "history": duration(w.leak_fast_history)}
+            "history": duration(w.leak_fast_history), "climb": duration(w.leak_climb),
+            "climb_step": duration(w.leak_climb_step)}
 
 
 def _annotations(f: Firing, p: Profile) -> list[str]:
@@ -387,7 +475,8 @@ def _annotations(f: Firing, p: Profile) -> list[str]:
     from gpuscope.contract.profiles import PROFILES as ALERT_PROFILES
 
     w = ALERT_PROFILES[p.name].windows
-    horizon = duration(w.leak_near_full_horizon if f.trigger == "near_full" else w.leak_fast_horizon)
+    horizon = duration({"near_full": w.leak_near_full_horizon, "climbing": w.leak_climb_horizon}
+                       .get(f.trigger, w.leak_fast_horizon))
     summary = alert.format(i=f.labels["instance"], d=f.labels.get("device"), g=f.labels.get("gpu"), h=horizon)
     url = f"{GRAFANA}?var-instance={f.labels['instance']}" + ("" if server else f"&var-gpu={f.labels['gpu']}")
     description = f.description[p.name].format(**_windows(p))
@@ -415,6 +504,8 @@ def render(p: Profile) -> str:
             labels = f'{SERVER},instance="{instance}:8000",device="cuda:0"'
             out += [f"      - series: 'gpuscope_device_memory_allocated_bytes{{{labels}}}'",
                     f"        values: '{_values(fn, case)}'",
+                    f"      - series: 'process_start_time_seconds{{{SERVER},instance=\"{instance}:8000\"}}'",
+                    f"        values: '{_start_times(instance, fn, case)}'",
                     f"      - series: 'gpuscope_device_memory_total_bytes{{{labels}}}'",
                     f"        values: '{CAPACITY}+0x{case.minutes * 60 // case.step_s}'"]
         for gpu, fn in case.gpus.items():

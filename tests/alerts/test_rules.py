@@ -22,7 +22,7 @@ from gpuscope.contract.profiles import (
     TEST_MIN_WINDOW_S,
     Thresholds,
 )
-from tests.alerts import memory_shapes
+from tests.alerts import leak_envelope, memory_shapes
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,8 @@ def test_test_profile_is_production_with_compressed_windows() -> None:
     """Same rules, labels, thresholds and annotations; only durations differ, and only downwards."""
     def norm(text: str, profile) -> str:
         # Durations, and windows written as plain seconds (e.g. the XID age), become "D".
-        seconds = {str(v) for v in vars(profile.windows).values()}
+        # Either profile's: a compressed window can equal a constant of the rules (48 s, XID 48).
+        seconds = {str(v) for p in (PRODUCTION, TEST) for v in vars(p.windows).values()}
         text = DURATION.sub("D", text)
         number = r"(?<![.\d])\b\d+\b(?![.\d])"  # whole numbers, not the digits of 0.5
         return re.sub(number, lambda m: "D" if m.group() in seconds else m.group(), text)
@@ -239,3 +240,13 @@ def test_loki_rules_use_only_the_server_stream_labels(profile) -> None:
         selectors = re.findall(r"\{([^}]*)\}", rule["expr"])
         assert selectors == [profile.selectors.server_logs], rule["expr"]
         assert "sum by (service, instance)" in rule["expr"]
+
+
+@pytest.mark.parametrize("leak", leak_envelope.COVERED, ids=lambda leak: leak.name)
+def test_covered_linear_leaks_page_five_minutes_before_exhaustion(leak) -> None:
+    """The production rules under promtool: each leak of the envelope pages with the lead to spare
+    (the whole grid, covered or not, is the table ``python -m tests.alerts.leak_envelope`` prints)."""
+    require_binary("promtool")
+    paged = leak_envelope.first_pages([leak])[leak.name]
+    assert paged is not None, f"{leak.name} never paged before exhaustion"
+    assert leak.exhausted_at - paged >= leak_envelope.LEAD_MIN, f"{leak.name} paged at {paged}m"

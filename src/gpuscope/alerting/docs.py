@@ -76,7 +76,10 @@ stale files and re-run every promtool test against the new rules.
   It paging on allocate/free cycles whose peaks wander: raise `leak_new_high_ratio`; on cycles
   slower than `leak_fast_history`: lengthen it; on warm-ups longer than `leak_fast_min_age`:
   lengthen it (a fall below `leak_restart_ratio` of the peak restarts that guard). Its near-full
-  rule: `leak_near_full_ratio`, `leak_near_full_horizon`, `leak_near_full_for`.
+  rule: `leak_near_full_ratio`, `leak_near_full_horizon`, `leak_near_full_for`. Its climbing rule
+  paging on a warm-up: lengthen `leak_climb` past that warm-up's climb (leaks from a process's start
+  then page later), or narrow `leak_climb_fill_fastest`..`leak_climb_fill_slowest` away from its
+  pace; `python -m tests.alerts.leak_envelope` prints which linear leaks still page 5 minutes ahead.
 - Targets: `Selectors.server_desired` / `exporter_desired` name the kube-state-metrics series of
   your server Deployment and exporter DaemonSet (a scale-down there is not a missing target);
   `target_start_grace` is how long a start may take before "no target at all" can go pending.

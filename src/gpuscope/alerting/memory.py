@@ -109,19 +109,24 @@ def fast_rate_record(used: str, p: Profile) -> str:
 
 
 def headroom(used: str, total: str, peak_window: int, labels: tuple[str, ...], min_age: int = 0,
-             restart_ratio: float = 0.0) -> str:
+             restart_ratio: float = 0.0, start_time: str = "") -> str:
     """Bytes left: capacity minus the highest value over ``peak_window`` (where a sawtooth's next peak
     would hit capacity); with ``min_age``, only for a process settled that long: the series is that
     old and has not fallen below ``restart_ratio`` of its peak within it (a restart keeps the labels
-    and starts from next to nothing; leak_restart_ratio where the caller gives none)."""
+    and starts from next to nothing; leak_restart_ratio where the caller gives none), and, where the
+    scrape has one (``start_time``: the process' ``process_start_time_seconds``), its start time did
+    not change within it (a restart that loads its working set within a scrape never falls)."""
     on = _on(labels)
     expr = f"clamp_min({total} - {on} max_over_time({used}[{duration(peak_window)}]), 0)"
     if not min_age:
         return expr
     ratio = restart_ratio or Thresholds().leak_restart_ratio
     age = duration(min_age)
-    return (f"{expr}\nand {on}\n{used} offset {age}\nand {on}\n"
+    expr = (f"{expr}\nand {on}\n{used} offset {age}\nand {on}\n"
             f"min_over_time({used}[{age}]) >= {num(ratio)} * max_over_time({used}[{age}])")
+    if start_time:
+        expr += f"\nunless on (job, instance)\nchanges({start_time}[{age}]) > 0"
+    return expr
 
 
 def new_high(used: str, total: str, labels: tuple[str, ...], p: Profile) -> str:
@@ -148,6 +153,27 @@ def near_full_condition(used: str, total: str, labels: tuple[str, ...], p: Profi
     growth = f"deriv({used}[{duration(near_full_window(p))}])"
     return (f"({total} - {on} {used})\n/ {on}\n({growth} > 0)\n< {w.leak_near_full_horizon}\n"
             f"and {on}\n{used} >= {on} {num(p.thresholds.leak_near_full_ratio)} * {total}\n"
+            f"and {on}\n{new_high(used, total, labels, p)}")
+
+
+def climb_rate(used: str, p: Profile) -> str:
+    """Slowest floor growth (bytes/s) over the ``leak_climb_step`` intervals of the last ``leak_climb``."""
+    w = p.windows
+    growth = _growth(used, w.leak_fast_floor, w.leak_climb_step)
+    return (f"min_over_time((\n  {growth}\n)[{duration(w.leak_climb - w.leak_climb_step)}:"
+            f"{duration(w.leak_resolution)}]) / {w.leak_climb_step}")
+
+
+def climbing_condition(used: str, total: str, labels: tuple[str, ...], p: Profile) -> str:
+    """Seconds to exhaustion at the slowest growth of a climb that lasted ``leak_climb`` at a leak's
+    pace (neither a load's nor an allocate phase's), below ``leak_climb_horizon``, at a new high."""
+    w, on = p.windows, _on(labels)
+    rate = climb_rate(used, p)
+    head = f"clamp_min({total} - {on} max_over_time({used}[{duration(w.leak_fast_floor)}]), 0)"
+    return (f"{head}\n/ {on}\n(\n{rate}\n> 0)\n< {w.leak_climb_horizon}\n"
+            f"and {on}\n({total} / {on} (\n{rate}\n)) >= {w.leak_climb_fill_fastest} "
+            f"<= {w.leak_climb_fill_slowest}\n"
+            f"and {on}\n{used} offset {duration(w.leak_climb)}\n"
             f"and {on}\n{new_high(used, total, labels, p)}")
 
 
@@ -180,7 +206,8 @@ def leak_condition(p: Profile) -> str:
     fast = sustained_condition(used, total, names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST,
                                SERVER_LABELS, p)
     near_full = near_full_condition(used, total, SERVER_LABELS, p)
-    return (f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{near_full}\n)\n"
+    climbing = climbing_condition(used, total, SERVER_LABELS, p)
+    return (f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{near_full}\n)\nor\n(\n{climbing}\n)\n"
             f"or\n(\n{kv_exhausted_condition(p)}\n)")
 
 
@@ -222,6 +249,13 @@ def _near_full_description(used: str, total: str, labels: tuple[str, ...], where
             f"in {{{{ $value | humanizeDuration }}}}.")
 
 
+def _climbing_description(used: str, total: str, labels: tuple[str, ...], where: str, p: Profile) -> str:
+    w = p.windows
+    return (f"{_holds(used, total, labels, where)}, above every earlier peak, and its floor grew in every "
+            f"{duration(w.leak_climb_step)} of the last {duration(w.leak_climb)} at the pace of a leak, not "
+            f"of a load: at its slowest growth the memory runs out in {{{{ $value | humanizeDuration }}}}.")
+
+
 def groups(p: Profile) -> list[Group]:
     w, t = p.windows, p.thresholds
     horizon, fast_horizon = duration(t.leak_horizon_s), duration(w.leak_fast_horizon)
@@ -250,6 +284,18 @@ def groups(p: Profile) -> list[Group]:
     near_full_why = ("A leak from the process's first minute looks like a warm-up until the warm-up "
                      "guard ends; a warm-up plateaus, so memory this full and still climbing this fast "
                      "pages at any age.")
+    climbing_window = (f"floor = min over {duration(w.leak_fast_floor)}; grown in every "
+                       f"{duration(w.leak_climb_step)} of the last {duration(w.leak_climb)}; for "
+                       f"{duration(w.leak_climb_for)}; any age")
+    climbing_threshold = (f"runs out within {duration(w.leak_climb_horizon)} at the slowest interval's "
+                          f"growth, a pace that fills the device from empty in "
+                          f"{duration(w.leak_climb_fill_fastest)} to {duration(w.leak_climb_fill_slowest)}; "
+                          f"above every earlier peak")
+    climbing_why = (f"A leak that starts with its process looks like a warm-up to the sustained rule "
+                    f"for {duration(w.leak_fast_min_age)}, and reaches "
+                    f"{num(t.leak_near_full_ratio * 100)}% too late to act. Loads (weights, caches) "
+                    f"climb faster and stop within minutes; allocate phases climb slower; neither keeps "
+                    f"climbing for {duration(w.leak_climb)}.")
     server_where = "The server {{ $labels.instance }} on {{ $labels.device }}"
     gpu_where = "GPU {{ $labels.gpu }} on {{ $labels.instance }}" + operator_labels.WORKLOAD
     srv = {"dashboard": uids.FLEET, "service": p.selectors.server_service}
@@ -279,6 +325,12 @@ def groups(p: Profile) -> list[Group]:
                 "expr": labelled(target, near_full_condition(target[0], target[1], target[2], p)),
                 "description": _near_full_description(target[0], target[1], target[2], target[3], p)}
 
+    def climbing(target: tuple) -> dict:
+        return {"for_s": w.leak_climb_for, "severity": "critical", "labels": {"trigger": "climbing"},
+                "evidence_s": w.leak_climb,
+                "expr": labelled(target, climbing_condition(target[0], target[1], target[2], p)),
+                "description": _climbing_description(target[0], target[1], target[2], target[3], p)}
+
     server_summary = "Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
     gpu_summary = "GPU {{ $labels.gpu }} on {{ $labels.instance }} runs out of memory within "
     server_what = "The server's memory grows fast enough to run out soon (composite dimension: memory leak)"
@@ -297,6 +349,10 @@ def groups(p: Profile) -> list[Group]:
               summary=server_summary + duration(w.leak_near_full_horizon),
               doc=Doc(what=server_what + ", near full at any age", threshold=near_full_threshold,
                       window=near_full_window, why=near_full_why)),
+        Alert(name="GPUMemoryRunningOut", **srv, **climbing(server),
+              summary=server_summary + duration(w.leak_climb_horizon),
+              doc=Doc(what=server_what + ", climbing steadily at any age", threshold=climbing_threshold,
+                      window=climbing_window, why=climbing_why)),
         Alert(name="GPUFramebufferFillingUp", **exp,
               **slow(gpu, names.GPU_MEMORY_HEADROOM, names.GPU_MEMORY_GROWTH_RATE),
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} fills its memory",
@@ -311,6 +367,10 @@ def groups(p: Profile) -> list[Group]:
               summary=gpu_summary + duration(w.leak_near_full_horizon),
               doc=Doc(what=gpu_what + ", near full at any age", threshold=near_full_threshold,
                       window=near_full_window, why=near_full_why)),
+        Alert(name="GPUFramebufferRunningOut", **exp, **climbing(gpu),
+              summary=gpu_summary + duration(w.leak_climb_horizon),
+              doc=Doc(what=gpu_what + ", climbing steadily at any age", threshold=climbing_threshold,
+                      window=climbing_window, why=climbing_why)),
     ]
     alerts.append(Alert(
         name="GPUKVCacheExhausted", expr=kv_exhausted_condition(p), for_s=w.latency_for,

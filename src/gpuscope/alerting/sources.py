@@ -200,13 +200,17 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
         used_sel, total_expr = sel(GAUGES[used_key][0], selector), sel(GAUGES[total_key][0], selector)
         wrap = lambda e: e  # noqa: E731
     w = p.windows
+    # A serving process' restart shows in its own start time (the scrape's process collector); a
+    # GPU's framebuffer outlives the processes on it, so the GPU role has only the memory series.
+    start_time = sel("process_start_time_seconds", selector) if src.role == "server" else ""
     return [
         Record(growth, wrap(memory.growth_rate_record(used_sel, labels, p))),
         Record(growth_fast, wrap(memory.fast_rate_record(used_sel, p))),
         Record(headroom, wrap(memory.headroom(used_sel, total_expr, w.leak_floor, labels))),
         Record(headroom_fast, wrap(memory.headroom(used_sel, total_expr, w.leak_fast_floor, labels,
                                                    min_age=w.leak_fast_min_age,
-                                                   restart_ratio=p.thresholds.leak_restart_ratio))),
+                                                   restart_ratio=p.thresholds.leak_restart_ratio,
+                                                   start_time=start_time))),
     ]
 
 

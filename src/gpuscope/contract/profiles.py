@@ -164,6 +164,20 @@ class Windows:
     # a leak from the first minute does not.
     leak_near_full_horizon: int = 10 * 60
     leak_near_full_for: int = field(default=60, metadata={"test_min_s": 5})
+    # Climbing (GPUMemoryRunningOut, trigger="climbing"): at any age, the floor (over leak_fast_floor)
+    # grew across every leak_climb_step of the last leak_climb, at a pace that would fill the device
+    # from empty in leak_climb_fill_fastest..leak_climb_fill_slowest, and at the slowest interval's
+    # growth memory runs out within leak_climb_horizon, for leak_climb_for. It pages a leak that starts
+    # with its process (which the warm-up guard hides from ``sustained``) with minutes to spare.
+    leak_climb: int = 12 * 60               # > the fast warm-ups' climbs (a load in 10 minutes)
+    leak_climb_step: int = field(default=2 * 60, metadata={"test_min_s": 10})
+    leak_climb_horizon: int = 10 * 60       # − leak_climb_for − an evaluation ≥ 5 minutes of lead
+    leak_climb_for: int = field(default=60, metadata={"test_min_s": 5})
+    #: Faster than this fill time is a load (weights, a cache: minutes to near full, then it stops).
+    leak_climb_fill_fastest: int = 20 * 60
+    #: Slower than this fill time: an allocate phase (an hourly cycle's 25-minute climb) looks the
+    #: same until it stops, so it waits for ``sustained``'s settled-process evidence.
+    leak_climb_fill_slowest: int = 40 * 60
     starvation: int = 5 * 60                # backlog throughout, and no tokens, over this window
     starvation_for: int = 5 * 60
     scrape_down_for: int = 2 * 60

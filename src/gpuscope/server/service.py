@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpuscope.contract.choices import MetricNames
 
@@ -39,6 +39,9 @@ class Service:
     def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
+        # process_start_time_seconds (and CPU, memory, descriptors), as vLLM's default registry has:
+        # the memory alerts tell a restart from it, whatever the memory does across the restart.
+        ProcessCollector(registry=self.registry)
         self.runner = build_runner(config)
         self.model = self.runner.module
         self.device = self.runner.device
