@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, TextIO
 from urllib.parse import parse_qs, urlsplit
 
@@ -33,14 +33,21 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gpuscope.contract import catalogue, parts
 from gpuscope.contract.parts import default_listen_address
 from gpuscope.receiver.profile_trigger import ProfileTrigger, TriggerConfigError, load_config
-from gpuscope.util.flags import listen_address, parse_listen_address
-from gpuscope.util.httpjson import JsonRequestHandler
+from gpuscope.util.bounded_http import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT,
+    BoundedHTTPServer,
+    DeadlineHandler,
+    parse_max_connections,
+)
+from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
 from gpuscope.util.logsafe import EscapingFilter
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
 STATUSES = ("firing", "resolved")
-#: Seconds a connection may wait for each read (Alertmanager sends whole requests at once).
-READ_TIMEOUT_S = 30.0
+#: Seconds a connection may take to deliver each whole request, body included (Alertmanager sends
+#: whole requests at once; its keep-alive connections idle between notifications).
+READ_TIMEOUT_S = DEFAULT_READ_TIMEOUT
 logger = logging.getLogger("gpuscope.receiver")
 
 
@@ -108,14 +115,12 @@ class NotificationLog:
         return items[-limit:] if limit else items
 
 
-def _make_handler(log: NotificationLog, max_body_bytes: int,
-                  read_timeout: float = READ_TIMEOUT_S) -> type[BaseHTTPRequestHandler]:
-    class Handler(JsonRequestHandler):
+def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPRequestHandler]:
+    # A client that sends nothing, stops mid-request or sends a body shorter than its Content-Length
+    # is closed once the server's read timeout has passed (DeadlineHandler), not after each read.
+    class Handler(DeadlineHandler):
         server_version = parts.RECEIVER.service
         malformed_log = logger
-        # Every read and write of a connection: a client that sends nothing, stops mid-request or sends
-        # a body shorter than its Content-Length is closed after this long instead of holding a thread.
-        timeout = read_timeout
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # stdout carries notifications only, one JSON line each
@@ -194,8 +199,8 @@ def _limit(query: str) -> int | None:
     return limit
 
 
-class ReceiverServer(ThreadingHTTPServer):
-    daemon_threads = True
+class ReceiverServer(BoundedHTTPServer):
+    """The exporter's connection limits (util/bounded_http.py); closed connections counted on /metrics."""
 
     def handle_error(self, request, client_address) -> None:
         # A client that resets, times out or vanishes mid-answer: one line, not a traceback on stderr.
@@ -203,9 +208,12 @@ class ReceiverServer(ThreadingHTTPServer):
 
 
 def make_server(host: str, port: int, log: NotificationLog, max_body_bytes: int = 1 << 20,
-                read_timeout: float = READ_TIMEOUT_S) -> ThreadingHTTPServer:
+                read_timeout: float = READ_TIMEOUT_S,
+                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> ReceiverServer:
     """A bound (not yet serving) HTTP server; port 0 picks a free one (``server.server_address``)."""
-    return ReceiverServer((host, port), _make_handler(log, max_body_bytes, read_timeout))
+    return ReceiverServer((host, port), _make_handler(log, max_body_bytes), max_connections=max_connections,
+                          read_timeout=read_timeout, closed_metric=catalogue.RECEIVER_HTTP_CONNECTIONS_CLOSED,
+                          registry=log.registry)
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,14 @@ class ReceiverSettings:
     history: int = setting("--receiver.history", 500,
                            "notifications kept for GET /alerts (oldest dropped first)")
     max_body: int = setting("--receiver.max-body-bytes", 1 << 20, "largest notification accepted (413 above)")
+    max_connections: int = setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
+        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=parse_max_connections, metavar="N")
+    read_timeout: float = setting(
+        "--web.read-timeout", READ_TIMEOUT_S, "a connection must deliver each whole request, body included, "
+        f"within this (idle keep-alive time included), else it is closed (default {READ_TIMEOUT_S:g}s)",
+        parse=parse_duration, metavar="DURATION")
     profile_servers: str | None = setting(
         "--receiver.profile-servers", None, "JSON allow-list of servers (instance label → URL) asked for a "
         "kernel profile on firing latency alerts (off when unset; docs/server.md)")
@@ -252,7 +268,7 @@ def main(argv: list[str]) -> int:
     log = NotificationLog(args.history, registry,
                           on_notification=trigger.on_notification if trigger is not None else None)
     try:
-        server = make_server(host, port, log, args.max_body)
+        server = make_server(host, port, log, args.max_body, args.read_timeout, args.max_connections)
     except OSError as exc:
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
     # Diagnostics (malformed requests) go to stderr as lines with time and level; stdout carries
