@@ -224,6 +224,16 @@ def test_traced_and_untraced_paths_accept_the_same_traceparents(memory, header):
         assert rt.trace_id == expected and rt.span.parent.span_id == int(PARENT, 16)
 
 
+@pytest.mark.parametrize("header", [f"00-{TID.upper()}-{PARENT}-01", f"00-{TID}-{PARENT.upper()}-01",
+                                    f"00-{TID}-{PARENT}-0A", f"0A-{TID}-{PARENT}-01"])
+def test_uppercase_hex_in_a_traceparent_is_invalid(memory, header):
+    """W3C Trace Context: lowercase hex only; an uppercase header starts a new trace."""
+    assert parse_traceparent(header) is None
+    srv, _ = memory
+    rt = srv.tracing.begin({"traceparent": header})
+    assert rt.trace_id != TID.lower() and rt.span.parent is None
+
+
 def test_span_trace_id_is_the_loki_line_and_exemplar_trace_id(memory):
     srv, exporter = memory
     records: list[logging.LogRecord] = []
@@ -252,14 +262,26 @@ def test_span_trace_id_is_the_loki_line_and_exemplar_trace_id(memory):
 
 
 def test_preempted_request_shows_its_preemption():
+    """The preemption is forced, not hoped for: from its second step on, the low-priority request
+    waits until the high-priority one is queued (on a busy machine it could otherwise finish first)."""
     exporter = InMemorySpanExporter()
+    steps, holder = [0], {}
 
-    def slow_steps(op, batch, host_s):  # 5 ms a step: the low-priority request is still running
-        time.sleep(0.005)
+    def gate(op, batch, host_s):
+        steps[0] += 1
+        if steps[0] < 2:  # the first step streams lo's first token, which the test waits for
+            return
+        scheduler = holder["srv"].service.scheduler
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # polled: the engine thread has nothing to wait on
+            state = scheduler.state()
+            if state["lo"].preemptions or state["hi"].queued or state["hi"].running:
+                return
+            time.sleep(0.002)
 
     config = traced_config(max_batch_size=1, tenants=parse_tenants("hi:0.5:high,lo:0.5:low"),
                            default_tenant="lo")
-    srv = TracedServer(config, exporter, on_step=slow_steps).start()
+    srv = holder["srv"] = TracedServer(config, exporter, on_step=gate).start()
     try:
         low = requests.post(srv.url + "/v1/completions", stream=True, timeout=60, headers={"X-Tenant": "lo"},
                             json={"prompt": "long", "max_tokens": 64, "stream": True})

@@ -59,10 +59,11 @@ class Completion:
 
 
 def parse_traceparent(header: str | None) -> str | None:
-    """The trace id of a valid W3C ``traceparent`` header, else None (an invalid one is ignored)."""
+    """The trace id of a valid W3C ``traceparent`` header, else None (an invalid one is ignored).
+    Hex is lowercase only (W3C Trace Context: uppercase is invalid, and a new trace starts)."""
     if not header:
         return None
-    match = _TRACEPARENT.match(header.strip().lower())
+    match = _TRACEPARENT.match(header.strip())
     if not match:
         return None
     version, trace_id, parent_id, _flags, rest = match.groups()

@@ -332,8 +332,8 @@ class RequestTracing:
         if header and parse_traceparent(header) is None:
             self._ignore("traceparent", header)  # a new trace, as protocol.parse_traceparent decides
         elif header:
-            # Lower-cased as protocol.parse_traceparent reads it, so both accept the same headers.
-            carrier = {"traceparent": header.strip().lower()}
+            # Stripped as protocol.parse_traceparent reads it, so both accept the same headers.
+            carrier = {"traceparent": header.strip()}
             getall = getattr(headers, "getall", None)
             fields = getall("tracestate", []) if getall is not None else [headers.get("tracestate") or ""]
             state = ",".join(fields)
