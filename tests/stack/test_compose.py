@@ -186,6 +186,15 @@ def test_prometheus_config_passes_promtool():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_every_scrape_job_of_the_single_host_config_has_the_same_host_label():
+    """Server, GPU and node series of one machine meet on ``host`` (bottleneck rules, diagnose
+    --prometheus): a job without it would be a second host."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    hosts = {job["job_name"]: {(group.get("labels") or {}).get("host") for group in job["static_configs"]}
+             for job in config["scrape_configs"]}
+    assert set().union(*hosts.values()) == {"local"}, hosts
+
+
 def test_prometheus_jobs_and_ports():
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {}
