@@ -415,13 +415,15 @@ class CompiledRegions:
         shapes = self._shapes.get(key)
         if shapes is None and len(self._shapes) < MAX_GRAPH_SHAPES and not self.core.is_host:
             shapes = self._shapes[key] = ShapeGraphs(self, self.core.current_device())
-        if shapes is not None and shapes.replay.busy:
-            self.core.dropped["graph_busy"] += 1
-            return _run_with(callback, compiled, args, kwargs)
+        # entered counts are kept on sampled passes and scaled by passes / sampled passes, so a
+        # sampled pass counts whether or not it could be timed
         for op in self.ops:
             op.entered += 1
         for op in self._merged_ops.values():
             op.entered += 1
+        if shapes is not None and shapes.replay.busy:
+            self.core.dropped["graph_busy"] += 1
+            return _run_with(callback, compiled, args, kwargs)
         self._current, self._eager_marks, self._tokens = shapes, 0, {}
         self._owner_thread = threading.get_ident()
         self.timed = True
