@@ -26,7 +26,8 @@ from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
 from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, ExporterServer
 from gpuscope.share.access import Access, Rule, parse_allow
 from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
-from gpuscope.share.crosscheck import ReportCheck
+from gpuscope.share.crosscheck import SAMPLE_EVERY_S as CROSSCHECK_EVERY_S
+from gpuscope.share.crosscheck import ReportCheck, nvml_mean_utilization
 from gpuscope.share.files import LedgerError
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
@@ -105,7 +106,7 @@ class ShareSettings:
     gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting, and the watch for "
                        "processes that never joined)")
     watch_interval: float = setting(
-        "--share.watch-interval", 0.5, "how often NVML's list of the GPU's processes is compared with the "
+        "--share.watch-interval", 0.25, "how often NVML's list of the GPU's processes is compared with the "
         "ones that joined (a process seen twice without joining is reported)", parse=parse_duration)
     allow: dict[str, tuple[Rule, ...]] | None = setting(
         "--share.allow", None, "which processes may join as which tenant: NAME=RULE[|RULE...],... with rules "
@@ -187,11 +188,14 @@ def main(argv: list[str]) -> int:
     watch = None
     check = ReportCheck(log=controller.log)
     try:
-        sampled = nvml_utilization(args.gpu)  # its own: the nvml accounting's is the loop's
+        sampled = nvml_mean_utilization(args.gpu)
+        last_check = [0.0]
 
         def cross_check() -> None:
-            check.sample(time.monotonic(), sampled(), controller.tenants_by_pid(),
-                         controller.charged_seconds())
+            now = time.monotonic()
+            if now - last_check[0] >= CROSSCHECK_EVERY_S:
+                last_check[0] = now
+                check.sample(now, sampled(), controller.tenants_by_pid(), controller.charged_seconds())
 
         watch = UnmanagedWatch(nvml_processes(args.gpu), controller.joined_pids,
                                interval_s=args.watch_interval, log=controller.log, also=cross_check)
