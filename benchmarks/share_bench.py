@@ -275,7 +275,8 @@ class Controller:
     def __init__(self, shares: str, accounting: str, port: int, *extra: str, ledger: str = LEDGER) -> None:
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
         self.port = port
-        self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", "--share", shares,
+        tenants = ["--share", shares] if shares else []  # none: a --share.policy-file in ``extra``
+        self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", *tenants,
                                    "--share.accounting", accounting, "--share.ledger", ledger,
                                    "--web.listen-address", f"127.0.0.1:{port}", *extra], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

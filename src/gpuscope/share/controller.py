@@ -74,8 +74,9 @@ KEEPER_RETURN_S = 0.25
 #: (the yield comes at its next launch, and the queue holds two windows).
 YIELD_GRACE_WINDOWS = 4
 
-#: How often the policy file (--share.policy-file) is looked at for a change.
-POLICY_CHECK_S = 1.0
+#: How often the policy file (--share.policy-file) is looked at for a change (a stat() call): a change
+#: is applied within this, and the turn keeper takes it at its next return (KEEPER_RETURN_S).
+POLICY_CHECK_S = 0.5
 
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
