@@ -118,16 +118,20 @@ def _on_graph(starts: dict[int, int], ends: dict[int, int], kernels: list[fusion
     """fusion.py's report on one emitted graph: hand each instrumentation its regions' groups."""
     groups = fusion.merge_groups(starts, ends, kernels)
     by_owner: dict[int, tuple[Any, list[list[int]]]] = {}
+    positions: dict[int, dict[int, tuple[int, int]]] = {}
     for group in groups:
-        members = [_regions[r] for r in group if r < len(_regions) and _regions[r] is not None]
+        members = [(r, _regions[r]) for r in group if r < len(_regions) and _regions[r] is not None]
         if not members:
             continue
-        owner = members[0][0]
+        owner = members[0][1][0]
         # regions of two instrumentations never merge with each other's: each keeps its own
         by_owner.setdefault(id(owner), (owner, []))[1].append(
-            [index for regions, index in members if regions is owner])
-    for owner, owner_groups in by_owner.values():
-        owner.add_graph(owner_groups)
+            [entry[1] for _, entry in members if entry[0] is owner])
+        for r, (regions, index) in members:
+            if r in starts and r in ends:
+                positions.setdefault(id(regions), {})[index] = (starts[r], ends[r])
+    for key, (owner, owner_groups) in by_owner.items():
+        owner.add_graph(owner_groups, positions.get(key, {}))
 
 
 # --- which callable is the compiled one ---------------------------------------------------------
@@ -311,6 +315,7 @@ class CompiledRegions:
         self._group_of = list(range(len(names)))
         self._groups: dict[int, list[int]] = {i: [i] for i in range(len(names))}
         self._merged_ops: dict[tuple[int, ...], Any] = {}
+        self._positions: dict[int, tuple[int, int]] = {}  # index → (start, end) emission positions
         self.graphs_checked = 0
         self._actions: list[tuple[int, Any] | None] = []
         self._bounds: list[tuple[int, int, Any]] = []
@@ -325,11 +330,13 @@ class CompiledRegions:
 
     # groups ------------------------------------------------------------------------------------
 
-    def add_graph(self, groups: list[list[int]]) -> None:
-        """fusion.py's groups for one graph (indices of this instrumentation). Merges are sticky:
-        a region merged in any graph of this model stays merged in all of them."""
+    def add_graph(self, groups: list[list[int]], positions: dict[int, tuple[int, int]] | None = None) -> None:
+        """fusion.py's groups for one graph (indices of this instrumentation) and where each region's
+        markers were emitted. Merges are sticky: a region merged in any graph of this model stays
+        merged in all of them."""
         self.graphs_checked += 1
-        changed = False
+        self._positions.update(positions or {})
+        changed = bool(positions) and any(len(g) > 1 for g in self._groups.values())
         for group in groups:
             roots = {self._find(i) for i in group}
             if len(roots) > 1:
@@ -356,7 +363,13 @@ class CompiledRegions:
         bounds = []
         for root, members in sorted(self._groups.items()):
             op = self.ops[members[0]] if len(members) == 1 else self._merged_op(members)
+            # the group runs from the member whose start is emitted first to the member whose end is
+            # emitted last (nested regions: not the last by index); by index where not analysed
             first, last = members[0], members[-1]
+            where = self._positions
+            if all(m in where for m in members):
+                first = min(members, key=lambda m: where[m][0])
+                last = max(members, key=lambda m: where[m][1])
             actions[2 * first] = (root, op)
             actions[2 * last + 1] = (root, op)
             bounds.append((first, last, op))
