@@ -18,6 +18,7 @@ from gpuscope.share.policy import parse_memory, parse_shares
 from gpuscope.share.unmanaged import UnmanagedWatch
 from tests.conftest import wait_for
 from tests.share.fakecuda import Tenant, running_controller
+from tests.share.hostile import join
 
 MiB, GiB = 2**20, 2**30
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
@@ -173,3 +174,16 @@ def test_a_tenant_that_reports_less_gpu_time_than_nvml_sees_is_flagged_over_minu
     assert check.flagged == {"honest": False, "liar": True}
     assert len(lines) == 1 and "liar" in lines[0]
     assert check.nvml_busy_s["liar"] == pytest.approx(0.4 * 300)
+
+
+def test_a_process_that_just_left_is_not_taken_for_an_unmanaged_one(tmp_path):
+    """NVML lists a process until the driver has torn its context down, after its connection ended."""
+    with running_controller(str(tmp_path / "ledger"), [TenantPolicy("a", 1.0)]) as c:
+        sock, _, fds, _ = join(c.policy.prefix, "a")
+        for fd in fds:
+            os.close(fd)
+        me = os.getpid()
+        wait_for(lambda: me in c.joined_pids(), what="its adoption")
+        sock.close()
+        wait_for(lambda: me not in c.procs, what="its departure")
+        assert me in c.joined_pids()  # still, for the unmanaged-process watch

@@ -74,6 +74,8 @@ KEEPER_RETURN_S = 0.25
 #: (the yield comes at its next launch, and the queue holds two windows).
 YIELD_GRACE_WINDOWS = 4
 
+#: A process that left still counts as joined for this long, for the unmanaged-process watch.
+LEFT_GRACE_S = 5.0
 #: How often the policy file (--share.policy-file) is looked at for a change (a stat() call): a change
 #: is applied within this, and the turn keeper takes it at its next return (KEEPER_RETURN_S).
 POLICY_CHECK_S = 0.5
@@ -153,6 +155,7 @@ class Controller:
         self._last_charge = self._last_state_count = time.monotonic()
         self.lock = threading.Lock()  # /metrics reads procs while the loop changes them
         self._last_scan = self._last_zombie_check = 0.0
+        self._left: dict[int, float] = {}  # pid -> when it was forgotten (recent ones only)
         self.policy_file = policy_file
         self._last_policy_check = time.monotonic()
         self.reload_now = False  # set by SIGHUP: look at the policy file at the next step
@@ -161,17 +164,25 @@ class Controller:
         self._nvml_samples = self._nvml_matched = 0
 
     # --- processes --------------------------------------------------------------------------
-    def scan(self, *, zombie_check: bool = True) -> None:
-        """Adopt the processes that joined, forget those that left or died (their shares are given
-        back). Liveness is checked with ``kill(pid, 0)``; ``zombie_check`` also reads /proc, which
-        tells a process that exited but was not reaped yet."""
+    def adopt(self) -> None:
+        """Take the processes that joined and forget those whose connection ended (at every step: a
+        joined process must not wait for the next liveness check to count, or be seen as unmanaged)."""
         events = self.policy.take_joins()
+        if not events:
+            return
         with self.lock:
             for event in events:
                 if event.pid in self.procs:  # it left, or its pid was reused by a newer joiner
                     self._forget(event.pid)
                 if event.kind == "join":
                     self.procs[event.pid] = ProcState(event.page)
+
+    def scan(self, *, zombie_check: bool = True) -> None:
+        """Adopt new processes and forget those that left or died (their shares are given back).
+        Liveness is checked with ``kill(pid, 0)``; ``zombie_check`` also reads /proc, which tells a
+        process that exited but was not reaped yet."""
+        self.adopt()
+        with self.lock:
             for pid in list(self.procs):
                 if not pid_alive(pid, zombie_check=zombie_check):
                     self._forget(pid)
@@ -186,11 +197,16 @@ class Controller:
         # the driver frees what a process held when it ends: give it back to its tenant's count
         self.policy.memory[state.view.slot].give_back(counters["mem_bytes"])
         state.view.close()
+        self._left[pid] = time.monotonic()
 
     def joined_pids(self) -> list[int]:
-        """The pids of the processes that joined and still run (for the unmanaged-process watch)."""
+        """The pids of the processes that joined, with those that left in the last ``LEFT_GRACE_S`` (for
+        the unmanaged-process watch: NVML lists a process until the driver has torn its context down,
+        which outlasts the end of its connection)."""
+        now = time.monotonic()
         with self.lock:
-            return list(self.procs)
+            self._left = {pid: t for pid, t in self._left.items() if now - t < LEFT_GRACE_S}
+            return [*self.procs, *self._left]
 
     def tenants_by_pid(self) -> dict[int, str]:
         with self.lock:
@@ -481,9 +497,15 @@ class Controller:
             if len(tenants) > MAX_TENANTS:
                 raise ValueError(f"{len(tenants)} tenants with the removed ones still holding slots: at most "
                                  f"{MAX_TENANTS} until the controller restarts")
+            shares_changed = [(t.share, t.priority) for t in tenants[:len(self.tenants)]] != \
+                [(t.share, t.priority) for t in self.tenants]
             self.policy.set_tenants(tenants, Access(spec.allow))
             self.tenants = tenants
             self.scheduler.set_tenants(tenants)
+            if shares_changed:
+                # the usage remembered under the old shares would be repaid under the new ones (on the
+                # H200 the tenant whose share grew got the whole GPU for half a second): start afresh
+                self.scheduler.used = [0.0] * len(tenants)
             self.buckets.set_tenants(tenants)
             for t in tenants:
                 self.stats.slices.setdefault(t.name, 0)
@@ -510,6 +532,7 @@ class Controller:
         now = time.monotonic()
         self.policy.heartbeat()
         self._check_policy_file(now)
+        self.adopt()
         self._count_states(now)
         if now - self._last_scan >= SCAN_S:
             # liveness of the known processes every time (kill(pid, 0)); reading /proc for zombies, a
