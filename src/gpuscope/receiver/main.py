@@ -36,6 +36,7 @@ from gpuscope.receiver.profile_trigger import ProfileTrigger, TriggerConfigError
 from gpuscope.util.bounded_http import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_READ_TIMEOUT,
+    BadRequest,
     BoundedHTTPServer,
     DeadlineHandler,
     parse_max_connections,
@@ -49,14 +50,6 @@ STATUSES = ("firing", "resolved")
 #: whole requests at once; its keep-alive connections idle between notifications).
 READ_TIMEOUT_S = DEFAULT_READ_TIMEOUT
 logger = logging.getLogger("gpuscope.receiver")
-
-
-class BadRequest(Exception):
-    """Input the receiver refuses; carries the HTTP status to answer with."""
-
-    def __init__(self, status: HTTPStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def validate_notification(payload: Any) -> dict[str, Any]:
@@ -151,7 +144,7 @@ def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPReq
                             HTTPStatus.METHOD_NOT_ALLOWED, f"POST {path!r} is not supported (POST /alerts)")
                 return
             try:
-                body = self._read_body()
+                body = self.read_body(max_body_bytes)
                 try:
                     payload = json.loads(body)
                 except (UnicodeDecodeError, ValueError) as exc:
@@ -161,22 +154,6 @@ def _make_handler(log: NotificationLog, max_body_bytes: int) -> type[BaseHTTPReq
                 self._error(exc.status, str(exc))
                 return
             self.send_json(HTTPStatus.OK, {"status": "ok"})
-
-        def _read_body(self) -> bytes:
-            raw = self.headers.get("Content-Length")
-            if raw is None:
-                self.close_connection = True
-                raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
-            try:
-                length = int(raw)
-            except ValueError:
-                self.close_connection = True
-                raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {raw!r} is not a number") from None
-            if length < 0 or length > max_body_bytes:
-                self.close_connection = True  # the unread body must not be parsed as the next request
-                raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                 f"body of {length} bytes is over the limit of {max_body_bytes}")
-            return self.rfile.read(length)
 
         def _method_not_allowed(self) -> None:
             self._error(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not supported")

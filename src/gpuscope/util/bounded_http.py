@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -203,6 +204,14 @@ class _DeadlineReader(io.RawIOBase):
             raise
 
 
+class BadRequest(Exception):
+    """Input a server refuses; carries the HTTP status to answer with."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class DeadlineHandler(JsonRequestHandler):
     """Reads each request (line, headers and body) against one deadline; tells the server when a
     connection waits for a request (evictable) and when it answers (not)."""
@@ -227,6 +236,25 @@ class DeadlineHandler(JsonRequestHandler):
         super().handle_one_request()
         if self.timed_out:
             self.server.count_closed("timeout")
+
+    def read_body(self, max_bytes: int) -> bytes:
+        """The request's body, whole, within the request's deadline (BadRequest without a usable
+        Content-Length or past ``max_bytes``: the connection then closes, its unread body must not be
+        parsed as the next request)."""
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            self.close_connection = True
+            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "Content-Length is required")
+        try:
+            length = int(raw)
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {raw!r} is not a number") from None
+        if length < 0 or length > max_bytes:
+            self.close_connection = True
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {length} bytes is over the limit of {max_bytes}")
+        return self.rfile.read(length)
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
