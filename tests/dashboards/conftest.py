@@ -5,18 +5,28 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import json
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
+from gpuscope.alerting import generate, sources
 from gpuscope.contract import catalogue
+from gpuscope.contract.profiles import TEST
+from gpuscope.ops import procs
 from gpuscope.ops.stack import Stack, StackOptions
+from gpuscope.util.freeport import free_port
 from tests.conftest import require_binary, wait_for
 
 TENANTS = ("alpha", "beta")
+#: Tenants of the share controller beside the stack: one capped (1 GiB), one without a cap.
+SHARE_TENANTS = "capped=0.5:0:1GiB,uncapped=0.5"
 SCRAPE_INTERVAL_S = 5  # deploy/prometheus/prometheus.yml
 TTFT_COUNT = catalogue.REQUEST_TTFT.series("_count")
 
@@ -90,19 +100,54 @@ def loki_sink():
     sink.close()
 
 
+class StackWithShare(Stack):
+    """The stack, with Prometheus also scraping a `gpuscope share` controller under the share source's
+    job and loading that source's layer, so the panels only the controller feeds are evaluated too."""
+
+    def __init__(self, options: StackOptions, share_address: str) -> None:
+        super().__init__(options)
+        self.share_address = share_address
+
+    def render_configs(self) -> None:
+        super().render_configs()
+        path = self.run_dir / "prometheus.yml"
+        config = yaml.safe_load(path.read_text())
+        config["scrape_configs"].append({
+            "job_name": sources.stack_job(sources.GPUSCOPE_SHARE.name, TEST),
+            "static_configs": [{"targets": [self.share_address], "labels": {"host": "local"}}]})
+        layer = self.options.root / generate.source_rules_path(TEST, sources.GPUSCOPE_SHARE.name)
+        config["rule_files"].append(str(layer))
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
 @pytest.fixture(scope="session")
-def live_stack(loki_sink):
-    """The stack (test profile, free ports) after traffic and enough scrapes for rate() windows."""
+def share_controller(tmp_path_factory) -> Iterator[str]:
+    """A `gpuscope share` controller on CPU (no tenant process joins): its /metrics address."""
+    folder: Path = tmp_path_factory.mktemp("share")
+    address = f"127.0.0.1:{free_port()}"
+    child = procs.Child([sys.executable, "-m", "gpuscope", "share", "--share", SHARE_TENANTS,
+                         "--share.ledger", str(folder / "ledger"), "--web.listen-address", address],
+                        name="share", log_path=folder / "share.log", ready=f"http://{address}/healthz",
+                        die_with_parent=True)
+    with child:
+        child.wait_ready(30)
+        yield address
+
+
+@pytest.fixture(scope="session")
+def live_stack(loki_sink, share_controller):
+    """The stack (test profile, free ports) after traffic and enough scrapes for rate() windows, with a
+    share controller scraped beside it."""
     for binary in ("prometheus", "prometheus-alertmanager", "prometheus-node-exporter"):
         require_binary(binary)
     options = StackOptions(profile="test", ports="free",
                            server_args=["--tenants", ",".join(f"{t}:0.5" for t in TENANTS),
                                         "--loki.url", loki_sink.url])
-    with Stack(options) as stack:
+    with StackWithShare(options, share_controller) as stack:
         stack.started_at = time.time()
         # Traffic before the first scrape would land in the first sample: rate() would never see it move.
-        wait_for(lambda: prom_query(stack, "count(up == 1) == 6"), timeout=30, interval=0.2,
-                 what="Prometheus scraping all six targets")
+        wait_for(lambda: prom_query(stack, "count(up == 1) == 7"), timeout=30, interval=0.2,
+                 what="Prometheus scraping all seven targets (the stack's six and the share controller)")
         assert send_traffic(stack) == 2 * 12
         # Data for every rate()/increase() window: the server's counters moved between two scrapes, and
         # every target has been scraped often enough to fill a $__rate_interval of four scrapes.

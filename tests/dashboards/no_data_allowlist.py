@@ -29,10 +29,16 @@ ALLOWED_EMPTY: dict[tuple[str, str, str], str] = {
 KERNEL_BUSY = ("kernel busy windows need a GPU and cupti-python (gpuscope serve --timing.kernel-busy, off by "
                "default); the kernel busy GPU test checks the ratio itself")
 ENERGY = "energy per token needs the GPUs' energy counter (NVML or DCGM): " + NO_GPU
+SHARE_NO_NVML = ("gpuscope share without NVML (no GPU here) cannot list the GPU's processes or read their "
+                 "utilization: the unmanaged-process series and NVML's view of tenant GPU time are absent; "
+                 "the alert cases (tests/alerts/cases/sources/gpuscope-share.test.yml) drive them")
 ALLOWED_EMPTY.update({
     **{("gpuscope-tenants", title, ref): ENERGY
        for title in ("Energy per output token", "Cost per million output tokens")
        for ref in ("A", "B")},
+    ("gpuscope-tenants", "GPU time: charged against NVML", "B"): SHARE_NO_NVML,
+    ("gpuscope-tenants", "Processes outside the share controller", "A"): SHARE_NO_NVML,
+    ("gpuscope-tenants", "Memory of processes outside the share controller", "A"): SHARE_NO_NVML,
     ("gpuscope-kernels", "Kernel busy share per op", "A"): KERNEL_BUSY,
     ("gpuscope-bottlenecks", "Launch-bound modules", "A"): KERNEL_BUSY,
 })

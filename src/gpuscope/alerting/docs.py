@@ -91,6 +91,9 @@ stale files and re-run every promtool test against the new rules.
   generation); `slo_ttft_target` and `slo_availability_target` set the budgets.
 - XID codes that page: `xid_critical`. Throttling reasons: `throttle_*_reasons` (regexes over the
   exporter's `reason` label).
+- gpuscope share: a tenant is near its memory cap at `bottleneck_memory_ratio` of it (the
+  memory-pressure threshold) for `memory_cap_for`; the controller's own flags (unmanaged processes,
+  under-reporting) alert after `share_flag_for`.
 - Bottleneck classes: `bottleneck_memory_ratio`, `bottleneck_idle_ratio`. Node and GPU series are
   joined by `host`: set a `host` label in the scrape config where exporters run under different
   host names (compose), otherwise the host part of `instance` is used.
@@ -108,7 +111,7 @@ stale files and re-run every promtool test against the new rules.
 | `alerts/loki/<profile>/fake/gpuscope.rules.yml` | Loki ruler rules (LogQL); mount as the ruler's directory |
 | `alerts/alertmanager.yml`, `alerts/alertmanager-test-profile.yml` | routes, inhibition, receivers |
 | `tests/alerts/cases/*.test.yml` | promtool unit tests, one per area (default sources) |
-| `tests/alerts/cases/sources/*.test.yml` | promtool unit tests on vLLM's and dcgm-exporter's series |
+| `tests/alerts/cases/sources/*.test.yml` | promtool unit tests on other sources' series |
 | `tests/alerts/cases/routes.yml` | amtool routing cases |
 """
 

@@ -61,6 +61,19 @@ told apart by their ``trigger`` label:
   "out of memory now". A cache that cycles up to 95% returns to its earlier peak and stays silent.
   The growth is the slope between the last two records of the normalised series, so the source
   must be sampled at least once per evaluation interval (a slower one reads as flat half the time).
+
+The tenants of ``gpuscope share`` (processes on one GPU, each tenant's memory capped) have two alerts
+of their own, on the memory their processes hold together against the cap:
+
+- ``GPUTenantNearMemoryCap`` (warning): at least ``bottleneck_memory_ratio`` of the cap (the
+  memory-pressure threshold of the bottleneck classes) for ``memory_cap_for``: the next allocations
+  past the cap will be refused.
+- ``GPUTenantAllocationsRefused`` (warning): allocations were refused at the cap within the
+  ``latency`` window, so the tenant's processes got CUDA out-of-memory errors. Its own alert, not a
+  case of the first: a single large allocation is refused at any fill level, and a refusal says the
+  workload fails now where the fill level says it soon may; its description gives the fill level
+  too. Warnings, not pages: the cap is the tenant's policy working, and a critical alert would
+  inhibit every warning of the controller's instance, the other tenants' included.
 """
 
 from __future__ import annotations
@@ -72,6 +85,10 @@ from gpuscope.contract.profiles import Profile, Thresholds
 
 SERVER_LABELS = ("job", "instance", "device")
 GPU_LABELS = ("job", "instance", "gpu")
+#: A tenant of gpuscope share: its memory and cap are per controller (one GPU) and tenant.
+TENANT_LABELS = ("job", "instance", "tenant")
+NEAR_CAP = "GPUTenantNearMemoryCap"
+REFUSED = "GPUTenantAllocationsRefused"
 
 
 def _on(labels: tuple[str, ...]) -> str:
@@ -209,6 +226,18 @@ def leak_condition(p: Profile) -> str:
     climbing = climbing_condition(used, total, SERVER_LABELS, p)
     return (f"(\n{slow}\n)\nor\n(\n{fast}\n)\nor\n(\n{near_full}\n)\nor\n(\n{climbing}\n)\n"
             f"or\n(\n{kv_exhausted_condition(p)}\n)")
+
+
+def near_cap_condition(p: Profile) -> str:
+    """The share of its memory cap a tenant holds, where at least the memory-pressure threshold."""
+    on = _on(TENANT_LABELS)
+    return (f"{names.TENANT_MEMORY_USED}\n/ {on}\n{names.TENANT_MEMORY_CAP}\n"
+            f">= {num(p.thresholds.bottleneck_memory_ratio)}")
+
+
+def refused_condition(p: Profile) -> str:
+    """Allocations refused at a tenant's cap over the ``latency`` window, where any."""
+    return f"round({names.TENANT_MEMORY_REFUSED_RATE} * {p.windows.latency}) > 0"
 
 
 def _query(expr: str, labels: tuple[str, ...], humanizer: str) -> str:
@@ -387,4 +416,48 @@ def groups(p: Profile) -> list[Group]:
                     "growing process does; it runs out when the KV cache no longer holds the running "
                     "batch and preempts. A full cache alone is vLLM working as designed."),
     ))
+    alerts += tenant_cap_alerts(p)
     return [Group("gpuscope-memory", tuple(alerts))]
+
+
+def tenant_cap_alerts(p: Profile) -> list[Alert]:
+    """The memory caps of gpuscope share's tenants: near the cap, and allocations refused at it."""
+    w, t = p.windows, p.thresholds
+    tenant = "Tenant {{ $labels.tenant }} on {{ $labels.instance }}"
+    now = _query(names.TENANT_MEMORY_USED + "{}", TENANT_LABELS, "humanize1024")
+    cap = _query(names.TENANT_MEMORY_CAP + "{}", TENANT_LABELS, "humanize1024")
+    held = _query(f"{names.TENANT_MEMORY_USED}{{}} / {_on(TENANT_LABELS)} {names.TENANT_MEMORY_CAP}",
+                  TENANT_LABELS, "humanizePercentage")
+    common = {"service": p.selectors.server_service, "dashboard": uids.TENANTS,
+              "dashboard_vars": ("instance", "tenant"), "severity": "warning"}
+    ratio = num(t.bottleneck_memory_ratio * 100)
+    return [
+        Alert(name=NEAR_CAP, expr=near_cap_condition(p), for_s=w.memory_cap_for, **common,
+              summary="Tenant {{ $labels.tenant }} is near its memory cap on {{ $labels.instance }}",
+              description=(f"{tenant} holds {now}B of its {cap}B memory cap "
+                           f"({{{{ $value | humanizePercentage }}}}), at least {ratio}% of it for "
+                           f"{duration(w.memory_cap_for)}: an allocation past the cap is refused with CUDA "
+                           f"out-of-memory."),
+              doc=Doc(what="A tenant of gpuscope share holds nearly all of its device-memory cap",
+                      threshold=f"used ≥ {ratio}% of the cap (`bottleneck_memory_ratio`, the "
+                                f"memory-pressure threshold)",
+                      window=f"for {duration(w.memory_cap_for)}",
+                      why="At the cap the next allocation fails; the memory-pressure threshold leaves "
+                          "room to act first. A burst freed within minutes is not a tenant sized at its "
+                          "cap. A server that sizes itself to the memory it sees (vLLM's "
+                          "gpu_memory_utilization, of the cap) sits at that fraction by design.")),
+        Alert(name=REFUSED, expr=refused_condition(p), for_s=0, **common,
+              summary="Allocations of tenant {{ $labels.tenant }} are refused at its memory cap on "
+                      "{{ $labels.instance }}",
+              description=(f"{tenant} had {{{{ $value }}}} allocations refused at its memory cap over the "
+                           f"last {duration(w.latency)}: its processes got CUDA out-of-memory errors. "
+                           f"It holds {now}B of its {cap}B cap ({held})."),
+              doc=Doc(what="Allocations of a gpuscope share tenant are refused at its memory cap: its "
+                           "processes get CUDA out-of-memory errors",
+                      threshold="any refused allocation",
+                      window=f"refusals over {duration(w.latency)}",
+                      why="A refusal is an out-of-memory error in the tenant's process now (PyTorch "
+                          "frees its cache and retries first, then raises). Its own alert: one large "
+                          f"allocation is refused at any fill level, below {ratio}% too; its "
+                          f"description gives the fill level.")),
+    ]

@@ -11,6 +11,12 @@ so a tenant that is idle by choice (empty queue) can never match. Progress is ge
 service is the tenant's share of GPU time against its configured quota (0 in FCFS mode, where the
 under-served test cannot fire). Queue-wait growth is alerted too, but is not a composite dimension:
 every slowdown makes queues wait longer, so it would count a latency problem twice.
+
+``gpuscope share`` holds processes to GPU-time shares on what they report, so two flags of its
+controller are alerted too: processes on the GPU that never joined it (they run outside every share
+and memory cap), and a tenant whose processes NVML sees busy for more than they were charged (one may
+under-report its GPU time). Both already hold over several samples in the controller; the alerts'
+``share_flag_for`` only rides out one flip.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.share import crosscheck
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"
@@ -108,4 +115,48 @@ def groups(p: Profile) -> list[Group]:
                       why="Early sign of overload or unfair scheduling; not a composite dimension "
                           "because any slowdown lengthens queues.")),
     ]
-    return [Group("gpuscope-scheduling", (share, *alerts))]
+    return [Group("gpuscope-scheduling", (share, *alerts, *share_flag_alerts(p)))]
+
+
+def share_flag_alerts(p: Profile) -> list[Alert]:
+    """The share controller's flags: processes outside it, a tenant under-reporting its GPU time."""
+    w = p.windows
+    match = "job='%s',instance='%s',tenant='%s'"
+    held = query_value(f"{names.UNMANAGED_MEMORY}{{job='%s',instance='%s'}}", ("job", "instance"),
+                       "humanize1024")
+    nvml = query_value(f"{names.TENANT_NVML_BUSY_RATE}{{{match}}}", LABELS, "humanizePercentage")
+    charged = query_value(f"{names.TENANT_GPU_SECONDS_RATE}{{{match}}}", LABELS, "humanizePercentage")
+    check, tolerance = duration(int(crosscheck.WINDOW_S)), num(crosscheck.TOLERANCE * 100)
+    common = {"service": p.selectors.server_service, "dashboard": uids.TENANTS, "severity": "warning",
+              "for_s": w.share_flag_for}
+    return [
+        Alert(name="GPUShareUnmanagedProcesses", expr=f"{names.UNMANAGED_PROCESSES} > 0", **common,
+              dashboard_vars=("instance",),
+              summary="Processes run outside the share controller on {{ $labels.instance }}",
+              description=(f"{{{{ $value }}}} process(es) on the GPU of the share controller "
+                           f"{{{{ $labels.instance }}}} never joined it and hold {held}B of device memory: "
+                           f"they run outside every GPU-time share and memory cap. The controller's log "
+                           f"names each once, with its pid and command line."),
+              doc=Doc(what="Processes on a gpuscope share GPU that never joined the controller: outside "
+                           "every share and memory cap",
+                      threshold="≥ 1 such process (seen by NVML in two samples in a row)",
+                      window=f"for {duration(w.share_flag_for)}",
+                      why="Their GPU time and memory are accounted to no tenant, so no tenant's share or "
+                          "cap holds while they run; the short wait leaves out a check that exits "
+                          "within seconds.")),
+        Alert(name="GPUTenantUnderReported", expr=f"{names.TENANT_UNDER_REPORTED} == 1", **common,
+              dashboard_vars=("instance", "tenant"),
+              summary="Tenant {{ $labels.tenant }} may under-report its GPU time on {{ $labels.instance }}",
+              description=(f"NVML saw the processes of tenant {{{{ $labels.tenant }}}} on "
+                           f"{{{{ $labels.instance }}}} busy {nvml} of the GPU's time over the last "
+                           f"{duration(w.starvation)}, against {charged} charged to it; the controller "
+                           f"flags a gap of more than {tolerance}% of the wall time over {check}. One of "
+                           f"its processes may under-report its GPU time, and so get more than its share."),
+              doc=Doc(what="NVML sees a gpuscope share tenant's processes busy for more GPU time than "
+                           "they were charged (the controller's flag)",
+                      threshold=f"NVML busy time > charged time + {tolerance}% of the wall time",
+                      window=f"the controller's {check}, for {duration(w.share_flag_for)}",
+                      why="Shares are enforced on what the processes report, which a process can "
+                          "rewrite; NVML's per-process utilization is coarse, so only a gap that large "
+                          "over minutes counts. Reading lower than the charge is not flagged.")),
+    ]

@@ -127,6 +127,8 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
     "gpu_ecc": (names.GPU_ECC_ERRORS_RATE, "latency", ""),
     "gpu_pcie_replay": (names.GPU_PCIE_REPLAY_RATE, "latency", ""),
     "exporter_errors": (names.EXPORTER_ERRORS_RATE, "latency", ""),
+    "tenant_memory_refused": (names.TENANT_MEMORY_REFUSED_RATE, "latency", ""),
+    "tenant_nvml_busy": (names.TENANT_NVML_BUSY_RATE, "starvation", ""),
 }
 #: Gauges: quantity → (record, how the source's extra splits combine).
 GAUGES: dict[str, tuple[str, str]] = {
@@ -155,6 +157,11 @@ GAUGES: dict[str, tuple[str, str]] = {
     "exporter_staleness": (names.EXPORTER_STALENESS, "max"),
     "exporter_collection": (names.EXPORTER_COLLECTION_SECONDS, "max"),
     "exporter_init_errors": (names.EXPORTER_INIT_ERRORS, "sum"),
+    "tenant_memory_used": (names.TENANT_MEMORY_USED, "sum"),
+    "tenant_memory_cap": (names.TENANT_MEMORY_CAP, "max"),
+    "tenant_under_reported": (names.TENANT_UNDER_REPORTED, "max"),
+    "unmanaged_processes": (names.UNMANAGED_PROCESSES, "sum"),
+    "unmanaged_memory": (names.UNMANAGED_MEMORY, "sum"),
 }
 #: The memory whose floor the leak rules watch, per role: (used, capacity) quantities and the records.
 MEMORY = {
@@ -490,18 +497,33 @@ DCGM_EXPORTER = Source(
 # the under-served and starved alerts read them unchanged; the backlog is a launching thread held at
 # the gate at every sample of the window (a tenant that gets its turns is seen running at some sample).
 # Charged, not the processes' own event time: that spans the other tenants' slices while two run at
-# once (an overlapping hand-over), and a tenant beside the holder posts none outside its probes.
+# once (an overlapping hand-over), and a tenant beside the holder posts none outside its probes. Its own
+# quantities (memory held against each tenant's cap, allocations refused at it, processes on the GPU
+# that never joined, GPU time as NVML sees it) have alerts and panels of their own.
 _SHARE = {"drop": ("pid",)}
 GPUSCOPE_SHARE = Source(
     name=parts.SHARE.job, role="server", title="gpuscope share",
     upstream="src/gpuscope/contract/catalogue.py (this repository)", selector_field="share",
     raw={"tenant_gpu_seconds": Raw(m.SHARE_CHARGED_SECONDS.name),
          "quota": Raw(m.SHARE_TARGET_RATIO.name),
-         "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE)},
+         "queue_depth": Raw(m.SHARE_WAITING_THREADS.name, **_SHARE),
+         **{key: Raw(metric.name) for key, metric in {
+             "tenant_memory_used": m.SHARE_MEMORY_USED, "tenant_memory_cap": m.SHARE_MEMORY_CAP,
+             "tenant_memory_refused": m.SHARE_MEMORY_REFUSED,
+             "tenant_nvml_busy": m.SHARE_NVML_BUSY_SECONDS, "tenant_under_reported": m.SHARE_UNDER_REPORTED,
+             "unmanaged_processes": m.SHARE_UNMANAGED_PROCESSES,
+             "unmanaged_memory": m.SHARE_UNMANAGED_MEMORY,
+         }.items()}},
     notes=("Tenants are processes on one GPU (`gpuscope share`): the GPU seconds the controller charged "
-           "each, target shares and the backlog (threads held at the gate) only; no requests, tokens, "
-           "latency or memory, so a tenant held at every sample of the window counts as starved (no "
-           "tokens are ever generated).",),
+           "each, target shares and the backlog (threads held at the gate); no requests, tokens or "
+           "latency, so a tenant held at every sample of the window counts as starved (no tokens are "
+           "ever generated).",
+           "Its own series: each tenant's device memory against its cap and the allocations refused at "
+           "the cap (GPUTenantNearMemoryCap, GPUTenantAllocationsRefused), processes on the GPU that "
+           "never joined the controller (GPUShareUnmanagedProcesses), and the tenants' GPU time as NVML "
+           "sees it with the controller's under-reporting flag (GPUTenantUnderReported). The last two "
+           "need NVML on the controller's host: without it they are absent and those alerts are "
+           "silent.",),
 )
 
 SOURCES: dict[str, Source] = {s.name: s for s in (GPUSCOPE_SERVER, GPUSCOPE_EXPORTER, VLLM, DCGM_EXPORTER,

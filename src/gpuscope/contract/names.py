@@ -168,6 +168,21 @@ EXPORTER_INIT_ERRORS = "gpuscope:exporter_init_errors:count"
 GPU_EXPORTER_UP = "gpuscope:gpu_exporter:up"
 GPU_EXPORTER_TARGETS_ABSENT = "gpuscope:gpu_exporter_targets:absent"
 
+# --- processes sharing one GPU (gpuscope share): per tenant {tenant}, and per controller ---------------
+#: Device memory a tenant's processes hold together, and its cap (absent for a tenant without one). {tenant}
+TENANT_MEMORY_USED = gauge(m.SHARE_MEMORY_USED, "sum")
+TENANT_MEMORY_CAP = gauge(m.SHARE_MEMORY_CAP, "max")
+#: Allocations refused at the tenant's cap (its processes got CUDA out-of-memory), per second.
+#: {tenant} [latency]
+TENANT_MEMORY_REFUSED_RATE = rate(m.SHARE_MEMORY_REFUSED)
+#: GPU seconds per second NVML saw the tenant's processes busy, whatever they report. {tenant} [starvation]
+TENANT_NVML_BUSY_RATE = rate(m.SHARE_NVML_BUSY_SECONDS)
+#: 1 while the controller flags the tenant as under-reporting its GPU time (NVML saw more). {tenant}
+TENANT_UNDER_REPORTED = gauge(m.SHARE_UNDER_REPORTED, "max")
+#: Processes on the controller's GPU that never joined it, and the device memory they hold (no tenant).
+UNMANAGED_PROCESSES = gauge(m.SHARE_UNMANAGED_PROCESSES, "sum")
+UNMANAGED_MEMORY = gauge(m.SHARE_UNMANAGED_MEMORY, "sum")
+
 # --- memory floors (memory.py): the server's memory {device} and each GPU's framebuffer {gpu} -------------
 # Growth of the floor in bytes per second. The slow one is the slowest growth of the floor over any
 # interval of the leak span, present only with enough history and growth that is not fading.

@@ -116,7 +116,9 @@ class Thresholds:
     oom_log_line: str = "CUDA out of memory"
 
     # Bottleneck classification (recording rules only, for the bottlenecks dashboard).
-    bottleneck_memory_ratio: float = 0.9    # host RAM or GPU framebuffer this full: memory_pressure
+    #: Host RAM or a GPU's framebuffer this full is the memory_pressure class; a tenant of gpuscope
+    #: share holding this much of its memory cap is near it (GPUTenantNearMemoryCap).
+    bottleneck_memory_ratio: float = 0.9
     bottleneck_idle_ratio: float = 0.1      # both CPU and GPU below this: idle
     #: An op whose kernels keep the GPU busy less than this share of its region time is launch-bound
     #: (gpuscope serve --timing.kernel-busy; timing/busy.py): CUDA graphs or fewer, larger kernels help.
@@ -180,6 +182,12 @@ class Windows:
     leak_climb_fill_slowest: int = 40 * 60
     starvation: int = 5 * 60                # backlog throughout, and no tokens, over this window
     starvation_for: int = 5 * 60
+    #: GPUTenantNearMemoryCap: a tenant holds bottleneck_memory_ratio of its memory cap this long (a
+    #: burst of allocations that is freed again within minutes is not a tenant sized at its cap).
+    memory_cap_for: int = 5 * 60
+    #: The share controller's own flags (a process that never joined, seen in two samples in a row; a
+    #: tenant under-reporting over minutes) already hold over time: this only rides out one flip.
+    share_flag_for: int = 60
     scrape_down_for: int = 2 * 60
     target_missing: int = 15 * 60           # fewer targets than this long ago: one left discovery
     #: "No target at all" waits until the rules have run this long (a start takes 30 s on one host,

@@ -1,9 +1,12 @@
 """Tenants and scheduling: GPU-time share against quota, queue wait, starvation (a vLLM model is a
 tenant: its queue, its tokens; GPU-time shares are gpuscope serve's, and those of the processes that
-`gpuscope share` holds to shares of one GPU, whose backlog is their threads held at the gate)."""
+`gpuscope share` holds to shares of one GPU, whose backlog is their threads held at the gate). Beside
+time, the memory of `gpuscope share`'s tenants against their caps, the allocations refused at a cap,
+the processes on its GPU that never joined it, and each tenant's GPU time as NVML sees it."""
 
 from gpuscope.contract import catalogue as m
 from gpuscope.contract import names, uids
+from gpuscope.contract.profiles import Thresholds
 from gpuscope.dashboards import energy
 from gpuscope.dashboards.common import (
     PromTarget,
@@ -27,6 +30,10 @@ QUOTA = f"max by (tenant) ({sel(names.TENANT_SHARE_QUOTA, T)})"
 STARVING = (f"(sum by (tenant) ({sel(names.QUEUE_DEPTH, T)}) > bool 0)"
             f" * on (tenant) ({sum_expr(names.GENERATION_TOKENS_RATE, T, by=[T])} == bool 0)")
 
+MEMORY_USED = f"sum by (tenant) ({sel(names.TENANT_MEMORY_USED, T)})"
+MEMORY_CAP = f"max by (tenant) ({sel(names.TENANT_MEMORY_CAP, T)})"
+NEAR_CAP = Thresholds().bottleneck_memory_ratio
+
 dashboard = dashboard(
     uid=uids.TENANTS,
     title="gpuscope / Tenants and scheduling",
@@ -46,6 +53,39 @@ dashboard = dashboard(
               description="Value #A: measured share; Value #B: quota."),
         timeseries("GPU seconds per second per tenant", PromTarget(GPU_RATE, "{{tenant}}"), unit="s",
                    stack=True, w=12),
+        timeseries("Device memory per tenant against its cap", PromTarget(MEMORY_USED, "{{tenant}} used"),
+                   PromTarget(MEMORY_CAP, "{{tenant}} cap"), unit="bytes", w=12,
+                   description="gpuscope share: the device memory all of a tenant's processes hold "
+                               "together, and its cap (none for a tenant without one). An allocation "
+                               "past the cap is refused with CUDA out-of-memory."),
+        timeseries("Memory cap held per tenant", PromTarget(f"{MEMORY_USED} / {MEMORY_CAP}", "{{tenant}}"),
+                   unit="percentunit", w=8,
+                   description=f"gpuscope share: used over cap. GPUTenantNearMemoryCap fires at "
+                               f"{NEAR_CAP:.0%} held for minutes."),
+        timeseries("Allocations refused at the memory cap",
+                   PromTarget(sum_expr(names.TENANT_MEMORY_REFUSED_RATE, T, by=[T]), "{{tenant}}"),
+                   unit="ops", w=8,
+                   description="gpuscope share: allocations per second refused because they would take "
+                               "the tenant past its cap; each is a CUDA out-of-memory error in one of its "
+                               "processes (GPUTenantAllocationsRefused)."),
+        timeseries("GPU time: charged against NVML",
+                   PromTarget(GPU_RATE, "{{tenant}} charged"),
+                   PromTarget(sum_expr(names.TENANT_NVML_BUSY_RATE, T, by=[T]), "{{tenant}} NVML"),
+                   unit="percentunit", w=8,
+                   description="gpuscope share: the GPU time charged to each tenant (what its processes "
+                               "report) against the time NVML saw them busy. NVML well above the charge "
+                               "is a process under-reporting (GPUTenantUnderReported); NVML needs a GPU."),
+        timeseries("Processes outside the share controller",
+                   PromTarget(sum_expr(names.UNMANAGED_PROCESSES, by=["instance"]), "{{instance}} processes"),
+                   w=12,
+                   description="gpuscope share: processes NVML lists on the controller's GPU that never "
+                               "joined it; they run outside every share and memory cap. The controller's "
+                               "log names each (GPUShareUnmanagedProcesses)."),
+        timeseries("Memory of processes outside the share controller",
+                   PromTarget(sum_expr(names.UNMANAGED_MEMORY, by=["instance"]), "{{instance}}"),
+                   unit="bytes", w=12,
+                   description="gpuscope share: device memory the processes that never joined hold, as "
+                               "NVML reports it: no tenant's cap counts it."),
         timeseries("Queue wait p99 per tenant",
                    PromTarget(quantile_expr(0.99, m.REQUEST_QUEUE, T, by=[T]), "{{tenant}} p99"),
                    PromTarget(quantile_expr(0.5, m.REQUEST_QUEUE, T, by=[T]), "{{tenant}} p50"),

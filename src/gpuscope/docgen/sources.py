@@ -25,7 +25,7 @@ from gpuscope.dashboards import render as dashboards
 NORMALISED = re.compile(r"\bgpuscope:[a-z0-9_]+:[a-z0-9_]+\b")
 RAW = re.compile(r"(?<![\w:])([A-Za-z_][\w:]*)(?=\{)")
 YES, NO, ANY = "✓", "—", "any"
-SERVER = (sources.GPUSCOPE_SERVER.name, sources.VLLM.name)
+SERVER = (sources.GPUSCOPE_SERVER.name, sources.VLLM.name, sources.GPUSCOPE_SHARE.name)
 GPU = (sources.GPUSCOPE_EXPORTER.name, sources.DCGM_EXPORTER.name)
 
 
@@ -92,7 +92,7 @@ def _mark(value: bool | None) -> str:
 
 
 def _alert_rows(s: Support) -> list[str]:
-    lines = [_row(("alert", *SERVER, *GPU)), _row(["---"] * 5)]
+    lines = [_row(("alert", *SERVER, *GPU)), _row(["---"] * (1 + len(SERVER) + len(GPU)))]
     seen: set[tuple] = set()
     loki = [a for g in log_rules.groups(s.profile) for a in g.alerts()]
     for alert in [*s.alerts, *loki]:
@@ -119,7 +119,7 @@ def _alert_rows(s: Support) -> list[str]:
 
 
 def _panel_rows(s: Support) -> list[str]:
-    lines = [_row(("dashboard", "panel", *SERVER, *GPU)), _row(["---"] * 6)]
+    lines = [_row(("dashboard", "panel", *SERVER, *GPU)), _row(["---"] * (2 + len(SERVER) + len(GPU)))]
     for module in MODULES:
         uid, text = dashboards.dashboard_json(module)
         for panel in json.loads(text)["panels"]:
@@ -137,7 +137,7 @@ def _panel_rows(s: Support) -> list[str]:
 
 
 def _mapping_rows(p: Profile) -> list[str]:
-    lines = [_row(("normalised series", *SERVER, *GPU)), _row(["---"] * 5)]
+    lines = [_row(("normalised series", *SERVER, *GPU)), _row(["---"] * (1 + len(SERVER) + len(GPU)))]
     found: dict[str, dict[str, set[str]]] = {}
     for name, src in sources.SOURCES.items():
         for record in sources.records(src, p):
