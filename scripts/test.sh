@@ -3,7 +3,8 @@
 # On a fresh Debian machine it installs everything the tests need, then runs every test:
 #   - Debian packages (when run as root): Prometheus + promtool, Alertmanager + amtool,
 #     node_exporter, docker-compose (for `config` validation), Node.js + npm (LogQL grammar),
-#     VictoriaMetrics + vmagent + vmalert (the fleet profile's test);
+#     VictoriaMetrics + vmagent + vmalert (the fleet profile's test), openssl (the share webhook's
+#     test certificate);
 #   - a virtual environment in .venv with torch's CPU build (installed first, by exact pin, from a
 #     local wheel where the machine has one, else from torch's CPU index, so pip does not fetch a
 #     multi-GB CUDA build) and gpuscope with its extras;
@@ -20,7 +21,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   for pair in prometheus:prometheus promtool:prometheus alertmanager:prometheus-alertmanager \
               amtool:prometheus-alertmanager prometheus-node-exporter:prometheus-node-exporter \
               docker-compose:docker-compose node:nodejs npm:npm victoria-metrics:victoria-metrics \
-              vmagent:victoria-metrics vmalert:victoria-metrics; do
+              vmagent:victoria-metrics vmalert:victoria-metrics openssl:openssl; do
     command -v "${pair%%:*}" >/dev/null || need+=("${pair##*:}")
   done
   # A C compiler and Python's headers build the timer's C hot path (optional at install time,

@@ -17,6 +17,7 @@ COMMANDS = {
     "diagnose": ("gpuscope.diagnose.main", "sample this box (or a past window) and say what is wrong"),
     "generate": ("gpuscope.ops.generate", "write every generated file (rules, dashboards, docs, manifests)"),
     "share": ("gpuscope.share.main", "hold processes on one GPU to shares of its time (preload library)"),
+    "share-webhook": ("gpuscope.share.webhook", "admission webhook: join annotated pods to gpuscope share"),
     "loadtest": ("gpuscope.loadtest.run", "Locust with the bundle's streaming users against a server"),
     "compare": ("gpuscope.loadtest.compare", "compare server configurations and endpoints under one load"),
     "drill": ("gpuscope.loadtest.fault_drill", "induce each fault under load and time its alert"),

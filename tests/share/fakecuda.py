@@ -98,8 +98,10 @@ def running_controller(prefix: str, tenants, **options):
 class Tenant:
     """tests/share/allocator.py as a tenant process, driven one command at a time."""
 
-    def __init__(self, fake: Path, tmp_path: Path, name: str, ledger: str) -> None:
+    def __init__(self, fake: Path, tmp_path: Path, name: str, ledger: str, memory: str | None = None) -> None:
         env = child_env(fake, os.devnull, tenant=name, ledger=ledger)
+        if memory is not None:  # its own cap, as the admission webhook sets it from an annotation
+            env["GPUSCOPE_SHARE_MEMORY"] = memory
         self.p = subprocess.Popen([sys.executable, str(HERE / "allocator.py")], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)

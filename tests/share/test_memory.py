@@ -187,3 +187,20 @@ def test_a_process_that_just_left_is_not_taken_for_an_unmanaged_one(tmp_path):
         sock.close()
         wait_for(lambda: me not in c.procs, what="its departure")
         assert me in c.joined_pids()  # still, for the unmanaged-process watch
+
+
+def test_a_process_may_hold_itself_below_its_tenants_cap_never_above(fake_cuda, tmp_path):
+    tenants = [TenantPolicy("a", 0.5, 0, GiB), TenantPolicy("b", 0.5)]
+    with running_controller(str(tmp_path / "ledger"), tenants) as c:
+        small = Tenant(fake_cuda, tmp_path, "a", c.policy.prefix, memory="256MiB")
+        large = Tenant(fake_cuda, tmp_path, "a", c.policy.prefix, memory="4GiB")  # cannot raise a's 1 GiB
+        uncapped = Tenant(fake_cuda, tmp_path, "b", c.policy.prefix, memory="0.25")
+        try:
+            assert small.ask("alloc", "symbol", 128 * MiB, 3) == [0, 0, OOM]
+            assert small.ask("info")["cuda"] == {"total": 256 * MiB, "free": 0}
+            assert large.ask("alloc", "symbol", 256 * MiB, 4) == [0, 0, 0, OOM]  # a's cap, less small's
+            assert uncapped.ask("alloc", "symbol", 10 * GiB, 3) == [0, 0, OOM]  # a quarter of 80 GiB
+            assert uncapped.ask("info")["cuda"] == {"total": 20 * GiB, "free": 0}
+        finally:
+            for t in (small, large, uncapped):
+                t.close()

@@ -527,6 +527,15 @@ SHARE_UNDER_REPORTED = _m("gpuscope_share_under_reported", "gauge",
 SHARE_POLICY_RELOADS = _m("gpuscope_share_policy_reloads_total", "counter",
                           "Changes of --share.policy-file taken (applied) or refused (the file did not "
                           "validate: the policy in force stayed).", "reloads", ("result",), area=SHARE)
+SHARE_WEBHOOK_REVIEWS = _m("gpuscope_share_webhook_reviews_total", "counter",
+                           "AdmissionReviews the share webhook answered, by result: mutated (an annotated "
+                           "pod joined), passed (nothing to do), error (allowed unchanged: it fails open).",
+                           "reviews", ("result",), area=SHARE)
+SHARE_WEBHOOK_HTTP_CONNECTIONS_CLOSED = _m(
+    "gpuscope_share_webhook_http_connections_closed_total", "counter",
+    "HTTPS connections the share webhook closed before answering, by reason: refused (at "
+    "--web.max-connections, all busy), evicted (the longest-waiting idle one), timeout (no complete "
+    "request, TLS handshake included, within --web.read-timeout).", "connections", ("reason",), area=SHARE)
 SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "_preload.h"
 
@@ -211,6 +212,39 @@ static uint64_t cap_bytes(void) {
     return (v & 0xffffffffull) * card_bytes() / 1000000ull;
 }
 
+/* GPUSCOPE_SHARE_MEMORY: a cap this process holds itself to, below its tenant's (the admission
+ * webhook sets it from a pod's gpuscope.io/share-memory): a fraction of the card (0.4) or a size
+ * (40GiB, 512MB, bytes). It can only lower what the process may hold. Parsed once. */
+static uint64_t own_cap_word;
+static pthread_once_t own_cap_once = PTHREAD_ONCE_INIT;
+
+static void parse_own_cap(void) {
+    const char *text = getenv("GPUSCOPE_SHARE_MEMORY");
+    if (!text || !*text) return;
+    char *end = NULL;
+    double value = strtod(text, &end);
+    static const struct {
+        const char *unit;
+        double bytes;
+    } units[] = {{"", 1}, {"b", 1}, {"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"tb", 1e12},
+                 {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+    for (size_t i = 0; end && end != text && i < sizeof units / sizeof units[0]; i++)
+        if (strcasecmp(end, units[i].unit) == 0) {
+            if (!*end && value > 0 && value <= 1) own_cap_word = MEM_CAP_FRACTION | (uint64_t)(value * 1e6 + 0.5);
+            else if (value * units[i].bytes >= 1048576.0) own_cap_word = (uint64_t)(value * units[i].bytes);
+            break;
+        }
+    if (!own_cap_word) say("gpuscope-share: GPUSCOPE_SHARE_MEMORY=%s is neither a fraction of the card nor a size of "
+                           "at least 1MiB: ignored\n", text);
+}
+
+/* This process's own cap in bytes (0: none). */
+static uint64_t own_cap_bytes(void) {
+    pthread_once(&own_cap_once, parse_own_cap);
+    if (!(own_cap_word & MEM_CAP_FRACTION)) return own_cap_word;
+    return (own_cap_word & 0xffffffffull) * card_bytes() / 1000000ull;
+}
+
 static void sub_floor(_Atomic uint64_t *word, uint64_t n) {
     uint64_t v = atomic_load(word);
     while (!atomic_compare_exchange_weak(word, &v, v > n ? v - n : 0)) {
@@ -234,7 +268,17 @@ static int reserve(uint64_t n) {
         while (now > peak && !atomic_compare_exchange_weak(&t->peak, &peak, now)) {
         }
     }
-    atomic_fetch_add(&proc->mem_bytes, n);
+    uint64_t own = own_cap_bytes();
+    if (own && atomic_fetch_add(&proc->mem_bytes, n) + n > own) {
+        sub_floor(&proc->mem_bytes, n);
+        if (t) {
+            sub_floor(&t->used, n);
+            atomic_fetch_add(&t->refused, 1);
+        }
+        atomic_fetch_add(&proc->mem_refused, 1);
+        return 0;
+    }
+    if (!own) atomic_fetch_add(&proc->mem_bytes, n);
     return 1;
 }
 
@@ -358,13 +402,19 @@ EXPORT CUresult cuMemRelease(CUmemHandle h) {
     return rc;
 }
 
-/* What a capped tenant is shown: total = cap; free = what is left of it (or of the card, if less). */
+/* What a capped tenant (or process) is shown: total = its cap; free = what is left of it (or of the
+ * card, if less). With both caps, the tighter view. */
 static int clamp(uint64_t *total, uint64_t *free_b, uint64_t *used) {
     share_join();
-    uint64_t cap = cap_bytes();
-    if (!cap) return 0;
-    uint64_t held = tenant_mem ? atomic_load(&tenant_mem->used) : 0;
-    uint64_t left = cap > held ? cap - held : 0;
+    uint64_t cap = cap_bytes(), own = own_cap_bytes();
+    if (!cap && !own) return 0;
+    uint64_t held = cap && tenant_mem ? atomic_load(&tenant_mem->used) : 0, mine = atomic_load(&proc->mem_bytes);
+    uint64_t left = cap ? (cap > held ? cap - held : 0) : UINT64_MAX;
+    if (own) {
+        uint64_t own_left = own > mine ? own - mine : 0;
+        if (own_left < left) left = own_left;
+        if (!cap || own < cap) cap = own, held = mine; /* shown as the card: the smaller cap */
+    }
     *total = cap;
     if (*free_b > left) *free_b = left;
     if (used) *used = held < cap ? held : cap;
