@@ -30,7 +30,7 @@ def test_generate_returns_paths_under_the_generated_folder() -> None:
 
 def test_renders_are_from_the_current_inputs() -> None:
     digest = render.inputs_digest(ROOT)
-    for overlay in render.OVERLAYS:
+    for overlay in render.RENDERS:
         text = (ROOT / render.RENDERED / f"{overlay}.yaml").read_text()
         assert render.recorded_digest(text) == digest, (
             f"rendered/{overlay}.yaml is stale: run `gpuscope generate`, then "
@@ -44,7 +44,7 @@ def test_kustomize_renders_what_is_committed() -> None:
     binary = render.kubectl()
     if binary is None:
         pytest.skip("kubectl not installed: the committed renders are checked by their input digest only")
-    for overlay in render.OVERLAYS:
+    for overlay in render.RENDERS:
         fresh = render.objects(render.kustomize(overlay, ROOT, binary))
         assert fresh == list(rendered(overlay)), f"run python -m gpuscope.kube.render ({overlay})"
 

@@ -3,7 +3,8 @@
 Every file there is built from the sources the rest of the repository uses: the alert config's
 production profile (PrometheusRule, Alertmanager Secret, ServiceMonitor job names, the HPA's TTFT
 objective and the adapter's queries), the dashboard modules and the Grafana datasource provisioning
-(ConfigMaps), pyproject.toml's version and docker-compose.yml's pinned build (image tags). The
+(ConfigMaps), pyproject.toml's version and docker-compose.yml's pinned build (image tags), and
+``gpuscope share``'s node layout (``gpuscope.share.deploy``: the share controller and webhook). The
 hand-written kustomizations under ``deploy/kubernetes/base`` and ``overlays/`` include them.
 
 ``generate(root)`` returns path (relative to ``root``) → content and writes nothing. After
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from gpuscope.alerting.rules import dump_yaml
 from gpuscope.contract.profiles import PRODUCTION, Profile
-from gpuscope.kube import autoscaling, monitoring
+from gpuscope.kube import autoscaling, monitoring, share
 from gpuscope.kube.config import DEPLOYMENT, IMAGE, IMAGE_SERVER, Deployment, ImageBuild, image_build
 
 GENERATED = Path("deploy/kubernetes/generated")
@@ -42,6 +43,28 @@ def _images(build: ImageBuild, cuda: bool) -> str:
     return "\n".join(lines) + "\n" + dump_yaml({**COMPONENT, "images": [
         {"name": IMAGE, "newName": IMAGE, "newTag": build.tag},
         {"name": IMAGE_SERVER, "newName": IMAGE, "newTag": server_tag}]})
+
+
+_SHARE_SOURCE = "src/gpuscope/kube/share.py and src/gpuscope/share/deploy.py"
+
+
+def _share(d: Deployment) -> dict[str, tuple[str, str]]:
+    """``share/``: gpuscope share's controller, policy and admission webhook, in the application's
+    namespace; ``overlays/share`` adds it beside an overlay (it needs cert-manager)."""
+    controller = share.annotate(dump_yaml(share.controller_daemonset(d)), share.PRIVILEGES)
+    return {
+        "share/kustomization.yaml": (_SHARE_SOURCE, dump_yaml(
+            {**KUSTOMIZATION, "namespace": d.cluster.namespace,
+             "resources": ["policy.yaml", "controller.yaml", "webhook.yaml", "certificate.yaml"]})),
+        "share/policy.yaml": (_SHARE_SOURCE, dump_yaml(share.policy_configmap(d))),
+        "share/controller.yaml": (_SHARE_SOURCE, "---\n".join(
+            [controller, dump_yaml(share.controller_service(d)),
+             dump_yaml(share.controller_service_monitor(d))])),
+        "share/webhook.yaml": (_SHARE_SOURCE, _docs(
+            [share.webhook_deployment(d), share.webhook_service(d), share.webhook_pdb(d),
+             share.mutating_webhook_configuration(d)])),
+        "share/certificate.yaml": (_SHARE_SOURCE, _docs([share.issuer(d), share.certificate(d)])),
+    }
 
 
 def generate(root: Path, profile: Profile = PRODUCTION, d: Deployment = DEPLOYMENT) -> dict[Path, str]:
@@ -80,5 +103,6 @@ def generate(root: Path, profile: Profile = PRODUCTION, d: Deployment = DEPLOYME
                 "target": {"group": "autoscaling", "version": "v2", "kind": "HorizontalPodAutoscaler",
                            "name": d.names.hpa},
                 "patch": dump_yaml(autoscaling.without_gpu_metric(profile, d))}]})),
+        **_share(d),
     }
     return {GENERATED / rel: HEADER.format(sources=sources) + text for rel, (sources, text) in files.items()}

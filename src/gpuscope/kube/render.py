@@ -1,4 +1,4 @@
-"""Render each overlay with kustomize into ``deploy/kubernetes/rendered/<overlay>.yaml``:
+"""Render each overlay (the add-ons too) with kustomize into ``deploy/kubernetes/rendered/<overlay>.yaml``:
 ``python -m gpuscope.kube.render [--check]``.
 
 kustomize (as ``kubectl kustomize``) is the engine; its output is committed so that the offline
@@ -22,7 +22,12 @@ import yaml
 
 KUBERNETES = Path("deploy/kubernetes")
 RENDERED = KUBERNETES / "rendered"
+#: Overlays that deploy gpuscope whole.
 OVERLAYS = ("gpu", "cpu-demo")
+#: Overlays applied beside one of those (``share``: gpuscope share's controller and webhook).
+ADDONS = ("share",)
+#: Everything rendered.
+RENDERS = OVERLAYS + ADDONS
 _DIGEST = re.compile(r"^# inputs sha256: ([0-9a-f]{64})$", re.MULTILINE)
 
 
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None and not args.check:
         print("kubectl not found: it renders the overlays (kubectl kustomize)", file=sys.stderr)
         return 2
-    for overlay in OVERLAYS:
+    for overlay in RENDERS:
         path = args.root / RENDERED / f"{overlay}.yaml"
         committed = path.read_text() if path.exists() else ""
         if args.check:
