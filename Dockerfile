@@ -18,16 +18,22 @@ WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY src ./src
 # gcc only for the build: it compiles the timer's C hot path (gpuscope/timing/_hotpath.c; without it
-# the timer runs its Python hot path), then leaves the image.
+# the timer runs its Python hot path) and gpuscope share's preload library, then leaves the image.
+# The library gets a fixed path for tenants' LD_PRELOAD (compose's share profile; on Kubernetes the
+# controller copies it to the node). /run/gpuscope-share belongs to the image's user, so a named
+# volume mounted there starts with that owner (the share controller refuses another user's folder).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && pip install ".[server,loadtest,kubernetes,tracing]" \
  && python -c "from gpuscope.timing import hot; assert hot.native_available(), 'C hot path not built'" \
+ && python -c "from gpuscope.share.preload import library_path; assert library_path(), 'share preload library not built'" \
+ && ln -s "$(python -m gpuscope.share.preload)" /usr/local/lib/libgpuscope-share.so \
+ && install -d -m 0755 -o 10001 -g 10001 /run/gpuscope-share \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 COPY loadtest ./loadtest
 
 # Non-root; compose runs it with a read-only root filesystem and a tmpfs /tmp (HOME above).
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gpuscope
 USER 10001
-EXPOSE 8000 9400 9095 8089
+EXPOSE 8000 9400 9095 8089 9402
 ENTRYPOINT ["gpuscope"]
 CMD ["--help"]

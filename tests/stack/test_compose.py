@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpuscope.contract import parts
 from gpuscope.contract.parts import PORTS
 from gpuscope.ops.stack import Stack, StackOptions
+from gpuscope.share import deploy
+from gpuscope.share.policy import parse_policy
 from tests.conftest import require_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,13 +39,15 @@ VALIDATED = {
     "deploy/grafana/provisioning": "tests/dashboards/test_structure.py (datasource uids), "
                                    "test_grafana_provisioning_matches_mounts",
     "dashboards/json": "tests/dashboards (structure, regeneration, every query against live Prometheus)",
+    "deploy/share": "test_share_profile (a valid gpuscope share policy, mounted where the controller "
+                    "reads it)",
 }
 #: Host paths mounted read-only for node_exporter.
 HOST_MOUNTS = {"/proc", "/sys"}
 
 
-def compose_config(*files: Path, profile: str | None = None, password: str | None = "test-only",
-                   check: bool = True) -> subprocess.CompletedProcess:
+def compose_config(*files: Path, profile: str | tuple[str, ...] | None = None,
+                   password: str | None = "test-only", check: bool = True) -> subprocess.CompletedProcess:
     binary = require_binary("docker-compose")
     env = {"PATH": "/usr/bin:/bin"}
     if password is not None:
@@ -50,8 +55,8 @@ def compose_config(*files: Path, profile: str | None = None, password: str | Non
     argv = [binary, "--project-directory", str(ROOT)]
     for f in files or (COMPOSE,):
         argv += ["-f", str(f)]
-    if profile:
-        argv += ["--profile", profile]
+    for name in (profile,) if isinstance(profile, str) else profile or ():
+        argv += ["--profile", name]
     result = subprocess.run([*argv, "config"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
     if check:
         assert result.returncode == 0, result.stderr
@@ -60,7 +65,7 @@ def compose_config(*files: Path, profile: str | None = None, password: str | Non
 
 @pytest.fixture(scope="module")
 def resolved() -> dict:
-    return yaml.safe_load(compose_config(profile="loadtest").stdout)
+    return yaml.safe_load(compose_config(profile=("loadtest", "share")).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +94,8 @@ def test_no_default_grafana_password():
 def test_services(resolved):
     services = resolved["services"]
     assert {"server", "exporter", "node-exporter", "prometheus", "alertmanager", "loki", "grafana",
-            "receiver", "locust-master", "locust-worker"} <= services.keys()
-    for name in ("server", "exporter", "receiver", "locust-master", "locust-worker"):
+            "receiver", "locust-master", "locust-worker", *SHARE_SERVICES} <= services.keys()
+    for name in ("server", "exporter", "receiver", "locust-master", "locust-worker", *SHARE_SERVICES):
         assert services[name]["build"]["context"] == str(ROOT), f"{name} is built from this repository"
     assert services["locust-master"]["command"][:3] == ["-f", "/app/loadtest/", "--master"]
     assert services["locust-worker"]["command"][:3] == ["-f", "/app/loadtest/", "--worker"]
@@ -127,7 +132,8 @@ def test_every_mount_exists_and_is_validated(resolved):
 
 
 def test_named_volumes_for_data(resolved):
-    assert {"prometheus-data", "alertmanager-data", "loki-data", "grafana-data"} <= resolved["volumes"].keys()
+    assert {"prometheus-data", "alertmanager-data", "loki-data", "grafana-data",
+            "share-ledger"} <= resolved["volumes"].keys()
 
 
 def test_ports_match_the_ports_module(resolved):
@@ -190,8 +196,14 @@ def test_every_scrape_job_of_the_single_host_config_has_the_same_host_label():
     """Server, GPU and node series of one machine meet on ``host`` (bottleneck rules, diagnose
     --prometheus): a job without it would be a second host."""
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    hosts = {job["job_name"]: {(group.get("labels") or {}).get("host") for group in job["static_configs"]}
-             for job in config["scrape_configs"]}
+    hosts = {}
+    for job in config["scrape_configs"]:
+        if "static_configs" in job:
+            hosts[job["job_name"]] = {(group.get("labels") or {}).get("host")
+                                      for group in job["static_configs"]}
+        else:  # discovered targets: the label is set by relabelling
+            hosts[job["job_name"]] = {r["replacement"] for r in job["relabel_configs"]
+                                      if r["target_label"] == "host"}
     assert set().union(*hosts.values()) == {"local"}, hosts
 
 
@@ -199,6 +211,8 @@ def test_prometheus_jobs_and_ports():
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {}
     for job in config["scrape_configs"]:
+        if job["job_name"] == parts.SHARE.job:
+            continue  # a compose profile's service, found by DNS: test_share_profile
         (group,) = job["static_configs"]
         (target,) = group["targets"]
         jobs[job["job_name"]] = target
@@ -258,3 +272,94 @@ def test_grafana_provisioning_matches_mounts(resolved):
     assert mounts["/etc/grafana/provisioning"] == str(ROOT / "deploy" / "grafana" / "provisioning")
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (ROOT / "dashboards" / "json" / Path(home).name).exists()
+
+
+# --- the share profile --------------------------------------------------------------------------------------
+
+SHARE_SERVICES = ("share", "share-online", "share-batch")
+#: Where the Dockerfile links the preload library for tenants' LD_PRELOAD.
+IMAGE_LIBRARY = "/usr/local/lib/libgpuscope-share.so"
+
+
+def _named_mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """target → (named volume, read-only)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            read_only = mode == ["ro"]
+        else:
+            source, target, read_only = volume["source"], volume["target"], volume.get("read_only", False)
+        if not source.startswith("/"):
+            out[target] = (source, read_only)
+    return out
+
+
+def test_share_profile(resolved):
+    services = resolved["services"]
+    controller = services["share"]
+    for name in SHARE_SERVICES:
+        assert services[name]["profiles"] == ["share"], name
+    # The controller: the policy file, the ledger in the shared volume, /metrics on parts' port.
+    command = controller["command"]
+    assert command[0] == "share"
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert flags == {"--share.policy-file": deploy.POLICY_FILE, "--share.ledger": deploy.LEDGER,
+                     "--web.listen-address": f"0.0.0.0:{parts.SHARE_PORT}"}
+    assert f"127.0.0.1:{parts.SHARE_PORT}/healthz" in " ".join(controller["healthcheck"]["test"])
+    assert controller["pid"] == "host"
+    assert not controller.get("ports")
+    mounts = dict((t, s) for s, t in _bind_mounts(controller))
+    policy_dir = deploy.POLICY_FILE.rsplit("/", 1)[0]
+    assert mounts[policy_dir] == str(ROOT / "deploy" / "share")  # the folder: a replaced file is seen
+    policy = parse_policy((ROOT / "deploy" / "share" / deploy.POLICY_KEY).read_text())
+    assert len(policy.tenants) == 2
+    ledger_dir = deploy.LEDGER.rsplit("/", 1)[0]
+    assert _named_mounts(controller)[ledger_dir] == ("share-ledger", False)
+    # The tenants: the library the image ships, the environment the webhook gives a pod, the volume read-only.
+    tenants = {}
+    for name in ("share-online", "share-batch"):
+        tenant = services[name]
+        env = tenant["environment"]
+        tenants[name] = env["GPUSCOPE_SHARE_TENANT"]
+        assert env == {"LD_PRELOAD": IMAGE_LIBRARY, **deploy.tenant_environment(env["GPUSCOPE_SHARE_TENANT"])}
+        assert _named_mounts(tenant)[ledger_dir] == ("share-ledger", True)
+        assert tenant["entrypoint"] == ["python", "-m", "gpuscope.share.demo"]
+        assert tenant["depends_on"] == {"share": {"condition": "service_healthy"}}
+        assert "pid" not in tenant
+    assert sorted(tenants.values()) == sorted(t.name for t in policy.tenants)
+
+
+def test_share_profile_with_the_gpu_override():
+    services = yaml.safe_load(compose_config(COMPOSE, GPU_OVERRIDE, profile="share").stdout)["services"]
+    (device,) = services["share"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["count"] == "all" and "utility" in device["capabilities"]  # NVML of every GPU
+    assert services["share"]["image"] == "gpuscope:local"  # NVML only: the CPU build
+    for name in ("share-online", "share-batch"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0"] and "gpu" in device["capabilities"]  # both on one GPU
+        assert services[name]["image"] == "gpuscope:local-cuda"
+        assert "cu" in services[name]["build"]["args"]["TORCH_INDEX_URL"].rsplit("/", 1)[-1]
+
+
+def test_share_scrape_job_has_no_target_without_the_profile(tmp_path):
+    """Prometheus finds the controller through Docker's DNS: a name that does not resolve (NXDOMAIN) is
+    no target at all, not a target down. `gpuscope stack` runs no controller and leaves the job out."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == parts.SHARE.job)
+    assert "static_configs" not in job
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["share"] and sd["type"] == "A" and sd["port"] == parts.SHARE_PORT
+    stack = Stack(StackOptions(profile="production", ports="free", run_dir=tmp_path), log=lambda line: None)
+    stack.render_configs()
+    rendered = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+    assert parts.SHARE.job not in {j["job_name"] for j in rendered["scrape_configs"]}
+
+
+def test_dockerfile_ships_the_share_library_at_a_fixed_path():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "assert library_path(), 'share preload library not built'" in text
+    assert f'ln -s "$(python -m gpuscope.share.preload)" {IMAGE_LIBRARY}' in text
+    assert f"install -d -m 0755 -o 10001 -g 10001 {deploy.NODE_DIR}" in text
+    # built before gcc leaves, in the same layer
+    assert text.index("library_path()") < text.index("apt-get purge -y gcc")

@@ -118,10 +118,18 @@ def localize(text: str, addresses: dict[str, str], ports: dict[str, int] = PORTS
     return text
 
 
+#: Scrape jobs of compose profiles the stack does not run (compose finds their targets through Docker's
+#: DNS): left out of the stack's prometheus.yml.
+COMPOSE_PROFILE_JOBS: tuple[str, ...] = (parts.SHARE.job,)
+
+
 def render_prometheus_config(text: str, addresses: dict[str, str], rule_files: Sequence[str],
                              evaluation_interval: str | None = None) -> str:
-    """deploy/prometheus/prometheus.yml for local binaries: addresses, rule files, evaluation interval."""
+    """deploy/prometheus/prometheus.yml for local binaries: addresses, rule files, evaluation interval;
+    without the jobs of compose profiles (COMPOSE_PROFILE_JOBS)."""
     config = yaml.safe_load(localize(text, addresses))
+    config["scrape_configs"] = [job for job in config.get("scrape_configs") or []
+                                if job["job_name"] not in COMPOSE_PROFILE_JOBS]
     config["rule_files"] = list(rule_files)
     if evaluation_interval:
         config.setdefault("global", {})["evaluation_interval"] = evaluation_interval
