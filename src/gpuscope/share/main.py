@@ -10,6 +10,7 @@ docs/share.md explains the mechanism, its limits and its security model.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -23,7 +24,6 @@ from prometheus_client.exposition import choose_encoder
 from gpuscope.contract import catalogue as cat
 from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
-from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, ExporterServer
 from gpuscope.share.access import Access, Rule, parse_allow
 from gpuscope.share.controller import DEFAULT_SLICE_S, PROBE_EVERY_S, PROBE_S, Controller
 from gpuscope.share.crosscheck import SAMPLE_EVERY_S as CROSSCHECK_EVERY_S
@@ -35,7 +35,9 @@ from gpuscope.share.nvml_source import nvml_utilization
 from gpuscope.share.policy import PolicyFile, parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER, library_path
 from gpuscope.share.unmanaged import UnmanagedWatch, nvml_processes
+from gpuscope.util.bounded_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
 from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
+from gpuscope.util.metrics_http import MetricsServer, page
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
 #: Probes more often than this would pause the slice holder for a fifth of its time.
@@ -207,9 +209,11 @@ def main(argv: list[str]) -> int:
     if watch is not None:
         watch.start()
     try:
-        server = ExporterServer((host, port), exposition(registry), lambda: {"status": "ok"},
-                                max_connections=args.max_connections, read_timeout=args.read_timeout,
-                                closed_metric=cat.SHARE_HTTP_CONNECTIONS_CLOSED)
+        server = MetricsServer((host, port), exposition(registry), lambda: {"status": "ok"},
+                               page=page("gpuscope share", "GPU-time shares and memory caps of processes."),
+                               closed_metric=cat.SHARE_HTTP_CONNECTIONS_CLOSED,
+                               log=logging.getLogger("gpuscope.share"),
+                               max_connections=args.max_connections, read_timeout=args.read_timeout)
     except OSError as exc:
         controller.close()
         parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
