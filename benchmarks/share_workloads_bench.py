@@ -1,0 +1,256 @@
+"""`gpuscope share` on workloads unlike the matmul pair it was tuned on, each mix also unmanaged.
+
+Workloads (each a separate process, plain PyTorch; a step ends with a host sync):
+- train: a CNN training step (bf16 autocast, SGD, `loss.item()` every step) with ~3 ms of host work
+  per step, as a data loader and Python leave between steps;
+- encoder: a 6-layer transformer encoder forward, batch 16 x 256;
+- graph: a captured CUDA graph of 24 matmul blocks, replayed;
+- generate: a Llama-shaped Hugging Face model (random weights) generating 16 tokens, batch 1;
+- small: ResNet-18 batch-1 inference, back to back (launch-bound).
+
+Each workload's alone rate is measured first; then each mix runs unmanaged (plain time-slicing),
+managed with draining hand-overs (the default) and managed with overlapping hand-overs, one after the
+other. Per tenant: its fraction of its alone rate, and the worst 5 s window; per mix and variant: the
+sum of the fractions (the GPU's useful work) and the controller's CPU.
+
+Usage (a GPU host, the preload library built):
+    PYTHONPATH=src python benchmarks/share_workloads_bench.py --out X.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchlib import logger, rnd  # noqa: E402
+from share_bench import LEDGER, Controller, _lib, rate, sleep_until  # noqa: E402
+
+log = logger("share-workloads")
+MIXES = {
+    "train+encoder 70/30": (("train", 0.7), ("encoder", 0.3)),
+    "train+encoder+graph 50/30/20": (("train", 0.5), ("encoder", 0.3), ("graph", 0.2)),
+    "generate+small+encoder 34/33/33": (("generate", 0.34), ("small", 0.33), ("encoder", 0.33)),
+}
+VARIANTS = ("unmanaged", "drain", "overlap")
+WINDOW_S = 5.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers
+
+def _train():
+    import torch
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(64, 128, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(128, 10)).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(64, 3, 96, 96, device="cuda")
+    y = torch.randint(0, 10, (64,), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()  # the step's sync
+        end = time.perf_counter() + 0.003  # host work between steps (data loading, Python)
+        while time.perf_counter() < end:
+            pass
+
+    return step
+
+
+def _encoder():
+    import torch
+
+    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 6).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(16, 256, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        with torch.no_grad():
+            model(x)
+        torch.cuda.synchronize()
+
+    return step
+
+
+def _graph():
+    import torch
+
+    w = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(24)]
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream before capture, as PyTorch asks
+            h = x
+            for m in w:
+                h = torch.relu(h @ m)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = x
+        for m in w:
+            h = torch.relu(h @ m)
+
+    def step() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return step
+
+
+def _generate():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+    model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 32000, (1, 32), device="cuda")
+
+    def step() -> None:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+
+    return step
+
+
+def _small():
+    import torch
+    import torchvision
+
+    model = torchvision.models.resnet18().cuda().eval()
+    x = torch.randn(1, 3, 224, 224, device="cuda")
+
+    def step() -> None:
+        with torch.no_grad():
+            model(x)
+        torch.cuda.synchronize()
+
+    return step
+
+
+WORKLOADS = {"train": _train, "encoder": _encoder, "graph": _graph, "generate": _generate, "small": _small}
+
+
+def worker(name: str, seconds: float, start_at: float) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    step = WORKLOADS[name]()
+    for _ in range(5):  # warm-up: allocator, cuBLAS handles, kernel caches
+        step()
+    ready = time.time()
+    sleep_until(start_at)
+    stamps = []
+    end = start_at + seconds
+    while time.time() < end:
+        step()
+        stamps.append(time.time())
+    return {"stamps": stamps, "late_s": max(0.0, ready - start_at)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Orchestration
+
+def spawn(name: str, seconds: float, start_at: float, tenant: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if tenant:
+        env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
+    argv = [sys.executable, os.path.abspath(__file__), "worker", name, str(seconds), str(start_at)]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def collect(p: subprocess.Popen) -> list[float]:
+    out, err = p.communicate(timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"worker failed: {err[-1500:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["late_s"] > 0:  # it was still warming up when the window opened: its rate reads low
+        log(f"a worker was ready {result['late_s']:.1f} s late")
+    return result["stamps"]
+
+
+def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float], port: int,
+            warmup_s: float) -> dict:
+    names = [f"t{i}-{w}" for i, (w, _) in enumerate(tenants)]
+    controller = None
+    if variant != "unmanaged":
+        shares = ",".join(f"{n}={s}" for n, (_, s) in zip(names, tenants, strict=True))
+        controller = Controller(shares, "events", port, "--share.handover", variant)
+    start = time.time() + warmup_s
+    procs = [spawn(w, seconds, start, n if controller else None)
+             for n, (w, _) in zip(names, tenants, strict=True)]
+    sleep_until(start)
+    if controller:
+        controller.mark()
+    stamps = [collect(p) for p in procs]
+    ctl = controller.stop() if controller else None
+    rows = []
+    for n, (w, share), st in zip(names, tenants, stamps, strict=True):
+        fraction = rate(st, start, start + seconds) / alone[w]
+        windows = [rate(st, t, t + WINDOW_S) / alone[w]
+                   for t in (start + WINDOW_S * k for k in range(1, int(seconds // WINDOW_S)))]
+        rows.append({"name": n, "workload": w, "share": share, "fraction": rnd(fraction),
+                     "worst_window_pts": rnd(max((abs(v - share) * 100 for v in windows), default=None), 2)})
+    return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
+            "cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None}
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "worker":
+        print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))), flush=True)
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--port", type=int, default=9494)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--alone-seconds", type=float, default=6.0)
+    p.add_argument("--warmup-s", type=float, default=15.0, help="time for the workers to import and warm up")
+    p.add_argument("--mixes", default=",".join(MIXES))
+    args = p.parse_args()
+    mixes = {name: MIXES[name] for name in args.mixes.split(",")}
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "alone": {}, "mixes": []}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    needed = sorted({w for tenants in mixes.values() for w, _ in tenants})
+    start = time.time() + args.warmup_s  # alone, one after the other, each warmed up beforehand
+    procs = {}
+    for i, w in enumerate(needed):
+        procs[w] = spawn(w, args.alone_seconds, start + i * (args.alone_seconds + 1), None)
+    for w, pr in procs.items():
+        i = needed.index(w)
+        lo = start + i * (args.alone_seconds + 1)
+        out["alone"][w] = rate(collect(pr), lo, lo + args.alone_seconds)
+        log(f"alone {w}: {out['alone'][w]:.1f} steps/s")
+    save()
+    for name, tenants in mixes.items():
+        entry = {"name": name}
+        for variant in VARIANTS:
+            entry[variant] = run_mix(tenants, variant, args.seconds, out["alone"], args.port, args.warmup_s)
+            shown = ", ".join(f"{r['workload']} {r['fraction']} (share {r['share']}, worst "
+                              f"{r['worst_window_pts']})" for r in entry[variant]["tenants"])
+            log(f"{name} {variant}: {shown}; sum {entry[variant]['sum']}")
+            save()
+        out["mixes"].append(entry)
+        save()
+    print(json.dumps(out["mixes"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
