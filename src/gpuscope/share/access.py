@@ -5,12 +5,14 @@ A process asks to join as a tenant by name; the name alone proves nothing (any p
 kernel (``SO_PEERCRED`` on the join socket) and honours the name only for the processes the policy
 allows it:
 
-    --share.allow online=uid:1001|group:serving,batch=cgroup:/kubepods.slice/batch
+    --share.allow online=uid:1001|group:serving,batch=cgroup:/system.slice/batch.service
 
 Rules: ``uid:N``, ``user:NAME``, ``gid:N``, ``group:NAME`` (the process's primary or supplementary
-groups), ``cgroup:PATH`` (the process's cgroup is PATH or below it: the unit containers and Kubernetes
-give), ``any``. A tenant not named in ``--share.allow`` admits processes of the controller's own
-user only, so that shares are enforced between users only where the operator said who is who.
+groups), ``cgroup:PATH`` (the process's cgroup is PATH or below it, as the controller's cgroup
+namespace shows it: a controller in the host's namespace sees services' and containers' cgroups; a
+Kubernetes pod has its own namespace, so there uid and gid rules are the ones that match), ``any``.
+A tenant not named in ``--share.allow`` admits processes of the controller's own user only, so that
+shares are enforced between users only where the operator said who is who.
 """
 
 from __future__ import annotations
