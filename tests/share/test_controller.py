@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,7 +18,7 @@ from gpuscope.share.main import main as share_main
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
 from tests.conftest import wait_for as shared_wait_for
-from tests.share.fakecuda import child_env
+from tests.share.fakecuda import child_env, running_controller
 
 LOOP = """
 import ctypes, sys, time
@@ -50,19 +48,9 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
     shared_wait_for(predicate, timeout=timeout, interval=0.01, what=what)
 
 
-@contextlib.contextmanager
 def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap", keeper: bool = True):
-    c = Controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0, handover=handover,  # CI's slack
-                   keeper=keeper)
-    stop = threading.Event()
-    loop = threading.Thread(target=c.run, args=(stop,))
-    loop.start()
-    try:
-        yield c
-    finally:
-        stop.set()
-        loop.join()
-        c.close()
+    return running_controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0,  # CI's slack
+                              handover=handover, keeper=keeper)
 
 
 @pytest.fixture(params=["drain", "drain-python", "overlap", "overlap-python"])

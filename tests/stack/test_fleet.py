@@ -383,6 +383,14 @@ def steady_traffic(stack: st.Stack, limit_s: float = 240.0) -> Iterator[None]:
         thread.join(timeout=60)
 
 
+#: Panels only a `gpuscope share` controller feeds: the fleet runs none, so they have no data here
+#: (tests/dashboards/test_live.py checks them against a running controller).
+SHARE_ONLY = {("gpuscope-tenants", "Device memory per tenant against its cap", "A"),
+              ("gpuscope-tenants", "Device memory per tenant against its cap", "B"),
+              ("gpuscope-tenants", "Memory cap held per tenant", "A"),
+              ("gpuscope-tenants", "Allocations refused at the memory cap", "A")}
+
+
 @pytest.mark.slow
 @pytest.mark.distro
 def test_every_dashboard_query_returns_data_from_the_central_store(live_fleet):
@@ -402,7 +410,7 @@ def test_every_dashboard_query_returns_data_from_the_central_store(live_fleet):
 
     def problems() -> list[str]:
         failing, stale = query_problems(Central)
-        return failing + stale
+        return [p for p in failing if not any(p.startswith(f"{key}: no data") for key in SHARE_ONLY)] + stale
 
     assert len(queries("prometheus")) > 80
     with steady_traffic(live_fleet.hosts["hostB"]):

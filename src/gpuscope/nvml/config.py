@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gpuscope.contract.parts import default_listen_address
 from gpuscope.nvml.collector_table import registered
-from gpuscope.nvml.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
+from gpuscope.util.bounded_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, parse_max_connections
 from gpuscope.util.flags import parse_duration, parse_listen_address
 from gpuscope.util.settings import LogLevel, SettingsParser, parser_for, setting, toggles
 
@@ -29,12 +29,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"{text!r} must be at least 1")
     return value
-
-
-def _connections(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"{text!r} is not a whole number of at least 1")
-    return int(text)
 
 
 @dataclass(frozen=True)
@@ -66,7 +60,7 @@ class Config:
     max_connections: int = setting(
         "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
         "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
-        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=_connections, metavar="N")
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=parse_max_connections, metavar="N")
     read_timeout: float = setting(
         "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request within "
         f"this (idle keep-alive time included), else it is closed (default {DEFAULT_READ_TIMEOUT:g}s)",

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from gpuscope.share.nvml_source import process_samples
+
 #: How far back the comparison looks, and by how much of that wall time NVML may exceed the charge.
 WINDOW_S, TOLERANCE = 300.0, 0.15
 #: How often NVML's per-process utilization is read: a call costs about 1.4 ms on the H200, so every
@@ -23,22 +25,13 @@ SAMPLE_EVERY_S = 5.0
 
 def nvml_mean_utilization(index: int) -> Callable[[], dict[int, float]]:
     """pid -> mean SM-busy fraction over NVML's samples since the last call, on GPU ``index``."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    state = {"last": 0}
+    samples = process_samples(index)
 
     def read() -> dict[int, float]:
-        try:
-            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, state["last"])
-        except pynvml.NVMLError:
-            return {}  # no sample since the last call (NVML says "not found")
-        sums: dict[int, list[float]] = {}
-        for s in samples:
-            state["last"] = max(state["last"], s.timeStamp)
-            sums.setdefault(s.pid, []).append(s.smUtil / 100.0)
-        return {pid: sum(v) / len(v) for pid, v in sums.items()}
+        by_pid: dict[int, list[float]] = {}
+        for s in samples():
+            by_pid.setdefault(s.pid, []).append(s.smUtil / 100.0)
+        return {pid: sum(v) / len(v) for pid, v in by_pid.items()}
 
     return read
 

@@ -214,22 +214,30 @@ class JoinServer:
             self.log(f"gpuscope share: refused a join: {reason}")
         with contextlib.suppress(OSError):
             sock.send(REPLY.pack(REPLY_MAGIC, status, -1, 0, reason.encode()[:REASON_LEN - 1]))
+        self._close_pending(sock)
+
+    @staticmethod
+    def _read(sock: socket.socket) -> bytes | None:
+        """What a connection sent (b"" once it ended; None when nothing is there after all)."""
+        try:
+            return sock.recv(256)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
+    def _close_pending(self, sock: socket.socket) -> None:
         self._pending.pop(sock, None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sock)
         sock.close()
 
     def _hello(self, sock: socket.socket) -> None:
-        try:
-            data = sock.recv(256)
-        except BlockingIOError:
+        data = self._read(sock)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
-            self._pending.pop(sock, None)
-            self._selector.unregister(sock)
-            sock.close()
+            self._close_pending(sock)
             return
         if len(data) != HELLO.size:
             self._refuse(sock, BAD_HELLO, "bad_hello", f"a hello is {HELLO.size} bytes, not {len(data)}")
@@ -270,9 +278,7 @@ class JoinServer:
             sock.setblocking(False)
         except OSError:
             page.close()
-            self._pending.pop(sock, None)
-            self._selector.unregister(sock)
-            sock.close()
+            self._close_pending(sock)
             return
         finally:
             os.close(fd)
@@ -284,11 +290,5 @@ class JoinServer:
 
     def _watch(self, sock: socket.socket) -> None:
         """A joined process's connection: readable only when it ends (the process sends nothing more)."""
-        try:
-            data = sock.recv(256)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
+        if self._read(sock) == b"":
             self._drop(sock)

@@ -32,22 +32,33 @@ class SampleHold:
         return {pid: fraction for pid, (fraction, _) in self.last.items()}
 
 
-def nvml_utilization(index: int) -> SampleHold:
-    """pid -> SM utilization (fraction) of GPU ``index``, held between NVML's samples."""
+def process_samples(index: int) -> Callable[[], list]:
+    """NVML's per-process utilization samples of GPU ``index`` newer than the last call's."""
     import pynvml
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     state = {"last": 0}
 
-    def fresh() -> dict[int, float]:
+    def read() -> list:
         try:
             samples = pynvml.nvmlDeviceGetProcessUtilization(handle, state["last"])
         except pynvml.NVMLError:
-            return {}  # no sample since the last call (NVML says "not found")
-        out: dict[int, float] = {}
+            return []  # no sample since the last call (NVML says "not found")
         for s in samples:
             state["last"] = max(state["last"], s.timeStamp)
+        return list(samples)
+
+    return read
+
+
+def nvml_utilization(index: int) -> SampleHold:
+    """pid -> SM utilization (fraction) of GPU ``index``, held between NVML's samples."""
+    samples = process_samples(index)
+
+    def fresh() -> dict[int, float]:
+        out: dict[int, float] = {}
+        for s in samples():
             out[s.pid] = max(out.get(s.pid, 0.0), s.smUtil / 100.0)
         return out
 
