@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from gpuscope.kube.render import OVERLAYS
 from gpuscope.server.http_settings import HttpLimits
 from gpuscope.server.main import build_parser
 from gpuscope.server.shutdown import EXIT_AFTER_GRACE_S
@@ -32,7 +33,8 @@ def test_compose_waits_for_the_server_to_drain():
 
 
 def test_kubernetes_waits_for_the_server_to_drain():
-    for path in (ROOT / "deploy/kubernetes/rendered").glob("*.yaml"):
+    for overlay in OVERLAYS:  # the deployments of the server (add-ons such as share deploy other parts)
+        path = ROOT / "deploy/kubernetes/rendered" / f"{overlay}.yaml"
         deployments = [d for d in yaml.safe_load_all(path.read_text())
                        if d and d.get("kind") == "Deployment" and d["metadata"]["name"] == "gpuscope-server"]
         assert len(deployments) == 1, path
