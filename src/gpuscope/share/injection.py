@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuscope.share import deploy
-from gpuscope.share.policy import parse_memory
+from gpuscope.share.policy import check_name, parse_memory
 
 PRELOAD = "LD_PRELOAD"
 
@@ -42,12 +42,11 @@ def _pointer(*parts: object) -> str:
     return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
-def _check_tenant(name: str) -> str:
-    if not isinstance(name, str) or not 0 < len(name.encode()) < 40 or \
-            not all(c.isalnum() or c in "-_." for c in name):
-        raise InjectionError(f"{deploy.TENANT_ANNOTATION} {name!r}: letters, digits, '-', '_', '.', "
-                             "under 40 bytes")
-    return name
+def _check_tenant(name: object) -> str:
+    try:
+        return check_name(name)
+    except ValueError as exc:
+        raise InjectionError(f"{deploy.TENANT_ANNOTATION}: {exc}") from None
 
 
 def _container_patch(path: list[object], container: dict, env: dict[str, str]) -> list[dict]:

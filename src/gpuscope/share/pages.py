@@ -31,11 +31,3 @@ def read_only(fd: int) -> int:
     map the page writable nor write it."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
-
-def is_sealed(fd: int) -> bool:
-    """Whether ``fd``'s size can no longer change."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        return False
-    return seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 
 import yaml
@@ -48,14 +49,19 @@ def parse_memory(text: str) -> float:
     return size
 
 
+def check_name(name: object) -> str:
+    """``name`` if it can name a tenant (it fits the ledger's entry), else ValueError."""
+    if not isinstance(name, str) or not 0 < len(name.encode()) < NAME_LEN or \
+            not all(c.isalnum() or c in "-_." for c in name):
+        raise ValueError(f"tenant name {name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} bytes")
+    return name
+
+
 def validate(tenants: list[TenantPolicy]) -> list[TenantPolicy]:
     """``tenants`` if they make a policy, else ValueError saying what is wrong."""
     names: set[str] = set()
     for t in tenants:
-        fits = 0 < len(t.name.encode()) < NAME_LEN
-        if not fits or not all(c.isalnum() or c in "-_." for c in t.name):
-            raise ValueError(f"tenant name {t.name!r}: letters, digits, '-', '_', '.', under {NAME_LEN} "
-                             "bytes")
+        check_name(t.name)
         if t.name in names:
             raise ValueError(f"tenant {t.name!r} named twice")
         names.add(t.name)
@@ -138,6 +144,31 @@ def parse_policy(text: str) -> PolicySpec:
     return PolicySpec(validate(tenants), allow)
 
 
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_trusted(path: str, st: os.stat_result) -> None:
+    """ValueError unless only root or the controller's user could have written the policy at ``path``
+    (``st``: the opened file's own status): the file, and the folders its name and its target are in,
+    writable by nobody else, or on a read-only mount (a Kubernetes ConfigMap: its folder is open to
+    all, but read-only to everyone in the pod). A policy another user can write is another user's."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a plain file")
+    if (st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022) and not _read_only_mount(path):
+        raise ValueError(f"{path} could be written by another user (owner uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):o}): only root or the controller's user may write it")
+    for folder in {os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))}:
+        dst = os.stat(folder)
+        shared = dst.st_mode & 0o022 and not dst.st_mode & stat.S_ISVTX
+        if (dst.st_uid not in (0, os.geteuid()) or shared) and not _read_only_mount(folder):
+            raise ValueError(f"{folder} lets another user replace {os.path.basename(path)}: keep the policy "
+                             "in a folder only root or the controller's user can write")
+
+
 class PolicyFile:
     """A policy file watched for changes (a ConfigMap update swaps a symlink: the target is compared)."""
 
@@ -153,13 +184,17 @@ class PolicyFile:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def read(self) -> PolicySpec:
-        """Parse it now (ValueError with one line when it cannot be read or is not a policy)."""
+        """Parse it now (ValueError with one line when it cannot be read, could have been written by
+        another user, or is not a policy)."""
         self._seen = self._identity()
         try:
-            with open(self.path) as f:
-                text = f.read(1 << 20)
+            # O_NONBLOCK: a FIFO put in the file's place cannot hang the controller's loop
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise ValueError(f"cannot read {self.path}: {exc.strerror}") from None
+        with os.fdopen(fd) as f:
+            check_trusted(self.path, os.fstat(fd))
+            text = f.read(1 << 20)
         return parse_policy(text)
 
     def changed(self) -> bool:
