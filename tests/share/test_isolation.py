@@ -258,7 +258,6 @@ def test_a_restarted_controller_takes_running_tenants_back(fake_cuda, tmp_path):
         with pages:
             first.close()  # the controller stops: the tenant's connection ends, it fails open
             first = None
-        time.sleep(0.2)  # the tenant runs unthrottled meanwhile (not waited for: it only lets time pass)
         second = Policy(prefix, TENANTS)
         rejoined = Joined(second)
         view = rejoined.one(timeout=15)  # it looks for a controller every 0.5 s

@@ -119,3 +119,27 @@ def test_the_command_takes_a_policy_file_and_refuses_a_bad_one_in_one_line(tmp_p
                               str(tmp_path / "ledger"), "--web.listen-address", f"127.0.0.1:{free_port()}",
                               *argv], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and why in run.stderr, run.stderr
+
+
+def test_a_policy_file_another_user_could_write_is_refused(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(FIRST)
+    path.chmod(0o646)  # writable by everyone: anyone could give themselves the GPU
+    with pytest.raises(ValueError, match="could be written by another user"):
+        PolicyFile(str(path)).read()
+    path.chmod(0o644)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # the file is fine, its folder lets anyone replace it
+    (shared / "policy.yaml").write_text(FIRST)
+    with pytest.raises(ValueError, match="lets another user replace"):
+        PolicyFile(str(shared / "policy.yaml")).read()
+    link = tmp_path / "link.yaml"  # a ConfigMap's name is a symlink into its data folder: followed, checked
+    link.symlink_to(shared / "policy.yaml")
+    with pytest.raises(ValueError, match="lets another user replace"):
+        PolicyFile(str(link)).read()
+    assert PolicyFile(str(path)).read().tenants[0].name == "online"
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)  # owned by another user
+        with pytest.raises(ValueError, match="owner uid 65534"):
+            PolicyFile(str(path)).read()
