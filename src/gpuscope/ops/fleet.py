@@ -143,9 +143,17 @@ class Fleet(Parts):
     def _plan(self) -> None:
         """The Stacks of the hosts and of the central parts, and every port."""
         free = self.options.ports == "free"
+        # Free ports are chosen in one call for the whole fleet: chosen stack by stack, a port
+        # released by one stack's choice can come back in the next (a host's node-exporter was
+        # once given the central receiver's port).
+        wanted = [*CENTRAL_PARTS, *(f"{h}/{p}" for h in self.names for p in HOST_PARTS),
+                  "victoria-metrics", "vmalert", *(f"{h}/vmagent" for h in self.names)]
+        chosen = free_ports(wanted, self.options.address) if free else {}
 
         def stack(parts: Sequence[str], directory: str, offset: int, prefix: str) -> Stack:
-            ports: str | dict[str, int] = "free" if free else {p: PORTS[p] + offset for p in parts}
+            key = "" if directory == "central" else f"{directory}/"
+            ports = ({p: chosen[key + p] for p in parts} if free
+                     else {p: PORTS[p] + offset for p in parts})
             return Stack(StackOptions(
                 profile=self.options.profile, ports=ports, host=self.options.address,
                 run_dir=self.run_dir / directory, server_args=self.options.server_args,
@@ -160,7 +168,7 @@ class Fleet(Parts):
         for i, name in enumerate(self.names):
             self.ports[f"{name}/vmagent"] = FLEET_PORTS["vmagent"] + i * HOST_PORT_STEP
         if free:
-            self.ports = free_ports(self.ports, self.options.address)
+            self.ports = {part: chosen[part] for part in self.ports}
         self._check_ports()
 
     # -- public API --
