@@ -1,10 +1,13 @@
-"""Fakes for the diagnose tests: a host sampler with set readings and a /metrics server whose
+"""Fakes for the diagnose tests: a host sampler with set readings, a /metrics server whose
 counters and histograms advance with every scrape (the real exposition format, built with
-prometheus_client from the catalogue's and vLLM's own metric definitions)."""
+prometheus_client from the catalogue's and vLLM's own metric definitions), and a fake NVML whose
+per-process utilization samples keep coming as the driver's do."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuscope.contract import catalogue as cat
 from gpuscope.contract import upstream as up
 from gpuscope.diagnose.host import HostReading
+from tests.nvml.fake_nvml import FakeGpu, FakeNvml, FakeProcess
 
 
 class FakeHost:
@@ -88,3 +92,27 @@ class Server:
         finally:
             httpd.shutdown()
             httpd.server_close()
+
+
+class SamplingNvml(FakeNvml):
+    """``FakeNvml`` whose per-process SM samples keep coming, as NVML's do: before answering
+    ``nvmlDeviceGetProcessUtilization`` it buffers one new sample (stamped now, in µs) per pid set in
+    ``sm`` for that GPU. (The plain fake's samples are fixed, so a second round would find none.)"""
+
+    def __init__(self, gpus: list[FakeGpu], sm: dict[int, dict[int, int]]) -> None:
+        super().__init__(gpus)
+        self.sm = sm  # GPU index → {pid: SM %}
+        self._stamp = 0
+
+    def nvmlDeviceGetProcessUtilization(self, handle, timeStamp):
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+        index = next(i for i, gpu in enumerate(self.gpus) if gpu.address == address)
+        self._stamp = max(self._stamp + 1, int(time.time() * 1e6))
+        fresh = [(pid, self._stamp, sm) for pid, sm in self.sm.get(index, {}).items()]
+        self.gpus[index].proc_samples += fresh
+        return super().nvmlDeviceGetProcessUtilization(handle, timeStamp)
+
+
+def gpu_holding(pid: int, util: int, gib: float = 2.0) -> FakeGpu:
+    """A GPU at ``util`` % whose one compute process is ``pid``, holding ``gib`` GiB."""
+    return FakeGpu(util_gpu=util, processes=[FakeProcess(pid, int(gib * 2**30))])

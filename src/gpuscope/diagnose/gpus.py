@@ -1,5 +1,6 @@
 """Every GPU through the NVML exporter's own code (``gpuscope.nvml``): the same calls, error policy,
-throttle reasons and XID watcher as ``gpuscope exporter``, run in-process and read from its registry.
+throttle reasons, XID watcher and per-process records (pid, memory, SM utilization where the driver
+keeps per-process samples) as ``gpuscope exporter``, run in-process and read from its registry.
 
 ``GpuSampler(nv=fake)`` runs on the tests' fake NVML exactly as on libnvidia-ml.
 """
@@ -14,19 +15,23 @@ from gpuscope.nvml.config import Config
 from gpuscope.nvml.exporter import Exporter
 from gpuscope.nvml.xid import NAME as XID
 
-#: What a reading keeps, per GPU label: metric name → {label value of the second label or "": value}.
+#: What a reading keeps, per GPU label: metric name → {reason, XID code or pid, else "": value}.
 Reading = dict[str, dict[str, dict[str, float]]]
 _WANTED = {m.name: m for m in (
     cat.GPU_UTILIZATION, cat.GPU_MEMORY_USED, cat.GPU_MEMORY_TOTAL, cat.GPU_SM_CLOCK, cat.GPU_POWER,
-    cat.GPU_POWER_LIMIT, cat.GPU_CLOCK_EVENT_ACTIVE, cat.GPU_XID_ERRORS, cat.GPU_ENERGY)}
+    cat.GPU_POWER_LIMIT, cat.GPU_CLOCK_EVENT_ACTIVE, cat.GPU_XID_ERRORS, cat.GPU_ENERGY,
+    cat.GPU_PROCESS_MEMORY, cat.GPU_PROCESS_SM_UTILIZATION)}
+#: The exporter caps per-process series (its --processes.max); a diagnosis wants every holder.
+_MAX_PROCESSES = 1024
 
 
 class GpuSampler:
     """Starts an in-process exporter sampling at ``interval``; :meth:`read` returns its latest values."""
 
     def __init__(self, interval: float = 0.5, nv: Any = None, xid_wait_ms: int = 200) -> None:
-        config = Config(interval=interval, slow_interval=max(interval, 1.0),
-                        collectors=frozenset({"device", "clock_events", "energy", XID}))
+        # Processes are a slow collector (its NVML calls cost more): one round a second at most.
+        config = Config(interval=interval, slow_interval=max(interval, 1.0), processes_max=_MAX_PROCESSES,
+                        collectors=frozenset({"device", "clock_events", "energy", "processes", XID}))
         self.exporter = Exporter(config, nv=nv, xid_wait_ms=xid_wait_ms)
 
     def start(self) -> GpuSampler:
@@ -43,7 +48,7 @@ class GpuSampler:
             for s in family.samples:
                 if s.name not in _WANTED or "gpu" not in s.labels:
                     continue
-                key = s.labels.get("reason") or s.labels.get("xid") or ""
+                key = s.labels.get("reason") or s.labels.get("xid") or s.labels.get("pid") or ""
                 out[s.labels["gpu"]][s.name][key] = s.value
         return out
 

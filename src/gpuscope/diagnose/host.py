@@ -11,6 +11,7 @@ class HostReading:
     cpu: float | None  # whole host, 0..1, since the previous reading
     busiest_core: float | None
     ram_used_ratio: float | None
+    cores: int | None = None  # how many cpuN lines /proc/stat has
 
 
 def _cpu_times(text: str) -> dict[str, tuple[int, int]]:
@@ -59,8 +60,9 @@ class HostSampler:
         except OSError:
             ram = None
         last, self._last = self._last, times
+        count = sum(name != "cpu" for name in times) or None
         if not last or "cpu" not in times or "cpu" not in last:
-            return HostReading(None, None, ram)
+            return HostReading(None, None, ram, count)
         cores = [s for name, t in times.items() if name != "cpu" and name in last
                  if (s := _share(last[name], t)) is not None]
-        return HostReading(_share(last["cpu"], times["cpu"]), max(cores) if cores else None, ram)
+        return HostReading(_share(last["cpu"], times["cpu"]), max(cores) if cores else None, ram, count)

@@ -2,21 +2,27 @@
 
 :class:`Window` keeps every reading (a window is seconds to minutes long: a few hundred small
 records) so the summary can take means, extremes, counter increases and histogram quantiles over the
-whole window, and the terminal view can show the latest values while it fills.
+whole window, and the terminal view can show the latest values while it fills. The CPU times of
+processes are read only at the window's two ends (``processes.py``): their difference is the rate.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpuscope.contract import catalogue as cat
-from gpuscope.diagnose import scrape
+from gpuscope.diagnose import processes, scrape
 from gpuscope.diagnose.gpus import GpuSampler, Reading
 from gpuscope.diagnose.host import HostReading, HostSampler
+from gpuscope.diagnose.processes import CpuSnapshot, GpuUse, ProcReader
 from gpuscope.diagnose.summary import GpuSummary, OpSummary, ServerSummary, Summary
+
+_PROC_MEMORY = cat.GPU_PROCESS_MEMORY.name
+_PROC_SM = cat.GPU_PROCESS_SM_UTILIZATION.name
 
 
 @dataclass
@@ -31,8 +37,17 @@ class Tick:
 class Window:
     ticks: list[Tick] = field(default_factory=list)
     server_error: str = ""
+    #: The server URL scraped ("" when none), whether the user named it, and how its scrapes went.
+    server_url: str = ""
+    server_asked: bool = False
+    server_tried: int = 0
+    server_failed: int = 0
     #: When sampling began (the CPU baseline reading): the window spans from here to the last tick.
     started: float | None = None
+    #: Processes' CPU times at the window's start and end, and the command lines of those on a GPU.
+    cpu_before: CpuSnapshot | None = None
+    cpu_after: CpuSnapshot | None = None
+    commands: dict[int, str] = field(default_factory=dict)
 
     def summary(self, host_name: str = "") -> Summary:
         begin = self.started if self.started is not None else self.ticks[0].at
@@ -41,13 +56,47 @@ class Window:
         out.cpu = _mean(t.host.cpu for t in self.ticks)
         out.cpu_busiest_core = _mean(t.host.busiest_core for t in self.ticks)
         out.ram_used_ratio = _max(t.host.ram_used_ratio for t in self.ticks)
+        out.cpu_cores = next((t.host.cores for t in reversed(self.ticks) if t.host.cores), None)
         labels = sorted({g for t in self.ticks for g in t.gpus}, key=lambda x: (len(x), x))
         out.gpus = [self._gpu(label, span) for label in labels]
+        out.processes = processes.join(self.gpu_use(), self.cpu_before, self.cpu_after, self.commands)
         out.server = self._server(span)
+        out.server_asked = self.server_url if self.server_asked else ""
+        out.server_tried, out.server_failed = self.server_tried, self.server_failed
+        out.server_error = self.server_error
         if not labels:
             out.unavailable.append("GPUs (NVML not available)")
+        unseen = [str(p.pid) for p in out.processes if p.cpu is None]
+        if self.cpu_after is not None and unseen:
+            out.unavailable.append(f"CPU of GPU process(es) {', '.join(unseen)} (not in this /proc: another "
+                                   "PID namespace, or gone; run with the host's PIDs)")
         if out.server is None:
-            out.unavailable.append(f"server metrics ({self.server_error or 'not asked'})")
+            why = f"{self.server_url}: {self.server_error}" if self.server_error else "not asked"
+            out.unavailable.append(f"server metrics ({why})")
+        return out
+
+    def gpu_pids(self) -> set[int]:
+        """Every pid NVML listed on a GPU during the window."""
+        return {int(pid) for t in self.ticks for metrics in t.gpus.values()
+                for name in (_PROC_MEMORY, _PROC_SM) for pid in metrics.get(name, {})}
+
+    def gpu_use(self) -> dict[int, GpuUse]:
+        """pid → what NVML said of it: memory (highest per GPU, summed over its GPUs), its own SM
+        utilization and its GPUs' utilization (means over the window, the busiest GPU's)."""
+        out: dict[int, GpuUse] = {}
+        for label in {g for t in self.ticks for g in t.gpus}:
+            def values(name: str, key: str = "", label: str = label) -> list[float | None]:
+                return [t.gpus.get(label, {}).get(name, {}).get(key) for t in self.ticks]
+
+            device = _mean(values(cat.GPU_UTILIZATION.name))
+            pids = {pid for t in self.ticks for name in (_PROC_MEMORY, _PROC_SM)
+                    for pid in t.gpus.get(label, {}).get(name, {})}
+            for pid in pids:
+                use = out.setdefault(int(pid), GpuUse())
+                use.gpus.add(label)
+                use.memory_bytes = _sum_known(use.memory_bytes, _max(values(_PROC_MEMORY, pid)))
+                use.sm_util = _max((use.sm_util, _mean(values(_PROC_SM, pid))))
+                use.gpu_util = _max((use.gpu_util, device))
         return out
 
     def _gpu(self, label: str, span: float) -> GpuSummary:
@@ -107,6 +156,10 @@ class Window:
         return s
 
 
+def _sum_known(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+
 def _clean(values) -> list[float]:
     return [v for v in values if v is not None]
 
@@ -127,29 +180,47 @@ def _max(values) -> float | None:
 
 
 class LiveSampler:
-    """Reads host, GPUs and server every ``interval`` for ``duration`` seconds."""
+    """Reads host, GPUs and server every ``interval`` for ``duration`` seconds, and the CPU times of
+    processes at both ends.
+
+    ``server_asked``: the user named ``server_url`` (a flag or its environment variable), so a server
+    that does not answer there is a finding; otherwise it is the default address, tried on the chance.
+    """
 
     def __init__(self, duration: float, interval: float, server_url: str | None, *, nv=None,
                  proc_root: str = "/proc", gpu_sampler: GpuSampler | None = None,
-                 host_sampler: HostSampler | None = None) -> None:
+                 host_sampler: HostSampler | None = None, server_asked: bool = False) -> None:
         self.duration, self.interval, self.server_url = duration, interval, server_url
         self.host = host_sampler or HostSampler(proc_root)
         self.gpus = gpu_sampler or GpuSampler(interval=min(interval, 0.5), nv=nv)
-        self.window = Window()
+        self.procs = ProcReader(proc_root)
+        self.window = Window(server_url=server_url or "", server_asked=server_asked)
 
     def _server(self) -> scrape.ServerReading | None:
         if not self.server_url:
             return None
+        self.window.server_tried += 1
         try:
             return scrape.fetch(self.server_url, timeout=min(2.0, max(0.2, self.interval)))
         except (OSError, ValueError, KeyError) as exc:  # unreachable, refused, not an exposition, no ``le``
-            self.window.server_error = f"{self.server_url}: {exc}"
+            self.window.server_failed += 1
+            # urlopen wraps the socket's error ("<urlopen error [Errno 111] ...>"): say the reason itself.
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            self.window.server_error = str(reason) or type(reason).__name__
             return None
+
+    def _processes_at_end(self) -> None:
+        """The second CPU reading: the processes NVML listed, their threads and (in the same
+        listing) their descendants; and their command lines."""
+        pids = self.window.gpu_pids()
+        self.window.cpu_after = self.procs.snapshot(threads_of=pids)
+        self.window.commands = {pid: self.procs.command(pid) for pid in pids}
 
     def run(self, on_tick: Callable[[Window, float], None] | None = None) -> Window:
         """Sample until the window is full; ``on_tick(window, elapsed share)`` after each reading."""
         self.gpus.start()
         try:
+            self.window.cpu_before = self.procs.snapshot()  # which pids are on a GPU is not known yet
             self.host.read()  # the first CPU reading is a baseline for the next
             started = self.window.started = time.monotonic()
             deadline = started + self.duration
@@ -165,4 +236,6 @@ class LiveSampler:
                 if now >= deadline:
                     return self.window
         finally:
+            # Also on Ctrl-C: what was sampled so far is judged, processes included.
+            self._processes_at_end()
             self.gpus.stop()

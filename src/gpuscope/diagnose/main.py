@@ -1,7 +1,8 @@
 """``gpuscope diagnose``: sample this box (or judge a past window in Prometheus) and say what is wrong.
 
-Exit status: 0 no problem found (warnings may be printed), 1 at least one problem found, 2 a bad flag,
-3 nothing could be judged (Prometheus unreachable or without data for the window).
+Exit status: 0 no problem found (warnings may be printed), 1 at least one problem found (a server the
+user named that did not answer is one), 2 a bad flag, 3 nothing could be judged (Prometheus
+unreachable or without data for the window).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from gpuscope.util.settings import parser_for, setting
 
 OK, PROBLEM, USAGE, UNOBSERVED = 0, 1, 2, 3
 _SINCE = re.compile(r"^(\d+)([smhd])$")
+#: Where a server is looked for when none is named: a finding only if it answers.
+DEFAULT_SERVER = f"http://{LOCAL_HOST}:{PORTS['server']}/metrics"
+#: Flags that choose what a past window is: without --prometheus they would silently do nothing.
+_HISTORY_ONLY = ("--since", "--host")
 
 
 def parse_since(text: str) -> int:
@@ -43,8 +48,10 @@ class DiagnoseSettings:
 
     duration: float = setting("--duration", 10.0, "live sampling window (10s, 1m...)", parse=parse_duration)
     interval: float = setting("--interval", 1.0, "one reading every ... (1s)", parse=parse_duration)
-    server: str = setting("--server", f"http://{LOCAL_HOST}:{PORTS['server']}/metrics",
-                          "the server's or vLLM's /metrics URL (empty: none)")
+    #: None: not named, so the default address is tried and silence there is no finding.
+    server: str | None = setting("--server", None, "the server's or vLLM's /metrics URL; one named here "
+                                 "that does not answer is a problem (default: "
+                                 f"{DEFAULT_SERVER}, judged only if it answers; empty: none)")
     prometheus: str | None = setting("--prometheus", None, "judge a past window from this Prometheus' "
                                      "recording rules instead of sampling")
     since: int = setting("--since", 30 * 60, "with --prometheus: the window ending now (30m, 2h, 1d)",
@@ -62,6 +69,11 @@ def parse_args(argv: list[str]) -> DiagnoseSettings:
         "what is wrong, with the numbers. Exit status: 0 no problem, 1 problem found, 2 bad flag, "
         "3 nothing could be judged."))
     args = p.parse_settings(argv)
+    if args.prometheus is None:
+        for flag in _HISTORY_ONLY:
+            if _on_command_line(argv, flag):
+                p.error(f"{flag} chooses a past window and needs --prometheus URL (a live window's length "
+                        "is --duration)")
     if args.interval > args.duration:
         p.error(f"--interval {args.interval}s is longer than --duration {args.duration}s")
     if args.server and not re.match(r"^https?://", args.server):
@@ -69,6 +81,19 @@ def parse_args(argv: list[str]) -> DiagnoseSettings:
     if args.prometheus is not None and not re.match(r"^https?://", args.prometheus):
         p.error(f"--prometheus {args.prometheus!r} is not an http(s) URL")
     return args
+
+
+def _on_command_line(argv: list[str], flag: str) -> bool:
+    """``flag`` given in argv (argparse takes a unique prefix: ``--si`` is ``--since``).
+
+    Only the command line counts: the environment variables (``GPUSCOPE_HOST`` is also what the fleet's
+    vmagent reads) are standing settings for when --prometheus is given, not a request for this run.
+    """
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if len(name) > 2 and name.startswith("--") and flag.startswith(name):
+            return True
+    return False
 
 
 def report(summaries: list[Summary], as_json: bool, json_file: str | None = None, out=sys.stdout) -> int:
@@ -110,7 +135,8 @@ def main(argv: list[str]) -> int:
     # The in-process exporter logs NVML trouble (no library on a CPU host); the table says it instead.
     logging.getLogger("gpuscope.exporter").setLevel(logging.ERROR)
     live = sys.stdout.isatty() and not args.json
-    sampler = LiveSampler(args.duration, args.interval, args.server or None)
+    url = DEFAULT_SERVER if args.server is None else args.server
+    sampler = LiveSampler(args.duration, args.interval, url or None, server_asked=bool(args.server))
     host = socket.gethostname()
     on_tick = (lambda window, share: sys.stdout.write(view.live_frame(window, share, host))) if live else None
     try:

@@ -68,8 +68,48 @@ class ServerSummary:
 
 
 @dataclass
+class TaskSummary:
+    """A thread or a child process over the window; ``cpu`` in cores (1.0: one core all the time)."""
+
+    id: int
+    name: str
+    cpu: float
+
+
+@dataclass
+class ProcessSummary:
+    """A process holding a GPU (NVML's compute processes) joined with its CPU side (/proc)."""
+
+    pid: int
+    #: Its command line (``comm`` where the command line cannot be read).
+    command: str
+    gpus: list[str] = field(default_factory=list)
+    #: Device memory it held (highest over the window, summed over its GPUs).
+    memory_bytes: float | None = None
+    #: Its own SM utilization (NVML's per-process samples, mean over the window; its busiest GPU);
+    #: None where the driver keeps no per-process samples.
+    sm_util: float | None = None
+    #: Utilization of the GPUs it is on (mean over the window; the busiest of them).
+    gpu_util: float | None = None
+    #: CPU of the whole process (every thread), in cores; None where /proc does not show it.
+    cpu: float | None = None
+    busiest_thread: TaskSummary | None = None
+    threads: int = 0
+    #: Its descendant processes that hold no GPU themselves (data-loader workers), busiest first.
+    workers: list[TaskSummary] = field(default_factory=list)
+
+    @property
+    def gpu_busy(self) -> float | None:
+        """How busy its GPU is: the higher of its own SM utilization and its GPU's utilization. A
+        neighbour keeping the GPU busy means the GPU does not wait for this process; and a driver
+        whose per-process samples never come (0 for every process) must not read as a starved GPU."""
+        known = [v for v in (self.sm_util, self.gpu_util) if v is not None]
+        return max(known) if known else None
+
+
+@dataclass
 class Summary:
-    """Host, GPUs and server over one window."""
+    """Host, GPUs, the processes on them and the server over one window."""
 
     source: str  # "live" or "prometheus"
     window_s: float
@@ -79,8 +119,19 @@ class Summary:
     #: Busiest single core: one Python thread feeding the GPU shows here, not in ``cpu``.
     cpu_busiest_core: float | None = None
     ram_used_ratio: float | None = None
+    #: Cores the host has (from /proc/stat), where known.
+    cpu_cores: int | None = None
     gpus: list[GpuSummary] = field(default_factory=list)
+    #: Every process holding a GPU (live windows only: Prometheus keeps no per-thread CPU).
+    processes: list[ProcessSummary] = field(default_factory=list)
     server: ServerSummary | None = None
+    #: The server address the user named (flag or environment): one that never answered is a finding,
+    #: unlike the default address tried on the chance that a server runs there. "" when not named.
+    server_asked: str = ""
+    #: Scrapes of the server tried and failed over the window, and the last failure's text.
+    server_tried: int = 0
+    server_failed: int = 0
+    server_error: str = ""
     #: What could not be read, in words (shown, never fatal).
     unavailable: list[str] = field(default_factory=list)
 

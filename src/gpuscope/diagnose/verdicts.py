@@ -16,57 +16,22 @@ Then what the bundle knows beyond them (thresholds shared with the alert rules,
 (``launch_bound_ops``), latency that is mostly queueing (``queueing``), preemptions with the KV cache
 full (``kv_preemption``), thermal or power throttling, XIDs, and memory that grows throughout
 (``memory_leak``).
+
+Last, a server address the user named that did not answer (``server_unreachable``), and what the
+processes on the GPUs show without any server (``process_verdicts``: launch-bound, data-loader-bound,
+idle holders). Every threshold is in ``findings.Limits``.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-from gpuscope.contract.profiles import Thresholds
+from gpuscope.diagnose.findings import Finding, Limits
+from gpuscope.diagnose.findings import shown as _r
+from gpuscope.diagnose.process_verdicts import judge_processes
 from gpuscope.diagnose.summary import Summary
 
-Severity = Literal["problem", "warning"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The classic script's thresholds, and the few this command adds."""
-
-    input_cpu: float = 0.90
-    input_gpu: float = 0.30
-    memory_full: float = 0.95
-    memory_swing: float = 0.30
-    idle_cpu: float = 0.40
-    idle_gpu: float = 0.40
-    #: A core at least this busy is a saturated thread.
-    saturated_core: float = 0.90
-    #: Requests in flight (mean over the window) before idle hardware counts as waiting requests.
-    min_running: float = 0.5
-    #: Queueing dominates when the median queue wait is at least this share of the median TTFT.
-    queue_share: float = 0.5
-    #: Memory that grew throughout the window by at least this share of the total is reported.
-    leak_growth_share: float = 0.01
-    shared: Thresholds = field(default_factory=Thresholds)
-
-
-@dataclass
-class Finding:
-    code: str
-    severity: Severity
-    title: str
-    #: The numbers that triggered it (names as shown; ratios 0..1, seconds).
-    evidence: dict[str, float | str]
-    next_step: str
-    where: str = ""
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def _r(value: float | None) -> float | str:
-    return "n/a" if value is None else round(value, 4)
+__all__ = ["Finding", "Limits", "judge"]
 
 
 def _classic(s: Summary, lim: Limits) -> list[Finding]:
@@ -189,8 +154,28 @@ def _bundle(s: Summary, lim: Limits) -> list[Finding]:
     return out
 
 
+def _server_reach(s: Summary) -> list[Finding]:
+    """A server the user named that did not answer is what is wrong, not a part left unread: the
+    question was about it. (The default address is tried on the chance a server runs there.)"""
+    if not s.server_asked or not s.server_failed:
+        return []
+    evidence: dict[str, float | str] = {"scrapes_failed": s.server_failed, "scrapes": s.server_tried}
+    check = (f"check that the server runs and listens there (curl {s.server_asked}), or give the "
+             "address it serves /metrics on; --server '' judges the box without a server")
+    if s.server is None:
+        return [Finding("server_unreachable", "problem",
+                        f"server at {s.server_asked} did not answer: {s.server_error}", evidence, check,
+                        where="server")]
+    return [Finding("server_unreachable", "warning",
+                    f"server at {s.server_asked} failed {s.server_failed} of {s.server_tried} scrapes: "
+                    f"{s.server_error}", evidence,
+                    "look for restarts or stalls in the server's log around the failures; " + check,
+                    where="server")]
+
+
 def judge(summary: Summary, limits: Limits | None = None) -> list[Finding]:
     """Every finding the summary supports, problems first."""
     lim = limits or Limits()
-    found = _classic(summary, lim) + _bundle(summary, lim)
+    found = (_classic(summary, lim) + _bundle(summary, lim) + _server_reach(summary)
+             + judge_processes(summary, lim))
     return sorted(found, key=lambda f: f.severity != "problem")

@@ -42,6 +42,8 @@ def table(summary: Summary) -> str:
             clock = "-" if g.sm_clock_hz is None else f"{g.sm_clock_hz / 1e6:.0f}"
             lines.append(f"{g.label:>6} {pct(g.util_mean):>5} {span:>9} {pct(g.memory_used_ratio):>7} "
                          f"{clock:>7} {power:>12} {', '.join(flags) or '-'}")
+    if summary.processes:
+        lines += ["", *processes(summary)]
     srv = summary.server
     if srv is not None:
         num = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
@@ -58,6 +60,32 @@ def table(summary: Summary) -> str:
     for what in summary.unavailable:
         lines.append(f"(not available: {what})")
     return "\n".join(lines)
+
+
+def short_command(command: str, width: int = 60) -> str:
+    """The interpreter's name without its folder, and the middle elided: the script and its last
+    arguments are what tell one job from another."""
+    head, _, rest = command.partition(" ")
+    text = f"{head.rsplit('/', 1)[-1]} {rest}".strip()
+    if len(text) <= width:
+        return text
+    keep = width // 3
+    return text[:keep] + "..." + text[-(width - keep - 3):]
+
+
+def processes(summary: Summary) -> list[str]:
+    """One line per process on a GPU: its GPU side (NVML) beside its CPU side (/proc), in cores' %."""
+    lines = [f"{'pid':>8} {'GPU':>5} {'memory':>9} {'SM':>4} {'CPU':>5} {'busiest thread':<26} "
+             f"{'workers':<12} command"]
+    for p in summary.processes:
+        memory = "-" if p.memory_bytes is None else f"{p.memory_bytes / 2**30:.1f} GiB"
+        t = p.busiest_thread
+        thread = "-" if t is None else f"{t.id} {t.name[:12]} {t.cpu * 100:.0f}%"
+        busy = [w for w in p.workers if w.cpu > 0]
+        workers = f"{len(busy)} at {sum(w.cpu for w in busy) * 100:.0f}%" if busy else "-"
+        lines.append(f"{p.pid:>8} {','.join(p.gpus)[:5]:>5} {memory:>9} {pct(p.sm_util):>4} {pct(p.cpu):>5} "
+                     f"{thread:<26} {workers:<12} {short_command(p.command)}")
+    return lines
 
 
 def live_frame(window: Window, share: float, host: str) -> str:
