@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "plot_probe_runs.py"
 RUNS = sorted((ROOT / "benchmarks" / "results").glob("recycler-probe-h200-*.json"))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests import conftest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "abuse_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "abuse_bench.py"
 run_bench = partial(conftest.run_bench, SCRIPT, timeout=400)
 
 

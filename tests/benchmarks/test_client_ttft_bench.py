@@ -18,7 +18,7 @@ from tests import conftest
 pytest.importorskip("transformers")
 pytest.importorskip("openai")
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "client_ttft_bench.py"
 run_bench = partial(conftest.run_bench, SCRIPT, timeout=280)
 sys.path.insert(0, str(BENCHMARKS))

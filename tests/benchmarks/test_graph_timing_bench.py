@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_timing_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "graph_timing_bench.py"
 
 
 def bench_module():

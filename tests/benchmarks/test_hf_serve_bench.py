@@ -16,7 +16,7 @@ from tests import conftest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_serve_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_serve_bench.py"
 run_bench = partial(conftest.run_bench, SCRIPT, timeout=280)  # (tmp_path, *args, status=0)
 
 

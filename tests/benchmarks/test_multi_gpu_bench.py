@@ -14,7 +14,7 @@ import torch
 
 from tests import conftest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_gpu_bench.py"
 TOP_LEVEL = {"gpu", "gpu_count", "date", "torch", "parts", "targets", "summary"}
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 run_bench = partial(conftest.run_bench, SCRIPT)  # (tmp_path, *args, status=0)
