@@ -2,7 +2,7 @@
 """Why is a decode step with one row slower than one with 32? Time the server's model step by step.
 
 ``gpuscope serve`` on the H200 took ~70 ms per decode step with 1-3 rows and 6.6 ms with 32
-(see NOTES.md). This times the same model, cache and sampling as the engine's ``_step``
+(docs/server.md, *Attention*). This times the same model, cache and sampling as the engine's ``_step``
 (tensors built from lists, forward, ``sample``, ``.tolist()``), with
 
 - rows 1, 2 and 32;

@@ -405,7 +405,7 @@ static PyTypeObject OpStateType = {
 /* events back every few milliseconds                                                                */
 /*
  * Why a thread outside Python: the resolver, waking every 50 ms, kept hundreds of events in flight,
- * and waking it more often cost more GIL than it saved (benchmarks/NOTES.md). This thread polls
+ * and waking it more often cost more GIL than it saved (docs/design.md). This thread polls
  * without the GIL (every hot.RECYCLE_INTERVAL_S), so only the events of the last interval are in
  * flight, and the inference thread's free list hands back the ones it recorded last. Polling every
  * millisecond cost the launch-bound workload about a point of throughput more than every 10 ms did,

@@ -1,7 +1,7 @@
 """Knowing, at no cost per region, whether a CUDA graph is being captured.
 
 Asking CUDA (``torch.cuda.is_current_stream_capturing()``) on every region cost
-more than the event records themselves on the H200 (benchmarks/NOTES.md), so
+more than the event records themselves on the H200 (docs/design.md), so
 the timer keeps a process-wide count of captures in progress, maintained by
 wrapping ``torch.cuda.CUDAGraph.capture_begin``/``capture_end`` (which
 ``torch.cuda.graph`` and ``make_graphed_callables`` use). Only while a capture

@@ -45,7 +45,7 @@ NATIVE_ENV = "GPUSCOPE_TIMING_NATIVE"
 RECYCLER_ENV = "GPUSCOPE_TIMING_RECYCLER"
 #: How often the recycler thread looks for finished pairs while any are queued (it backs off when
 #: idle). Polling every 1 ms cost the launch-bound workload 1.25 points of throughput more than
-#: every 10 ms on the H200, in four paired runs out of which three agreed (benchmarks/NOTES.md); at
+#: every 10 ms on the H200, in four paired runs out of which three agreed (docs/design.md); at
 #: 10 ms the events in flight still stay in the tens.
 RECYCLE_INTERVAL_S = 0.01
 #: Measure the in-context cost of every Nth sampled pair (two clock reads each).
