@@ -25,8 +25,10 @@ d 1024, bf16; 2 regions per block, timed with ``instrument()``), captured with
 Also checks that replay outputs equal eager outputs. Writes ``--out`` (JSON), progress on stderr,
 a table last; exit 1 (the failing part named) if a part fails.
 
-    python benchmarks/graph_timing_bench.py --out benchmarks/results/graph-timing-h200.json   # ~2 min
+    python benchmarks/graph_timing_bench.py --out /tmp/graph-timing.json   # ~2 min
     python benchmarks/graph_timing_bench.py --parts accuracy,kernels --out /tmp/graph-kernels.json
+
+The committed H200 results and the commands that made them are listed in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The timer's hot path in context, finely interleaved: C vs Python vs two raw records per region.
 
-    python benchmarks/hot_path_bench.py --out benchmarks/results/hot-path-h200.json   # ~2 min
+    python benchmarks/hot_path_bench.py --out benchmarks/results/hot-path-h200-recycler-10ms.json   # ~2 min
 
 timing_bench.py compares configurations in rounds of a few hundred forwards each; on a shared VM
 whose speed drifts by tens of percent within a minute, the per-round ratios scatter too widely to

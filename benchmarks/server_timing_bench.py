@@ -11,7 +11,8 @@ difference is the timer's resolver thread competing for the GIL with the aiohttp
 Reported per mode and batch size: tokens/s per round, the median and quartiles of the paired ratio
 to ``off``, and the timer's own view (sampling ratio, overhead estimate, drops).
 
-    python benchmarks/server_timing_bench.py --out benchmarks/results/server-timing-h200.json
+    python benchmarks/server_timing_bench.py --rounds 3 \
+        --out benchmarks/results/server-timing-h200-after-fix.json
     python benchmarks/server_timing_bench.py --quick          # CPU smoke
 """
 

@@ -11,7 +11,8 @@ variant of the controller's flags:
 - ``beside``: a latency-bound loop (steps of 300 launches of 5 µs kernels with 20 µs of CPU between,
   a sync per step; share 0.3, priority 1) beside such a GPU-bound loop (0.7).
 
-    PYTHONPATH=src python benchmarks/share_controller_cpu.py --out results/share-controller-cpu.json
+    PYTHONPATH=src python benchmarks/share_controller_cpu.py \
+        --out benchmarks/results/share-controller-cpu-fifth.json
 
 Reported per round: the controller's CPU (% of a core), its wake-ups a second (voluntary context
 switches of all its threads) and CPU per wake-up; each tenant's share of the rounds' iterations; the

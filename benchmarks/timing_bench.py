@@ -5,7 +5,9 @@ Method (docs/design.md): every configuration is compared with the untimed model 
 rounds (base, config, base, config, ...), reported as the median of the paired ratios with
 quartiles, beside the main thread's CPU time per forward.
 
-    python benchmarks/timing_bench.py --out benchmarks/results/timing-h200.json          # H200, ~6 min
+    python benchmarks/timing_bench.py --out benchmarks/results/timing-h200-c-hot-path.json   # H200, ~6 min
+    python benchmarks/timing_bench.py --accuracy-only \
+        --out benchmarks/results/timing-accuracy-h200-recycler.json
     python benchmarks/timing_bench.py --quick --out /tmp/timing-cpu.json  # smoke
 
 Configurations (24 timed regions a forward: attention and MLP of 12 blocks):
