@@ -11,11 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import socket
+import threading
+import time
 
 import pytest
 import requests
 
+from gpuscope.server.limits import SPARE_SOCKETS
 from tests.conftest import wait_for
 from tests.server.test_http_hardening import ServeProcess
 
@@ -117,6 +121,82 @@ def test_connection_cap_evicts_stalled_connections_and_bounds_descriptors(tmp_pa
             with contextlib.suppress(OSError):
                 sock.close()
         server.stop()
+
+
+class _PeakDescriptors:
+    """The most descriptors a process was seen holding, sampled on a thread until ``stop``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, _open_fds(pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.002):
+            with contextlib.suppress(FileNotFoundError):  # a descriptor closed while listed
+                self.peak = max(self.peak, _open_fds(self.pid))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join(10)
+        return self.peak
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(4096) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+@pytest.mark.slow
+def test_a_burst_of_connections_never_holds_more_descriptors_than_the_cap_allows(tmp_path):
+    """200 connections opened at once against a cap of 32: the server accepts only while fewer than
+    the cap and its spare sockets (SPARE_SOCKETS, for answered connections lingering) are open, so its
+    descriptors stay within that however fast they come; it takes them all in the end, and still
+    answers once the burst is gone."""
+    cap, burst = 32, 200
+    server = ServeProcess(tmp_path / "serve.log", "--web.max-connections", str(cap),
+                          "--web.header-timeout", "60s")
+    pid = server.child.pid
+    # Beyond the baseline: the cap's sockets, its spares, and 2 for files the process opens as it runs.
+    allowed = _open_fds(pid) + cap + SPARE_SOCKETS + 2
+    peak = _PeakDescriptors(pid)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(burst):  # as fast as connect() goes; what the backlog cannot take, the kernel retries
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", server.port))
+            sockets.append(sock)
+        # Every connection beyond the cap is accepted in turn, each evicting a stalled one: the server
+        # has taken the whole burst once all but the cap's worth are closed on the client.
+        waiting = list(sockets)
+        deadline = time.monotonic() + 90
+        closed = 0
+        while closed < burst - cap:
+            assert time.monotonic() < deadline, f"the server closed {closed} of {burst - cap} in 90s"
+            readable, _, _ = select.select(waiting, [], [], 0.5)
+            for sock in readable:
+                if _closed_by_server(sock):
+                    waiting.remove(sock)
+                    closed += 1
+        seen = peak.stop()
+        assert seen <= allowed, f"{seen} descriptors open at the peak; at most {allowed} allowed"
+    finally:
+        peak.stop()
+        for sock in sockets:
+            sock.close()
+    wait_for(lambda: _open_fds(pid) <= allowed - cap - SPARE_SOCKETS, timeout=30,
+             what="the burst's descriptors closed")
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert server.metric(CLOSED, reason="evicted") >= burst - cap
+    server.stop()
 
 
 @pytest.mark.slow

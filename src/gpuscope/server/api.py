@@ -42,11 +42,12 @@ from gpuscope.contract import catalogue as c
 from gpuscope.contract.choices import MetricNames
 from gpuscope.util.logsafe import quote
 
+from .accept import CappedSite
 from .chat import ChatTemplate, parse_chat, template_for
 from .engine import Done, Failed, Request, Token
 from .errors import error_response
 from .faults import FaultError, FaultInjector
-from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler
+from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler, socket_cap
 from .limits import SUPPORTED as LIMITS_SUPPORTED
 from .loop_lag import LoopMonitor
 from .profile_api import add_routes as add_profile_routes
@@ -573,7 +574,9 @@ def run(app: web.Application, host: str, port: int, shutdown_timeout: float = 1.
         runner = AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            # Accepts only while fewer than the cap's sockets are open (accept.py): asyncio's own accept
+            # loop takes a whole burst at once, whatever the cap then closes.
+            await CappedSite(runner, host, port, limit=socket_cap(app[SERVICE].config.http)).start()
             await stop.wait()
             await drain.run()
             _close_idle(runner)

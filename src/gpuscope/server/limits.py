@@ -11,8 +11,11 @@ for a body shorter than its ``Content-Length`` (forever); every such connection 
 - **body**: once the headers are in, the whole body within ``body_timeout_s``; else the handler's
   read raises :class:`BodyTimeout`, which the API answers with ``408``, and the connection closes;
 - **connections**: at most ``max_connections`` at once. A new connection beyond the cap closes an
-  idle kept-alive one, else the one that has waited longest for its request's headers; when every
-  connection is answering a request, the new one gets ``503`` with ``Retry-After``.
+  idle kept-alive one at once, else the one that has waited longest for its request's headers; when
+  every connection is answering a request, the new one gets ``503`` with ``Retry-After``.
+- **descriptors**: an answered connection (408, 503) stays open ``LINGER_S`` for its client to read
+  the answer, so sockets can outnumber the cap. The server's accept loop (``accept.py``) takes no
+  connection while ``socket_cap`` sockets are open: ``max_connections`` plus ``SPARE_SOCKETS``.
 
 Each close is counted in ``gpuscope_http_connections_closed_total{reason}``. An idle kept-alive
 connection (no bytes of a next request) is left to aiohttp's keep-alive timer.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
@@ -41,6 +45,14 @@ SUPPORTED = all(hasattr(RequestHandler, name) for name in _INTERNALS)
 #: After answering a connection it closes (408, 503): how long its socket stays open for the client to
 #: read the answer; closing at once with the client's bytes unread would reset it and lose the answer.
 LINGER_S = 1.0
+#: Sockets beyond ``max_connections`` the server may hold: connections answered 408 or 503 and
+#: lingering, and ones just accepted over the cap whose eviction of another has not closed it yet.
+SPARE_SOCKETS = 16
+
+
+def socket_cap(limits: HttpLimits) -> int:
+    """Sockets of client connections open at once at most: the accept loop stops taking more here."""
+    return limits.max_connections + SPARE_SOCKETS
 
 
 class BodyTimeout(RequestPayloadError):
@@ -62,6 +74,8 @@ class LimitedRequestHandler(RequestHandler):
 
     limits: HttpLimits = HttpLimits()
     connections_closed: Counter | None = None
+    #: Called once when the connection's socket has closed (the accept loop counts it out).
+    on_closed: Callable[[], None] | None = None
 
     _deadline: asyncio.TimerHandle | None = None
     _deadline_kind: str | None = None  # "header" or "body" while a deadline runs
@@ -85,7 +99,10 @@ class LimitedRequestHandler(RequestHandler):
         victim = _victim([h for h in open_ if h is not self])
         if victim is not None:
             victim._count("evicted")
-            victim._shut(None)  # it sent nothing we owe an answer to, or only part of a request
+            # At once: it sent nothing we owe an answer to, or only part of a request, and a lingering
+            # socket would hold a descriptor the new connection needs.
+            victim._disarm()
+            victim.force_close()
             return
         self._count("refused")
         self._shut(raw_json_response(
@@ -127,7 +144,12 @@ class LimitedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        try:
+            super().connection_lost(exc)
+        finally:
+            on_closed, self.on_closed = self.on_closed, None
+            if on_closed is not None:
+                on_closed()
 
     def _arm(self, kind: str, seconds: float) -> None:
         self._disarm()
