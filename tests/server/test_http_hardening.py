@@ -183,6 +183,51 @@ def test_broken_body_on_a_route_that_does_not_read_it_is_not_an_error(serve):
     assert not ALARMING.search(log), log
 
 
+def _responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The HTTP responses in ``data``, one after another (each with a Content-Length)."""
+    responses = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, f"a cut response head: {data[:200]!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers["content-length"])
+        responses.append((int(lines[0].split()[1]), headers, rest[:length]))
+        data = rest[length:]
+    return responses
+
+
+#: Cheap routes with distinct answers, so that the answers' order shows the requests'.
+PIPELINED = {"/healthz": {"status": "ok"}, "/readyz": {"status": "ready"}, "/v1/models": None}
+
+
+@pytest.mark.parametrize(("bad", "count"), [(10, 20), (35, 40)], ids=["10th-of-20", "35th-past-the-queue"])
+def test_requests_pipelined_before_a_malformed_one_are_answered_in_order_then_the_error(serve, bad, count):
+    """One write of ``count`` pipelined GETs whose ``bad``-th has a 9 kB header: the ones before it are
+    answered in order, then it gets the JSON 431, then the connection closes. The second case sends
+    more than the connection queues at once (32), so the bad one is parsed after the queue drained."""
+    paths = [list(PIPELINED)[i % len(PIPELINED)] for i in range(count)]
+    big = b"X-Big: " + b"a" * 9000 + b"\r\n"
+    sent = b"".join(b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n" % (path.encode(), big if i == bad - 1 else b"")
+                    for i, path in enumerate(paths))
+    with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
+        sock.sendall(sent)
+        chunks = []
+        while chunk := sock.recv(65536):  # until the server closes
+            chunks.append(chunk)
+    answers = _responses(b"".join(chunks))
+    assert [status for status, _, _ in answers] == [200] * (bad - 1) + [431]
+    for path, (_, _, body) in zip(paths[:bad - 1], answers[:-1], strict=True):
+        answer = json.loads(body)
+        assert answer == PIPELINED[path] or (PIPELINED[path] is None and answer["object"] == "list"), path
+    _, headers, body = answers[-1]
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["code"] == 431 and "header field is longer than" in error["message"]
+    log = serve.synced_log()
+    assert not ALARMING.search(log), log
+
+
 def test_sigterm_after_traffic_exits_0_and_prints_nothing_after_shutdown(tmp_path):
     server = ServeProcess(tmp_path / "serve.log")
     for _ in range(3):

@@ -42,6 +42,7 @@ from gpuscope.contract import catalogue as c
 from gpuscope.contract.choices import MetricNames
 from gpuscope.util.logsafe import quote
 
+from . import pipelining
 from .accept import CappedSite
 from .chat import ChatTemplate, parse_chat, template_for
 from .engine import Done, Failed, Request, Token
@@ -490,6 +491,11 @@ class _JsonErrorRequestHandler(LimitedRequestHandler):
     """
 
     client_errors: Counter | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if pipelining.SUPPORTED:  # requests pipelined before a malformed one are answered first
+            self._parser = pipelining.OrderedParser(self._parser, getattr(self, "_max_msg_queue_size", 0))
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
