@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -10,6 +11,7 @@ import pytest
 import requests
 import yaml
 
+from gpuscope.contract import profiles
 from gpuscope.contract.parts import PORTS
 from gpuscope.ops import stack as st
 from gpuscope.util import freeport
@@ -39,6 +41,28 @@ def test_render_prometheus_config():
     assert config["rule_files"] == ["/rules/*.yml"]
     assert config["global"]["evaluation_interval"] == "1s"
     assert config["global"]["scrape_interval"] == "5s"  # everything else as in the compose file
+
+
+@pytest.mark.parametrize("profile", st.PROFILES)
+def test_prometheus_is_told_the_interval_its_rule_groups_run_at(tmp_path, profile):
+    """Every generated rule group pins its profile's evaluation interval, which wins over Prometheus's
+    global one: the stack's rendered prometheus.yml states that same interval, not another."""
+    stack = st.Stack(st.StackOptions(profile=profile, run_dir=tmp_path, components=["prometheus"]),
+                     log=lambda line: None)
+    stack.render_configs()
+    config = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+    pinned = {group.get("interval") for pattern in config["rule_files"]
+              for path in sorted(Path("/").glob(pattern.lstrip("/")))
+              for group in yaml.safe_load(path.read_text())["groups"]}
+    expected = f"{profiles.PROFILES[profile].evaluation_interval}s"
+    assert pinned == {expected}
+    assert config["global"]["evaluation_interval"] == expected
+
+
+def test_the_docs_give_the_test_profiles_evaluation_interval():
+    text = (Path(st.find_root()) / "docs" / "stack.md").read_text()
+    assert re.findall(r"rules evaluated every (\d+) s", text) == [str(profiles.TEST.evaluation_interval)] * 2
+    assert not re.search(r"\d+ ?s (rule )?evaluation\b", text)  # no other wording with another number
 
 
 def test_profiles_pick_their_rules_and_alertmanager_config():

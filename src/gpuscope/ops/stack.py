@@ -79,10 +79,6 @@ HEALTH_PATHS: dict[str, str] = {
 #: README's quick start and the docs' examples. ``-- --tenants ...`` (or ``GPUSCOPE_TENANTS``) replaces them.
 SERVER_TENANTS = "default:0.5:normal,alpha:0.3:high,beta:0.2:low"
 
-#: Rule evaluation interval of the test profile: its compressed `for:` windows need a quick clock.
-TEST_EVALUATION_INTERVAL = "1s"
-
-
 class StackError(RuntimeError):
     """The stack cannot start; the message is one line naming the part and the reason."""
 
@@ -135,6 +131,12 @@ def render_prometheus_config(text: str, addresses: dict[str, str], rule_files: S
         config.setdefault("global", {})["evaluation_interval"] = evaluation_interval
     return "# Rendered by gpuscope stack from deploy/prometheus/prometheus.yml; edit that file.\n" + \
         yaml.safe_dump(config, sort_keys=False)
+
+
+def evaluation_interval(profile: str) -> str:
+    """Prometheus's evaluation interval for ``profile``: the one its generated rule groups pin
+    (``Profile.evaluation_interval``), written as the global too, so the rendered file says what runs."""
+    return f"{profiles.PROFILES[profile].evaluation_interval}s"
 
 
 def rule_dir(root: Path, profile: str) -> Path:
@@ -254,7 +256,6 @@ class StackOptions:
     exporter_args: Sequence[str] = ()
     components: Sequence[str] = COMPONENTS
     root: Path = field(default_factory=find_root)
-    evaluation_interval: str | None = None  # None: the profile's (test: 1s; production: the file's)
     health_timeout_s: float = 180.0
     #: The server's source (gpuscope.alerting.sources): gpuscope's, or vLLM's (the server exposes
     #: vLLM's metrics, is scraped as job vllm, and Prometheus loads the vLLM layer).
@@ -347,8 +348,7 @@ class Stack(Parts):
                 raise StackError(f"{path} is missing (run from a gpuscope checkout, or pass its root)")
         if "prometheus" in self.options.components:
             rules = rule_dir(root, self.options.profile)
-            interval = self.options.evaluation_interval or (
-                TEST_EVALUATION_INTERVAL if self.options.profile == AlertProfile.TEST else None)
+            interval = evaluation_interval(self.options.profile)
             text, files = prometheus_src.read_text(), [str(rules / "*.yml")]
             if self.options.source != ServerSource.GPUSCOPE:
                 text, files = self._other_source(text)

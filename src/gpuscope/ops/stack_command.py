@@ -16,7 +16,7 @@ from pathlib import Path
 from gpuscope.contract.choices import AlertProfile, ServerSource
 from gpuscope.contract.parts import LOCAL_HOST
 from gpuscope.ops.fleet import MAX_HOSTS, Fleet, FleetOptions
-from gpuscope.ops.stack import COMPONENTS, Stack, StackError, StackOptions, find_root
+from gpuscope.ops.stack import COMPONENTS, Stack, StackError, StackOptions, evaluation_interval, find_root
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
 
@@ -39,7 +39,8 @@ class StackSettings:
     """The flags of ``gpuscope stack`` (those after ``--`` go to ``gpuscope serve``)."""
 
     profile: AlertProfile = setting("--stack.profile", AlertProfile.PRODUCTION, "alert rule profile: "
-                                    "production, or test (compressed windows, 1s evaluation)")
+                                    f"production, or test (compressed windows, rules evaluated every "
+                                    f"{evaluation_interval(AlertProfile.TEST)})")
     run_dir: Path = setting("--stack.run-dir", Path(".stack"),
                             "directory for rendered configs, data and logs", parse=Path)
     keep_data: bool = setting("--stack.keep-data", False, "keep the stored series and alerts of the last run "
