@@ -9,7 +9,11 @@
  * launch, when the GPU was idle); an event completes when the work queued before it has, a query
  * before then says not ready, and a synchronize sleeps until then (like a blocking-sync event).
  * FAKE_CUDA_LAUNCH_US=N makes each launch call spend N microseconds of CPU before its work reaches
- * the "GPU", as the real driver's launch path does (what a launch-bound program is bound by). */
+ * the "GPU", as the real driver's launch path does (what a launch-bound program is bound by).
+ * FAKE_CUDA_SHARED_GPU=PATH (with FAKE_CUDA_REALTIME) makes every process that names the same file
+ * share one "GPU": the clock is a word in that file, so work runs one launch after another across
+ * processes, in the order it was launched, and an event pair of one process spans whatever the
+ * others queued in between (as time-slicing contexts do on a real GPU). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -30,7 +34,9 @@ typedef struct {
 
 #include <time.h>
 
-static _Atomic uint64_t gpu_clock_ns;
+static _Atomic uint64_t own_clock_ns;
+static _Atomic uint64_t *gpu_clock; /* own_clock_ns, or the shared GPU's word */
+static _Atomic uint64_t own_end_ns;  /* in real time: when this process's queued work ends */
 static int log_fd = -1;
 static int realtime = -1;
 static long launch_us = -1;
@@ -39,6 +45,25 @@ static uint64_t wall_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+#include <sys/mman.h>
+
+/* The clock word: the process's own, or the first 8 bytes of FAKE_CUDA_SHARED_GPU's file. */
+static _Atomic uint64_t *clock_word(void) {
+    if (gpu_clock) return gpu_clock;
+    _Atomic uint64_t *word = &own_clock_ns;
+    const char *path = getenv("FAKE_CUDA_SHARED_GPU");
+    if (path && *path) {
+        int fd = open(path, O_RDWR | O_CREAT, 0600);
+        if (fd < 0 || ftruncate(fd, 4096) != 0) abort();
+        void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) abort();
+        close(fd);
+        word = (_Atomic uint64_t *)m;
+    }
+    gpu_clock = word;
+    return word;
 }
 
 /* The launch call's own CPU time, spent (spinning, like a CPU-bound driver) before the work is queued. */
@@ -59,18 +84,23 @@ static int in_real_time(void) {
 /* Queue `ns` of GPU work: in real time it starts when the GPU is free (or now, if idle). */
 static void run_for(uint64_t ns) {
     submit_delay();
+    _Atomic uint64_t *clock = clock_word();
     if (!in_real_time()) {
-        atomic_fetch_add(&gpu_clock_ns, ns);
+        atomic_fetch_add(clock, ns);
         return;
     }
-    uint64_t now = wall_ns(), busy = atomic_load(&gpu_clock_ns);
-    while (!atomic_compare_exchange_weak(&gpu_clock_ns, &busy, (busy > now ? busy : now) + ns)) {
+    uint64_t now = wall_ns(), busy = atomic_load(clock);
+    while (!atomic_compare_exchange_weak(clock, &busy, (busy > now ? busy : now) + ns)) {
+    }
+    uint64_t end = (busy > now ? busy : now) + ns, mine = atomic_load(&own_end_ns);
+    while (mine < end && !atomic_compare_exchange_weak(&own_end_ns, &mine, end)) {
     }
 }
 
-/* When the work queued so far ends (the fake clock's reading, in real time at least now). */
+/* When the work queued so far ends (the fake clock's reading; in real time this process's work, at
+ * least now: on a shared GPU an event follows its own stream's work, not the other processes'). */
 static uint64_t queue_end(void) {
-    uint64_t busy = atomic_load(&gpu_clock_ns);
+    uint64_t busy = in_real_time() ? atomic_load(&own_end_ns) : atomic_load(clock_word());
     if (in_real_time()) {
         uint64_t now = wall_ns();
         if (busy < now) busy = now;
@@ -224,6 +254,18 @@ CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
     *ms = (float)((double)(b->at - a->at) / 1e6);
     return 0;
 }
+/* Waiting for this process's queued work (every stream: the fake has one queue per process). */
+static void wait_own_work(void) {
+    if (!in_real_time()) return;
+    uint64_t end = atomic_load(&own_end_ns), now = wall_ns();
+    if (end > now) {
+        struct timespec ts = {(time_t)((end - now) / 1000000000ull), (long)((end - now) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+CUresult cuStreamSynchronize(CUstream s) { (void)s; wait_own_work(); return 0; }
+CUresult cuStreamSynchronize_ptsz(CUstream s) { (void)s; wait_own_work(); return 0; }
+CUresult cuCtxSynchronize(void) { wait_own_work(); return 0; }
 /* Stream 99 is "being captured into a graph". */
 CUresult cuStreamIsCapturing(CUstream s, int *status) { *status = (uintptr_t)s == 99; return 0; }
 static int ctx_token;
@@ -245,6 +287,9 @@ static const struct { const char *name; void *fn; void *ptsz; } table[] = {
     {"cuMemRelease", (void *)cuMemRelease, (void *)cuMemRelease},
     {"cuMemGetInfo", (void *)cuMemGetInfo_v2, (void *)cuMemGetInfo_v2},
     {"cuEventRecord", (void *)cuEventRecord, (void *)cuEventRecord_ptsz},
+    {"cuStreamSynchronize", (void *)cuStreamSynchronize, (void *)cuStreamSynchronize_ptsz},
+    {"cuCtxSynchronize", (void *)cuCtxSynchronize, (void *)cuCtxSynchronize},
+    {"cuEventSynchronize", (void *)cuEventSynchronize, (void *)cuEventSynchronize},
 };
 
 CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status);

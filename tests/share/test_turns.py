@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -18,6 +19,7 @@ from gpuscope.share.ledger import (
     KEEPER_OFFSETS,
     OPEN_MASK,
     P_HEARTBEAT,
+    QUIET_NS,
     SYS_FUTEX,
     Policy,
     TenantPolicy,
@@ -62,19 +64,38 @@ def policy(tmp_path, tenants):
     p.close()
 
 
+class Turns(NamedTuple):
+    """What take_turns returns."""
+
+    reason: int
+    holder: int
+    gen: int
+    start: int
+    end: int
+    grants: tuple
+    held: tuple
+    timeouts: int
+    yields: int
+    lender: int
+    lend_end: int
+    lends: int
+    reclaims: int
+
+
 def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float = 0.0, return_s: float = 0.05,
          base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None,
-         drain_timeout_s: float = 0.0, grace_s: float = 0.0):
+         drain_timeout_s: float = 0.0, grace_s: float = 0.0, lender: int = -1, lend_end_ns: int = 0):
     """Run the keeper from now: the holder's slice ends ``slice_end_s`` from now, control comes back
-    ``return_s`` from now at the latest."""
+    ``return_s`` from now at the latest; ``lender``: the tenant whose turn the holder runs in."""
     now = time.monotonic_ns()
-    return _turns.take_turns(
+    return Turns(*_turns.take_turns(
         policy.gate_address, policy.bell_address, policy.heartbeat_address,
         policy.bell_value() if bell_seen is None else bell_seen,
         policy.gen, beside, holder, now, now + int(slice_end_s * 1e9), now + int(return_s * 1e9),
         int(base_slice_s * 1e9), 2_000_000, int(drain_timeout_s * 1e9), policy.slice_end_address,
         int(grace_s * 1e9), [t.share for t in tenants],
-        [t.priority for t in tenants], used or [0.0] * len(tenants), [p.entry for p in pages], KEEPER_OFFSETS)
+        [t.priority for t in tenants], used or [0.0] * len(tenants), [p.entry for p in pages], KEEPER_OFFSETS,
+        policy.lender_mask_address, lender, lend_end_ns))
 
 
 def busy() -> dict:
@@ -126,13 +147,11 @@ def test_the_larger_share_gets_the_longer_turn(policy, tenants):
     assert end - start == pytest.approx(0.01e9 * 0.7 / 0.3, rel=0.01)
 
 
-def test_a_bell_returns_control_at_once(policy, tenants):
-    policy.set_gate(0b01)
-    pages = [Page(0).set(**busy()), Page(1)]
-    seen = policy.bell_value()
+def ring_once_the_keeper_sleeps(policy: Policy, seen: int) -> threading.Thread:
+    """A tenant's bell, rung once the keeper (this thread) sleeps on it."""
     keeper_tid = threading.get_native_id()
 
-    def ring():  # once the keeper sleeps on the bell, as a tenant would find it
+    def ring():
         deadline = time.monotonic() + 5
         while not in_futex_wait(keeper_tid) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -141,12 +160,84 @@ def test_a_bell_returns_control_at_once(policy, tenants):
 
     t = threading.Thread(target=ring)
     t.start()
+    return t
+
+
+def test_a_bell_returns_control_at_once(tmp_path):
+    tenants = [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3, priority=1)]
+    policy = Policy(str(tmp_path / "ledger-p"), tenants)
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]  # b may preempt: the controller decides
+    seen = policy.bell_value()
+    t = ring_once_the_keeper_sleeps(policy, seen)
     t0 = time.monotonic()
     reason, holder, *_ = keep(policy, tenants, pages, holder=0, slice_end_s=10.0, return_s=10.0,
                               bell_seen=seen)
     t.join()
+    policy.close()
     assert reason == _turns.RETURN_BELL and holder == 0
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_bell_that_changes_nothing_keeps_the_turns_in_c(policy, tenants):
+    """A thread that began to wait while a drain closed the gate rings; the busy holder's turn goes on
+    without a return to Python."""
+    policy.set_gate(0b01)
+    pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
+    seen = policy.bell_value()
+    t = ring_once_the_keeper_sleeps(policy, seen)
+    turns = keep(policy, tenants, pages, holder=0, slice_end_s=10.0, return_s=0.3, bell_seen=seen)
+    t.join()
+    assert turns.reason == _turns.RETURN_DEADLINE and turns.holder == 0
+
+
+def test_a_quiet_holder_lends_the_rest_of_its_turn_and_keeps_its_claim(policy, tenants):
+    policy.set_gate(0b01)
+    quiet = time.monotonic_ns() - 10 * QUIET_NS
+    pages = [Page(0).set(last_launch_ns=quiet), Page(1).set(waiting=1)]
+    seen = policy.bell_value()
+    t = ring_once_the_keeper_sleeps(policy, seen)  # its helper rings: nothing queued, no launch since
+    before = time.monotonic_ns()
+    turns = keep(policy, tenants, pages, holder=0, slice_end_s=1.0, return_s=0.2, bell_seen=seen)
+    t.join()
+    assert turns.reason == _turns.RETURN_DEADLINE
+    assert (turns.holder, turns.lender, turns.lends, turns.reclaims) == (1, 0, 1, 0)
+    assert policy.gate == (turns.gen << 16) | 0b10 and policy.lender_mask == 0b01
+    assert turns.end == turns.lend_end  # b runs in the rest of a's turn
+    assert before + 0.9e9 < turns.lend_end < before + 1.1e9
+    assert turns.grants == (0, 1)
+
+
+def test_the_lender_takes_its_turn_back_at_its_next_launch(policy, tenants):
+    policy.set_gate(0b10)
+    policy.set_lender_mask(0b01)
+    pages = [Page(0).set(waiting=1), Page(1).set(**busy())]  # a's launching thread is held: it rang
+    seen = policy.bell_value()
+    t = ring_once_the_keeper_sleeps(policy, seen)
+    lend_end = time.monotonic_ns() + 10**9
+    turns = keep(policy, tenants, pages, holder=1, slice_end_s=1.0, return_s=0.2, bell_seen=seen, lender=0,
+                 lend_end_ns=lend_end)
+    t.join()
+    assert (turns.holder, turns.lender, turns.reclaims) == (0, -1, 1)
+    assert turns.end == lend_end  # the rest of its own turn, not a new one
+    assert policy.gate == (turns.gen << 16) | 0b01 and policy.lender_mask == 0
+    assert turns.held[1] > 0  # b held the GPU until then: its time, not a's
+
+
+@pytest.mark.parametrize("used, claims", [([0.1, 0.5], True), ([0.9, 0.05], False)])
+def test_an_idle_holder_keeps_its_claim_at_its_turns_end_within_its_share(policy, tenants, used, claims):
+    """On the host when its turn ends (a training step's host work), a tenant within its share lends
+    the next turn it is due at once; one over its share loses it."""
+    policy.set_gate(0b01)
+    pages = [Page(0).set(last_launch_ns=time.monotonic_ns() - 10**8), Page(1).set(waiting=1)]
+    turns = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.01, used=used)
+    assert turns.holder == 1
+    if claims:
+        assert (turns.lender, turns.lends) == (0, 1) and policy.lender_mask == 0b01
+        assert turns.end == turns.lend_end
+        assert turns.end - turns.start == pytest.approx(0.01e9 * 0.7 / 0.3, rel=0.01)  # a's turn, lent
+    else:
+        assert (turns.lender, turns.lends) == (-1, 0) and policy.lender_mask == 0
 
 
 def test_a_quiet_holder_with_nobody_waiting_hands_back_to_the_controller(policy, tenants):
@@ -220,7 +311,7 @@ def test_a_draining_hand_over_waits_for_the_old_holders_work_before_the_next_hol
 
     t = threading.Thread(target=helper_of_a)
     t.start()
-    _, holder, gen, _, _, _, held, timeouts, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0,
+    _, holder, gen, _, _, _, held, timeouts, *_ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0,
                                                    return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0)
     t.join()
     assert holder == 1 and timeouts == 0
@@ -234,9 +325,9 @@ def test_a_drain_that_never_comes_times_out_and_is_counted_and_the_heartbeat_goe
     policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
     t0 = time.monotonic_ns()
-    _, holder, *_, timeouts, _ = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2,
-                                      used=[0.7, 0.0], drain_timeout_s=0.3)
-    assert holder == 1 and timeouts == 1
+    turns = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.2, used=[0.7, 0.0],
+                 drain_timeout_s=0.3)
+    assert turns.holder == 1 and turns.timeouts == 1
     # tenants fail open when the heartbeat is 2 s old: a long drain must not look like a dead controller
     assert policy.map.u64(P_HEARTBEAT) >= t0 + 250_000_000
 
@@ -262,7 +353,7 @@ def test_a_holder_that_yields_at_its_slice_end_is_handed_on_without_the_keepers_
 
     t = threading.Thread(target=helper_of_a)
     t.start()
-    _, holder, _, *_, timeouts, yields = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.01,
+    _, holder, _, *_, timeouts, yields, _, _, _, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.01,
                                                 return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0,
                                                 grace_s=1.0)
     t.join()
@@ -275,9 +366,10 @@ def test_a_holder_that_does_not_yield_is_drained_once_the_grace_has_passed(polic
     policy.set_gate(0b01)
     pages = [Page(0).set(**busy()), Page(1).set(waiting=1)]
     t0 = time.monotonic()
-    _, holder, *_, timeouts, yields = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.5,
-                                           used=[0.7, 0.0], drain_timeout_s=0.01, grace_s=0.03)
-    assert holder == 1 and yields == 0 and timeouts == 1  # nobody posted: drained by the keeper, timed out
+    turns = keep(policy, tenants, pages, holder=0, slice_end_s=0.0, return_s=0.5, used=[0.7, 0.0],
+                 drain_timeout_s=0.01, grace_s=0.03)
+    # nobody posted: drained by the keeper, timed out
+    assert turns.holder == 1 and turns.yields == 0 and turns.timeouts == 1
     assert time.monotonic() - t0 >= 0.03
 
 
@@ -353,8 +445,9 @@ def test_a_drain_wakes_the_old_holders_helper_and_no_other_tenants(policy, tenan
         while not (len(tids) == 2 and all(in_futex_wait(tid) for tid in tids.values())):
             assert time.monotonic() < deadline, "the helper threads never went to sleep"
             time.sleep(0.001)
-        _, holder, *_, timeouts, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0, return_s=0.2,
-                                          used=[0.7, 0.0], drain_timeout_s=2.0)
+        turns = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.0, return_s=0.2, used=[0.7, 0.0],
+                     drain_timeout_s=2.0)
+        holder, timeouts = turns.holder, turns.timeouts
         for t in threads:
             t.join(10)
         assert holder == 1 and timeouts == 0
@@ -363,3 +456,7 @@ def test_a_drain_wakes_the_old_holders_helper_and_no_other_tenants(policy, tenan
         for p in others:
             p.kill()
             p.wait()
+
+
+def test_the_quiet_threshold_is_one_figure_for_c_and_python():
+    assert _turns.QUIET_NS == QUIET_NS

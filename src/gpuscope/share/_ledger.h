@@ -12,7 +12,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 7u
+#define LAYOUT_VERSION 8u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
@@ -29,6 +29,8 @@ typedef struct {
     _Atomic uint32_t busy_mask;    /* bit i: slot i times each launch on its own (a probe, running alone) */
     _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
     _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
+    _Atomic uint32_t lender_mask;  /* bit i: slot i lent the rest of its turn; its first held thread rings */
+    uint32_t reserved[15];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active;
@@ -57,8 +59,9 @@ typedef struct {
     _Atomic uint64_t card_bytes; /* the device's real total, as the first process to ask saw it */
 } tenant_mem_t;
 
-_Static_assert(sizeof(policy_t) == 64 + MAX_TENANTS * 64, "policy layout");
-_Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 64 + 56, "policy tenant layout");
+_Static_assert(sizeof(policy_t) == 128 + MAX_TENANTS * 64, "policy layout");
+_Static_assert(__builtin_offsetof(policy_t, lender_mask) == 64, "policy lender layout");
+_Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 128 + 56, "policy tenant layout");
 _Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
 _Static_assert(__builtin_offsetof(proc_t, mem_bytes) == 64 + 14 * 8, "proc memory layout");
 _Static_assert(__builtin_offsetof(tenant_mem_t, used) == 8, "tenant memory layout");

@@ -74,10 +74,15 @@ typedef struct {
 /* ------------------------------------------------------------------------------------------------ */
 /* Real symbols                                                                                     */
 
-enum { H_LAUNCH, H_LAUNCH_PTSZ, H_LAUNCH_EX, H_LAUNCH_EX_PTSZ, H_GRAPH, H_GRAPH_PTSZ, H_GPA, H_GPA_V2, H_N };
+enum {
+    H_LAUNCH, H_LAUNCH_PTSZ, H_LAUNCH_EX, H_LAUNCH_EX_PTSZ, H_GRAPH, H_GRAPH_PTSZ, H_STREAM_SYNC,
+    H_STREAM_SYNC_PTSZ, H_CTX_SYNC, H_EVENT_SYNC, H_GPA, H_GPA_V2, H_N
+};
 static const char *const hook_names[H_N] = {
-    "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
-    "cuGraphLaunch",  "cuGraphLaunch_ptsz",  "cuGetProcAddress", "cuGetProcAddress_v2"};
+    "cuLaunchKernel",      "cuLaunchKernel_ptsz",      "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
+    "cuGraphLaunch",       "cuGraphLaunch_ptsz",       "cuStreamSynchronize",
+    "cuStreamSynchronize_ptsz", "cuCtxSynchronize",    "cuEventSynchronize", "cuGetProcAddress",
+    "cuGetProcAddress_v2"};
 static _Atomic(void *) real_fn[H_N];
 static void *hook_fn[H_N];
 
@@ -135,7 +140,6 @@ static struct {
 #define POOL 256     /* windows in the ring (two events each), created once at join */
 #define K_MIN 1
 #define K_MAX 1024
-#define QUIET_NS 1000000ull /* a holder idle this long after its work finished gives its slice up */
 
 static int say_fd = 2;
 void say(const char *fmt, ...) {
@@ -168,6 +172,7 @@ typedef struct {
     int ptsz;
     int end_recorded; /* the end event already follows the window's last launch (busy-time windows) */
     int busy;         /* a launch timed on its own: its time also goes to busy_ns */
+    int lent;         /* opened in a turn another tenant lent (LENT_WINDOW_US) */
     uint64_t started_ns; /* busy-time windows: host clock just before the start event was recorded... */
     uint64_t submit_ns;  /* ...and from then until the launch call returned (see busy_window_ms) */
 } window_t;
@@ -176,7 +181,7 @@ static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
 static window_t ring[POOL];
 static uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
 static int win_open, win_launches, acct_ready, acct_failed;
-static int K = 8;
+static int K = 8, K_lent = 1;
 static CUcontext acct_ctx;
 static uint32_t helper_bit;
 static _Atomic int helper_sleeping;
@@ -196,6 +201,9 @@ static uint64_t probe_alive_checked; /* when the helper last looked for the cont
 /* The gate generation under which this process, the slice holder, stopped launching at its slice's
  * end by itself (0: it has not): its helper then drains the queue as if the gate had closed. */
 static _Atomic uint32_t yielded_gen;
+/* When the program's last wait for the GPU (a stream, context or event synchronize) returned, while
+ * it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
+static _Atomic uint64_t synced_ns;
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -580,6 +588,17 @@ static inline int busy_accounting(void) {
            !atomic_load_explicit(&failed_open, memory_order_relaxed);
 }
 
+/* Whether this process runs in a turn another tenant lent (it was idle): that tenant takes the turn
+ * back at its next launch, after this process's queued work, so meanwhile this process queues at
+ * most LENT_INFLIGHT windows of about LENT_WINDOW_US of GPU time each (two keep the GPU fed while
+ * the launching thread waits for the older one). */
+#define LENT_INFLIGHT 2
+#define LENT_WINDOW_US 250
+static int in_lent_turn(void) {
+    uint32_t lenders = policy ? atomic_load_explicit(&policy->lender_mask, memory_order_relaxed) : 0;
+    return lenders && !(lenders & slot_bit) && !beside();
+}
+
 static inline uint32_t inflight_limit(void) {
     uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
     int binding = policy && !atomic_load_explicit(&failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
@@ -587,6 +606,9 @@ static inline uint32_t inflight_limit(void) {
      * it has a window per launch, and the ring is what bounds those */
     if (busy_accounting()) return POOL - 1;
     uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
+    /* running in another tenant's lent turn: that tenant waits for this queue when it takes the turn
+     * back, so only one window is queued */
+    if (binding && in_lent_turn()) lim = LENT_INFLIGHT;
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
 
@@ -684,12 +706,12 @@ static int close_window_and(int wake) {
 /* Under wlock, before a launch on `stream`: make sure a window is open there. May release the lock
  * while the oldest queued window finishes (the bound on queued work). */
 /* Under wlock: post the oldest windows that have finished, without waiting (at most `max`). */
-static void adapt(float ms);
+static void adapt(uint64_t idx, float ms);
 
 static void resolve_finished(int max) {
     while (head < tail && max-- > 0 && drv.query && drv.query(ring[head % POOL].end) == 0) {
         float ms = post_window(head);
-        if (!ring[head % POOL].busy) adapt(ms);
+        if (!ring[head % POOL].busy) adapt(head, ms);
         head++;
     }
     atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
@@ -699,7 +721,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     if (capturing(stream, ptsz)) return;
     if (win_open) {
         window_t *w = &ring[tail % POOL];
-        if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : K)) return;
+        if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : in_lent_turn() ? K_lent : K)) return;
         if (!close_window_and(tail + 1 - head < inflight_limit() ? WAKE_IF_ASLEEP : WAKE_NONE)) return;
     }
     if (busy) resolve_finished(4); /* a window per launch: keep the ring short as it goes */
@@ -714,7 +736,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
         if (win_open) return; /* another thread opened one meanwhile */
         if (tail - head >= inflight_limit()) {
             /* no cuEventQuery to ask: the oldest has finished, since it was waited for */
-            adapt(post_window(head));
+            adapt(head, post_window(head));
             head++;
         }
     }
@@ -723,6 +745,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     w->ptsz = ptsz;
     w->end_recorded = 0;
     w->busy = busy;
+    w->lent = in_lent_turn();
     /* before the record call, not after: a thread preempted in it then shows its start event late,
      * which the least-late reference of busy_window_ms is immune to, rather than early */
     w->started_ns = busy ? now_ns() : 0;
@@ -736,10 +759,14 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     win_launches = 0;
 }
 
-static void adapt(float ms) {
-    float target = (policy && policy->window_us ? policy->window_us : 2000) / 1000.0f;
-    if (ms > 2 * target && K > K_MIN) K /= 2;
-    else if (ms < target / 2 && K < K_MAX) K *= 2;
+/* Launches per window, towards the window's target of GPU time: one count for windows in a lent
+ * turn (LENT_WINDOW_US), one for the others (window_us). */
+static void adapt(uint64_t idx, float ms) {
+    int lent = ring[idx % POOL].lent;
+    int *k = lent ? &K_lent : &K;
+    float target = (lent ? LENT_WINDOW_US : policy && policy->window_us ? policy->window_us : 2000) / 1000.0f;
+    if (ms > 2 * target && *k > K_MIN) *k /= 2;
+    else if (ms < target / 2 && *k < K_MAX) *k *= 2;
 }
 
 static void *helper_main(void *arg) {
@@ -787,7 +814,8 @@ static void *helper_main(void *arg) {
         int allowed = (g & slot_bit) != 0 && !yielded; /* a holder that yielded drains as if held */
         int open_gate = (g & 0xffffu) == 0xffffu;
         if (head < tail && open_gate) resolve_finished(POOL);
-        if (head < tail && allowed && (open_gate || now_ns() - queue_waited_ns < HELPER_NAP_NS)) {
+        int synced = atomic_load_explicit(&synced_ns, memory_order_relaxed) != 0;
+        if (head < tail && allowed && !synced && (open_gate || now_ns() - queue_waited_ns < HELPER_NAP_NS)) {
             /* A launching thread keeps waiting for the oldest window and posts what finished each
              * time: nap instead of waking with it for every window. With the gate open (no share
              * binds) nothing waits on the posted time but the counters, so post what finished and nap
@@ -820,7 +848,7 @@ static void *helper_main(void *arg) {
             } else {
                 helper_waited_newest = 0;
                 if (head == h) { /* not resolved by a launching thread meanwhile */
-                    adapt(post_window(h));
+                    adapt(h, post_window(h));
                     head++;
                 }
             }
@@ -842,6 +870,12 @@ static void *helper_main(void *arg) {
             /* its windows are resolved: the GPU has finished the holder's work */
             went_quiet = 0;
             resolved_at = now_ns();
+        }
+        uint64_t synced_at = atomic_exchange(&synced_ns, 0);
+        if (synced_at && !win_open && allowed && binding && synced_at > resolved_at) {
+            /* the program waited for its work and went back to the host (a training step's host
+             * work, a data loader): quiet from then on, unless it launches within QUIET_NS */
+            resolved_at = synced_at;
         }
         if (resolved_at) {
             /* A program that syncs launches again within microseconds of the sync returning (a
@@ -885,11 +919,13 @@ static void *helper_main(void *arg) {
 
 /* Whether a thread that starts waiting must wake the controller: it reads `waiting` at each decision,
  * and while a slice holder runs its next decision comes at the slice's end anyway. So only when no
- * tenant holds the gate, or when this tenant's priority is higher than every holder's (it may
- * preempt). */
+ * tenant holds the gate, when this tenant lent its turn to the holder, or when this tenant's priority
+ * is higher than every holder's (it may preempt). */
 static int waiter_rings(uint32_t g) {
     uint32_t holders = g & 0xffffu & ~atomic_load_explicit(&policy->beside_mask, memory_order_relaxed);
     if (!holders) return 1;
+    /* this tenant lent the rest of its turn while it had nothing queued: it takes it back now */
+    if (atomic_load_explicit(&policy->lender_mask, memory_order_relaxed) & slot_bit) return 1;
     int slot = __builtin_ctz(slot_bit);
     for (uint32_t i = 0; i < policy->ntenants && i < MAX_TENANTS; i++)
         if ((holders & (1u << i)) && policy->tenants[i].priority >= policy->tenants[slot].priority) return 0;
@@ -1066,6 +1102,65 @@ EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) {
     ADMIT_AND_RUN(ptsz_stream(s), 1, 1, fn(g, s));
 }
 
+/* The program waits for the GPU (a stream, its context or an event). First its open window is
+ * closed, so that the window ends at its last launch instead of spanning the wait and the host work
+ * after it (a training step's host work was charged as GPU time, and the tenant held below its
+ * share). Once the wait returns, a slice holder is on the host with its work done: its helper
+ * watches, and if no launch comes within QUIET_NS the holder lends the rest of its turn. */
+static inline int holding_slice(void) {
+    if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) return 0;
+    uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
+    return (g & 0xffffu) != 0xffffu && (g & slot_bit) && !beside() && !busy_accounting();
+}
+
+static void before_sync(void) {
+    if (!holding_slice() || !acct_ready) return;
+    pthread_mutex_lock(&wlock);
+    if (win_open) close_window_and(WAKE_NONE);
+    pthread_mutex_unlock(&wlock);
+}
+
+static void after_sync(void) {
+    if (!holding_slice()) return;
+    atomic_store(&synced_ns, now_ns());
+    wake_helper(WAKE_NOW);
+}
+
+typedef CUresult (*stream_sync_fn)(CUstream);
+typedef CUresult (*ctx_sync_fn)(void);
+
+#define WAIT_FOR_GPU(CALL)                                                                               \
+    do {                                                                                                 \
+        before_sync();                                                                                   \
+        CUresult rc_ = CALL;                                                                             \
+        after_sync();                                                                                    \
+        return rc_;                                                                                      \
+    } while (0)
+
+EXPORT CUresult cuStreamSynchronize(CUstream s) {
+    stream_sync_fn fn = REAL(H_STREAM_SYNC, stream_sync_fn);
+    if (!fn) return MISSING;
+    WAIT_FOR_GPU(fn(s));
+}
+
+EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s) {
+    stream_sync_fn fn = REAL(H_STREAM_SYNC_PTSZ, stream_sync_fn);
+    if (!fn) return MISSING;
+    WAIT_FOR_GPU(fn(s));
+}
+
+EXPORT CUresult cuCtxSynchronize(void) {
+    ctx_sync_fn fn = REAL(H_CTX_SYNC, ctx_sync_fn);
+    if (!fn) return MISSING;
+    WAIT_FOR_GPU(fn());
+}
+
+EXPORT CUresult cuEventSynchronize(CUevent e) {
+    event_sync_fn fn = REAL(H_EVENT_SYNC, event_sync_fn);
+    if (!fn) return MISSING;
+    WAIT_FOR_GPU(fn(e));
+}
+
 /* The hook for a symbol name, or -1. cuGetProcAddress is asked for base names ("cuLaunchKernel");
  * the per-thread flag selects the _ptsz variant. */
 static int hook_index(const char *symbol, uint64_t flags) {
@@ -1073,7 +1168,7 @@ static int hook_index(const char *symbol, uint64_t flags) {
     for (int i = 0; i < H_N; i++)
         if (strcmp(symbol, hook_names[i]) == 0) {
             int ptsz = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
-            if (ptsz && (i == H_LAUNCH || i == H_LAUNCH_EX || i == H_GRAPH)) return i + 1;
+            if (ptsz && (i == H_LAUNCH || i == H_LAUNCH_EX || i == H_GRAPH || i == H_STREAM_SYNC)) return i + 1;
             return i;
         }
     return -1;
@@ -1143,6 +1238,10 @@ __attribute__((constructor)) static void init(void) {
     hook_fn[H_LAUNCH_EX_PTSZ] = (void *)cuLaunchKernelEx_ptsz;
     hook_fn[H_GRAPH] = (void *)cuGraphLaunch;
     hook_fn[H_GRAPH_PTSZ] = (void *)cuGraphLaunch_ptsz;
+    hook_fn[H_STREAM_SYNC] = (void *)cuStreamSynchronize;
+    hook_fn[H_STREAM_SYNC_PTSZ] = (void *)cuStreamSynchronize_ptsz;
+    hook_fn[H_CTX_SYNC] = (void *)cuCtxSynchronize;
+    hook_fn[H_EVENT_SYNC] = (void *)cuEventSynchronize;
     hook_fn[H_GPA] = (void *)cuGetProcAddress;
     hook_fn[H_GPA_V2] = (void *)cuGetProcAddress_v2;
 }

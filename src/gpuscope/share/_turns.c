@@ -63,7 +63,16 @@ typedef struct {
     int64_t held[MAX_SLOTS];
     unsigned long drain_timeouts, yields;
     int yield_due; /* the holder was told its slice's end: wait the grace for its yield */
+    /* a lent turn: the lender went quiet with its slice not over and others waiting; the holder
+     * runs in the rest of it until the lender launches again (its held thread rings) or it ends */
+    uint32_t *lender_word;
+    int lender; /* -1: no lend */
+    int64_t lend_end;
+    unsigned long lends, reclaims;
 } keeper_t;
+
+/* A turn with less than this left is not lent: the hand-over would cost more than it fills. */
+#define LEND_MIN_NS 1000000
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -136,6 +145,19 @@ static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants)
             *holder_wants = 1;
     }
     return wanting;
+}
+
+/* Whether the holder is quiet (QUIET_NS): nothing held at the gate, no window open or queued, and
+ * no launch for that long. Its helper rang for this; the words say whether it still holds. */
+static int holder_quiet(const keeper_t *k, int64_t now) {
+    for (int i = 0; i < k->nprocs; i++) {
+        const proc_t *p = &k->procs[i];
+        if (p->slot != k->holder) continue;
+        if (load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) ||
+            load64(p->page + k->off_inflight) || now - (int64_t)load64(p->page + k->off_last_launch) < (int64_t)QUIET_NS)
+            return 0;
+    }
+    return 1;
 }
 
 /* Whether process `pid` has exited. `zombie`: a process that exited but was not reaped yet counts as
@@ -241,6 +263,70 @@ static int holder_yielded(const keeper_t *k) {
     return procs > 0;
 }
 
+/* The slice's end, published to a draining holder (it yields there while others wait). */
+static void set_slice_end(keeper_t *k, int64_t end) {
+    k->slice_end = end;
+    if (k->drain_timeout > 0)
+        __atomic_store_n(k->slice_end_word, k->yield_due ? (uint64_t)end : 0, __ATOMIC_RELEASE);
+}
+
+static void set_lender(keeper_t *k, int slot, int64_t end) {
+    k->lender = slot;
+    k->lend_end = end;
+    __atomic_store_n(k->lender_word, slot < 0 ? 0u : 1u << slot, __ATOMIC_RELEASE);
+}
+
+/* Work-conserving turns, decided at a bell: the holder went quiet with its slice not over while
+ * others wait (it lends them the rest of its turn, keeping its claim), or the lender launches again
+ * (the turn comes back at once, after the borrower's one queued window when draining). Each is
+ * charged only the time it held the GPU. Returns whether it acted. */
+static int lend_or_reclaim(keeper_t *k, int64_t *mark, int draining) {
+    int64_t now = now_ns();
+    int holder_wants;
+    uint32_t wanting = wanting_slots(k, now, &holder_wants);
+    if (k->lender >= 0) {
+        if (!(wanting >> k->lender & 1)) return 0;
+        if (draining) drain(k);
+        now = now_ns();
+        account(k, mark, now); /* the borrower's work ran until the drain ended */
+        int lender = k->lender;
+        int64_t end = k->lend_end;
+        set_lender(k, -1, 0);
+        k->reclaims++;
+        grant(k, lender, wanting, now, 0);
+        set_slice_end(k, end > now ? end : now); /* the rest of the lender's own turn */
+        return 1;
+    }
+    uint32_t others = wanting & ~(1u << k->holder);
+    if (!holder_quiet(k, now) || !others || k->slice_end - now < LEND_MIN_NS) return 0;
+    int borrower = pick(k, others);
+    if (borrower < 0) return 0;
+    /* no drain: the holder has nothing queued (holder_quiet), and waiting for its helper to say so
+     * would cost the borrower two wake-ups of the lent time */
+    now = now_ns();
+    account(k, mark, now);
+    int lender = k->holder;
+    int64_t end = k->slice_end;
+    set_lender(k, lender, end); /* before the gate opens to the borrower: the lender's waiter rings */
+    k->lends++;
+    grant(k, borrower, others, now, 0);
+    set_slice_end(k, end); /* the borrower runs in the rest of the lender's turn */
+    return 1;
+}
+
+/* Whether a bell needs the Python loop: the holder may have nothing left to do, or a tenant of
+ * higher priority waits (it may preempt). Anything else is a thread that began to wait while the gate
+ * was closed for a drain, which the hand-over that follows serves: returning to Python for it cost a
+ * wake-up of the interpreter per lent turn taken back. */
+static int bell_needs_python(const keeper_t *k) {
+    int holder_wants;
+    uint32_t wanting = wanting_slots(k, now_ns(), &holder_wants);
+    if (!holder_wants) return 1;
+    for (int s = 0; s < k->nslots; s++)
+        if ((wanting >> s & 1) && k->priority[s] > k->priority[k->holder]) return 1;
+    return 0;
+}
+
 static int keep(keeper_t *k) {
     int64_t mark = now_ns();
     int draining = k->drain_timeout > 0;
@@ -257,7 +343,12 @@ static int keep(keeper_t *k) {
         if (load32(k->bell) != k->bell_seen) {
             /* the holder's helper rings once its yield has drained: hand over here */
             if (!draining || !holder_yielded(k)) {
-                account(k, &mark, now);
+                uint32_t rung = load32(k->bell);
+                if (!any_gone(k) && (lend_or_reclaim(k, &mark, draining) || !bell_needs_python(k))) {
+                    k->bell_seen = rung;
+                    continue;
+                }
+                account(k, &mark, now_ns());
                 return RETURN_BELL;
             }
             k->bell_seen = load32(k->bell);
@@ -280,6 +371,30 @@ static int keep(keeper_t *k) {
         int holder_wants;
         uint32_t wanting = wanting_slots(k, now, &holder_wants);
         uint32_t others = wanting & ~(1u << k->holder);
+        /* The tenant whose turn ends (the holder, or the one that lent it its turn) keeps its claim
+         * while it is idle and within its share: the turn it would be picked for is lent at once to
+         * those who want the GPU, and its next launch takes it back. Without this a training loop
+         * on the host at its turn's end waited out the other tenant's whole turn. */
+        int claimant = k->lender >= 0 ? k->lender : k->holder;
+        if (k->lender >= 0) set_lender(k, -1, 0);
+        uint32_t want_all = wanting | (holder_wants ? 1u << k->holder : 0);
+        uint32_t borrowers = want_all & ~(1u << claimant);
+        if (borrowers && !(want_all >> claimant & 1) && within_share(k, claimant, want_all | 1u << claimant) &&
+            pick(k, want_all | 1u << claimant) == claimant) {
+            int borrower = pick(k, borrowers);
+            if (borrower != k->holder && yielded) k->yields++;
+            if (borrower != k->holder && draining && !yielded && holder_wants) {
+                drain(k);
+                now = now_ns();
+                account(k, &mark, now);
+            }
+            int64_t end = now + quantum(k, claimant, want_all | 1u << claimant);
+            set_lender(k, claimant, end);
+            k->lends++;
+            grant(k, borrower, borrowers, now, 0);
+            set_slice_end(k, end);
+            continue;
+        }
         if (!others) {
             if (!holder_wants) return RETURN_IDLE; /* nobody wants a turn: the controller decides */
             /* nobody else waits: the holder goes on, and the keeper looks again at its deadline (a
@@ -339,12 +454,12 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
 #define USAGE \
     "take_turns(gate, bell, heartbeat, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
     "base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, used, " \
-    "procs[(slot, pid, page)], offsets) -> (reason, holder, gen, slice_start_ns, slice_end_ns, grants, " \
-    "held_ns, drain_timeouts, yields)"
+    "procs[(slot, pid, page)], offsets, lender_word, lender, lend_end_ns) -> (reason, holder, gen, " \
+    "slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns, lends, reclaims)"
 
 
 static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 20) {
+    if (n != 23) {
         PyErr_SetString(PyExc_TypeError, USAGE);
         return NULL;
     }
@@ -419,6 +534,14 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
         k->procs[k->nprocs] = (proc_t){(int)slot, (pid_t)pid, page};
         k->nprocs++;
     }
+    long lender;
+    if (as_ptr(args[20], (void **)&k->lender_word) || as_long(args[21], &lender) || as_i64(args[22], &k->lend_end))
+        goto done;
+    if (!k->lender_word || lender < -1 || lender >= k->nslots) {
+        PyErr_SetString(PyExc_ValueError, "the lender word is needed, and the lender is -1 or a tenant slot");
+        goto done;
+    }
+    k->lender = (int)lender;
     int reason;
     Py_BEGIN_ALLOW_THREADS
     reason = keep(k);
@@ -435,8 +558,9 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
             PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
             PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
         }
-        result = Py_BuildValue("(iiiLLOOkk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
-                               (long long)k->slice_end, grants, held, k->drain_timeouts, k->yields);
+        result = Py_BuildValue("(iiiLLOOkkiLkk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
+                               (long long)k->slice_end, grants, held, k->drain_timeouts, k->yields, k->lender,
+                               (long long)k->lend_end, k->lends, k->reclaims);
     }
     Py_XDECREF(grants);
     Py_XDECREF(held);
@@ -471,7 +595,7 @@ PyMODINIT_FUNC PyInit__turns(void) {
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "RETURN_DEADLINE", RETURN_DEADLINE) ||
         PyModule_AddIntConstant(m, "RETURN_BELL", RETURN_BELL) || PyModule_AddIntConstant(m, "RETURN_IDLE", RETURN_IDLE) ||
-        PyModule_AddIntConstant(m, "RETURN_GONE", RETURN_GONE)) {
+        PyModule_AddIntConstant(m, "RETURN_GONE", RETURN_GONE) || PyModule_AddIntConstant(m, "QUIET_NS", QUIET_NS)) {
         Py_DECREF(m);
         return NULL;
     }

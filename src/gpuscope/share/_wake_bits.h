@@ -16,6 +16,14 @@
 
 #define LAUNCHERS_BITSET 1u
 
+/* A slice holder with nothing queued that has not launched for this long, after its work finished or
+ * its program's wait for the GPU returned, is quiet: its helper rings, and the keeper lends the rest
+ * of its turn (a program that syncs and launches again within microseconds, a matmul loop, is not
+ * quiet). Shorter lends more of a training step's host work; each lend taken back costs the lender
+ * the borrower's queued work (LENT_WINDOW_US at most twice) and two wake-ups. ledger.QUIET_NS is
+ * this value for the Python loop (a test holds them equal). */
+#define QUIET_NS 300000
+
 static inline uint32_t helper_wake_bit(int32_t pid) { return 1u << (1 + (uint32_t)pid % 31u); }
 
 #endif

@@ -21,6 +21,7 @@ from gpuscope.share.ledger import (
     KEEPER_OFFSETS,
     MAX_TENANTS,
     OPEN_MASK,
+    QUIET_NS,
     Policy,
     ProcView,
     TenantPolicy,
@@ -46,6 +47,10 @@ SCAN_S, ZOMBIE_CHECK_S = 0.1, 2.0
 OPEN_POLL_S, NO_TENANTS_POLL_S = 0.25, 0.5
 #: The holder still wants its slice if it launched this recently.
 HOLDER_RECENT_S = 0.002
+#: A holder that goes quiet (nothing queued, no launch) with more than this left of its turn while
+#: others wait lends them the rest of it and keeps its claim: its next launch takes the turn back
+#: (a training step's host work between its kernels would otherwise cost it the whole turn).
+LEND_MIN_S = 0.001
 #: The turn of the smallest share while shares bind (``--share.slice``). Each hand-over wakes the
 #: controller and both tenants' helper threads: on the H200 (two matmul loops at 70/30, draining
 #: hand-overs, side by side in one run) 20 ms turns cost 0.24% + 0.17% + 0.18% of a core, 30 ms turns
@@ -108,6 +113,8 @@ class Stats:
     charged_s: dict[str, float] = field(default_factory=dict)  # GPU seconds charged, after correction
     drain_timeouts: int = 0
     yields: int = 0  # draining hand-overs where the holder yielded at its slice's end by itself
+    lends: int = 0  # quiet holders that lent the rest of their turn
+    reclaims: int = 0  # lent turns taken back by their lender before they ended
     probes: int = 0
     state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
@@ -141,6 +148,8 @@ class Controller:
         self.utilization = utilization
         self.procs: dict[int, ProcState] = {}
         self.holder: int | None = None  # None: the gate is open
+        self.lender: int | None = None  # the tenant whose turn the holder runs in (it lent the rest)
+        self.lend_end = 0.0
         self.slice_end = 0.0
         self._slice_start = 0.0
         self._posted_in_slice = 0.0
@@ -322,6 +331,79 @@ class Controller:
         if self._mask != OPEN_MASK:
             self._set_mask(self._beside_bits() | (1 << self.holder if self.holder is not None else 0))
 
+    def _set_lender(self, slot: int | None, end: float = 0.0) -> None:
+        self.lender, self.lend_end = slot, end
+        self.policy.set_lender_mask(0 if slot is None else 1 << slot)
+
+    def _holder_quiet(self) -> bool:
+        """Whether the holder has nothing held, open or queued, and no launch for ``QUIET_NS``."""
+        now_ns = time.monotonic_ns()
+        for state in self.procs.values():
+            v = state.view
+            if v.slot == self.holder and (v.waiting or v.counter("window_open") or v.counter("inflight")
+                                          or now_ns - v.counter("last_launch_ns") < QUIET_NS):
+                return False
+        return True
+
+    def _lend_or_reclaim(self, now: float, wanting: set[int]) -> bool:
+        """Work-conserving turns: a holder with nothing to run lends the rest of its turn to the
+        tenant the scheduler picks, keeping its claim; its next launch (a held thread rings the
+        bell) takes the turn back, after the borrower's one queued window when draining. Each is
+        charged the GPU time it posted. Returns whether the gate changed."""
+        holder = self.holder
+        if self.lender is not None:
+            if self.lender not in wanting:
+                return False
+            lender, end = self.lender, self.lend_end
+            if self.handover == "drain":
+                self._drain({holder})
+                self._charge(time.monotonic())
+            self._set_lender(None)
+            self.stats.reclaims += 1
+            now = time.monotonic()
+            self._grant(lender, now, wanting)
+            self.slice_end = max(end, now)
+            return True
+        others = wanting - {holder}
+        if not self._holder_quiet() or not others or self.slice_end - now < LEND_MIN_S:
+            return False
+        borrower = self.scheduler.pick(others, now, self._pending(now))
+        end = self.slice_end
+        self._set_lender(holder, end)  # before the gate opens to the borrower: the lender's waiter rings
+        self.stats.lends += 1
+        self._grant(borrower, time.monotonic(), others)
+        self.slice_end = end
+        return True
+
+    def _lend_claimed_turn(self, now: float, wanting: set[int]) -> bool:
+        """At a turn's end, the tenant whose turn it was (the holder, or the one that lent it its turn)
+        keeps its claim while it is idle and within its share: the turn the scheduler would give it
+        is lent at once to those who want the GPU, and its next launch takes it back (a training
+        loop on the host at its turn's end otherwise waited out the other tenant's whole turn)."""
+        holder = self.holder
+        claimant = holder if self.lender is None else self.lender
+        self._set_lender(None)
+        borrowers = wanting - {claimant}
+        pending = self._pending(now)
+        if (not borrowers or claimant in wanting
+                or not self.scheduler.within_share(claimant, wanting | {claimant})
+                or self.scheduler.pick(wanting | {claimant}, now, pending) != claimant):
+            return False
+        borrower = self.scheduler.pick(borrowers, now, pending)
+        if borrower != holder and self.handover == "drain" and holder in wanting:
+            self._drain({holder})
+            self._charge(time.monotonic())
+        now = time.monotonic()
+        end = now + self.scheduler.quantum(claimant, wanting | {claimant}, self.slice_s)
+        self._set_lender(claimant, end)
+        self.stats.lends += 1
+        if borrower == holder:
+            self._renew(now, wanting)
+        else:
+            self._grant(borrower, now, wanting)
+        self.slice_end = end
+        return True
+
     def _drain(self, slots: set[int]) -> None:
         """Close the gate to ``slots`` and wait until their processes have nothing queued (the
         tenants beside the holder keep running)."""
@@ -386,6 +468,8 @@ class Controller:
         """One decision in events mode; returns how long to sleep at most."""
         self._charge(now)
         active = self.active_slots()
+        if self.lender is not None and (self.holder is None or not self.scheduler.binds(active)):
+            self._set_lender(None)  # no turns any more: nothing to take back
         if not self.scheduler.binds(active):
             if self.holder is not None or self._mask != OPEN_MASK:
                 self.holder = None
@@ -420,11 +504,15 @@ class Controller:
             elif self._mask == OPEN_MASK:
                 self._set_mask(self._beside_bits())
             return self.slice_s
+        if self._lend_or_reclaim(now, wanting):
+            return self.slice_end - time.monotonic()
         holder = self.holder
         holder_wants = holder in wanting
         preempt = any(self.scheduler.preempts(holder, s, wanting) for s in wanting if s != holder)
         if holder_wants and now < self.slice_end and not preempt:
             return self.slice_end - now
+        if not preempt and self._lend_claimed_turn(now, wanting):
+            return self.slice_end - time.monotonic()
         others = wanting - {holder}
         if not others:
             if holder_wants:
@@ -562,18 +650,23 @@ class Controller:
         with self.lock:
             procs = tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())
             used = self.scheduler.usage(now, self._pending(now))
-        reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts, yields = _turns.take_turns(
+        (reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns,
+         lends, reclaims) = _turns.take_turns(
             self.policy.gate_address, self.policy.bell_address, self.policy.heartbeat_address, seen,
             self.policy.gen, self._beside_bits(),
             self.holder, int(self._slice_start * 1e9), int(self.slice_end * 1e9), int(until * 1e9),
             int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9),
             int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0, self.policy.slice_end_address,
             int(YIELD_GRACE_WINDOWS * self.policy.window_us * 1e3), [t.share for t in self.tenants],
-            [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS)
+            [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS, self.policy.lender_mask_address,
+            -1 if self.lender is None else self.lender, int(self.lend_end * 1e9))
         with self.lock:
             self.policy.gen = gen
             self.stats.drain_timeouts += drain_timeouts
             self.stats.yields += yields
+            self.stats.lends += lends
+            self.stats.reclaims += reclaims
+            self.lender, self.lend_end = (None, 0.0) if lender < 0 else (lender, lend_end_ns / 1e9)
             if holder != self.holder:
                 self.holder, self._mask = holder, (1 << holder) | self._beside_bits()
             if any(grants):

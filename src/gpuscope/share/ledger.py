@@ -51,7 +51,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -63,7 +63,8 @@ P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
 P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
 P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
-P_TENANTS, TENANT_SIZE = 64, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
+P_LENDER_MASK = 64  # slots that lent the rest of their turn: their first held thread rings the bell
+P_TENANTS, TENANT_SIZE = 128, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
 T_MEM_CAP = NAME_LEN + 16  # its memory cap: bytes, or MEM_CAP_FRACTION | parts per million of the card
 MEM_CAP_FRACTION = 1 << 63
@@ -83,6 +84,10 @@ Q_COUNTERS = 64
 #: generation its queued work was drained under.
 KEEPER_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
                                 for name in ("window_open", "inflight", "last_launch_ns")), Q_DRAINED)
+
+#: A slice holder with nothing queued and no launch for this long is quiet: it lends the rest of its
+#: turn (``_wake_bits.h`` QUIET_NS, which the preload library and the turn keeper use; equal by test).
+QUIET_NS = 300_000
 
 MODES = {"events": 0, "nvml": 1}
 
@@ -379,6 +384,19 @@ class Policy:
     @property
     def slice_end_ns(self) -> int:
         return self.map.u64(P_SLICE_END)
+
+    @property
+    def lender_mask_address(self) -> int:
+        return self.map.addr + P_LENDER_MASK
+
+    @property
+    def lender_mask(self) -> int:
+        return self.map.u32(P_LENDER_MASK)
+
+    def set_lender_mask(self, mask: int) -> None:
+        """Mark the slots in ``mask`` as having lent the rest of their turn: a thread of theirs held at
+        the gate rings the bell, so the turn comes back at once."""
+        self.map.set_u32(P_LENDER_MASK, mask & 0xFFFF)
 
     @property
     def busy_mask(self) -> int:
