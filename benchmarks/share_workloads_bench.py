@@ -6,15 +6,22 @@ Workloads (each a separate process, plain PyTorch; a step ends with a host sync)
 - encoder: a 6-layer transformer encoder forward, batch 16 x 256;
 - graph: a captured CUDA graph of 24 matmul blocks, replayed;
 - generate: a Llama-shaped Hugging Face model (random weights) generating 16 tokens, batch 1;
-- small: ResNet-18 batch-1 inference, back to back (launch-bound).
+- small: ResNet-18 batch-1 inference, back to back (launch-bound);
+- compiled: a `torch.compile`d MLP (Triton kernels, launched through Triton's own launcher).
 
 Each workload's alone rate is measured first; then each mix runs unmanaged (plain time-slicing),
 managed with draining hand-overs (the default) and managed with overlapping hand-overs, one after the
 other. Per tenant: its fraction of its alone rate, and the worst 5 s window; per mix and variant: the
-sum of the fractions (the GPU's useful work) and the controller's CPU.
+sum of the fractions (the GPU's useful work) and the controller's CPU. The mix's headline fields
+(``tenants``, ``sum_managed``, ``sum_unmanaged``, ``cpu_core_pct``) are the default (drain) run's.
+
+Then a latency tenant (ResNet-18 batch 1, open loop at ``--latency-rate`` requests/s, priority 1,
+share 0.3) runs alone, then beside each GPU-bound class unmanaged and managed: its p99 (arrival to
+result) against alone, and the hog's fraction.
 
 Usage (a GPU host, the preload library built):
     PYTHONPATH=src python benchmarks/share_workloads_bench.py --out X.json
+    python benchmarks/share_workloads_bench.py --plot X.json --plot-out X.png   # each tenant over time
 """
 
 from __future__ import annotations
@@ -34,11 +41,15 @@ from share_bench import LEDGER, Controller, _lib, rate, sleep_until  # noqa: E40
 log = logger("share-workloads")
 MIXES = {
     "train+encoder 70/30": (("train", 0.7), ("encoder", 0.3)),
+    "train+encoder+compiled 50/30/20": (("train", 0.5), ("encoder", 0.3), ("compiled", 0.2)),
     "train+encoder+graph 50/30/20": (("train", 0.5), ("encoder", 0.3), ("graph", 0.2)),
     "generate+small+encoder 34/33/33": (("generate", 0.34), ("small", 0.33), ("encoder", 0.33)),
 }
 VARIANTS = ("unmanaged", "drain", "overlap")
+MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
+TIMELINE_S = 1.0
+HOGS = ("train", "encoder", "compiled", "graph")  # the GPU-bound classes a latency tenant runs beside
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +153,52 @@ def _small():
     return step
 
 
-WORKLOADS = {"train": _train, "encoder": _encoder, "graph": _graph, "generate": _generate, "small": _small}
+def _compiled():
+    import torch
+
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(2048, 2048), torch.nn.GELU())]
+    model = torch.nn.Sequential(*layers)
+    model = torch.compile(model.cuda().to(torch.bfloat16).eval())
+    x = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        with torch.no_grad():
+            model(x)
+        torch.cuda.synchronize()
+
+    return step
+
+
+WORKLOADS = {"train": _train, "encoder": _encoder, "graph": _graph, "generate": _generate, "small": _small,
+             "compiled": _compiled}
+
+
+def latency_worker(rate_per_s: float, seconds: float, start_at: float) -> dict:
+    """Open loop: request i arrives at start + i / rate and is served as soon as the previous one is
+    done; its latency runs from its arrival to its result on the host."""
+    step = _small()
+    for _ in range(20):
+        step()
+    sleep_until(start_at)
+    latencies = []
+    i = 0
+    while True:
+        arrival = start_at + i / rate_per_s
+        if arrival >= start_at + seconds:
+            break
+        sleep_until_precise(arrival)
+        step()
+        latencies.append(time.time() - arrival)
+        i += 1
+    return {"latencies_s": latencies}
+
+
+def sleep_until_precise(t: float) -> None:
+    left = t - time.time()
+    if left > 0.002:
+        time.sleep(left - 0.001)
+    while time.time() < t:
+        pass
 
 
 def worker(name: str, seconds: float, start_at: float) -> dict:
@@ -165,22 +221,51 @@ def worker(name: str, seconds: float, start_at: float) -> dict:
 # --------------------------------------------------------------------------------------------------
 # Orchestration
 
-def spawn(name: str, seconds: float, start_at: float, tenant: str | None) -> subprocess.Popen:
+def spawn(name: str, seconds: float, start_at: float, tenant: str | None, *, role: str = "worker",
+          ) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if tenant:
         env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
-    argv = [sys.executable, os.path.abspath(__file__), "worker", name, str(seconds), str(start_at)]
+    argv = [sys.executable, os.path.abspath(__file__), role, name, str(seconds), str(start_at)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def collect(p: subprocess.Popen) -> list[float]:
+def result_of(p: subprocess.Popen) -> dict:
     out, err = p.communicate(timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"worker failed: {err[-1500:]}")
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def collect(p: subprocess.Popen) -> list[float]:
+    result = result_of(p)
     if result["late_s"] > 0:  # it was still warming up when the window opened: its rate reads low
         log(f"a worker was ready {result['late_s']:.1f} s late")
     return result["stamps"]
+
+
+def p99_ms(latencies_s: list[float]) -> float:
+    ordered = sorted(latencies_s)
+    return 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: float, alone: dict[str, float],
+                port: int, warmup_s: float) -> dict:
+    """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7)."""
+    controller = Controller("lat=0.3:1,hog=0.7", "events", port) if managed else None
+    start = time.time() + warmup_s
+    lat = spawn(str(rate_per_s), seconds, start, "lat" if managed else None, role="latency")
+    hog_p = spawn(hog, seconds, start, "hog" if managed else None) if hog else None
+    sleep_until(start)
+    if controller:
+        controller.mark()
+    latencies = result_of(lat)["latencies_s"]
+    out = {"p99_ms": rnd(p99_ms(latencies), 2), "requests": len(latencies)}
+    if hog_p:
+        out["hog_fraction"] = rnd(rate(collect(hog_p), start, start + seconds) / alone[hog])
+    if controller:
+        out["cpu_core_pct"] = rnd(controller.stop()["cpu_core_pct"])
+    return out
 
 
 def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float], port: int,
@@ -203,24 +288,74 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
         fraction = rate(st, start, start + seconds) / alone[w]
         windows = [rate(st, t, t + WINDOW_S) / alone[w]
                    for t in (start + WINDOW_S * k for k in range(1, int(seconds // WINDOW_S)))]
+        timeline = [rnd(rate(st, start + TIMELINE_S * k, start + TIMELINE_S * (k + 1)) / alone[w])
+                    for k in range(int(seconds // TIMELINE_S))]
+        # below its share is what a tenant is promised against; above it is spare capacity it was lent
         rows.append({"name": n, "workload": w, "share": share, "fraction": rnd(fraction),
-                     "worst_window_pts": rnd(max((abs(v - share) * 100 for v in windows), default=None), 2)})
+                     "worst_window_pts": rnd(max((abs(v - share) * 100 for v in windows), default=None), 2),
+                     "worst_window_below_share_pts": rnd(max((max(0.0, share - v) * 100 for v in windows),
+                                                             default=None), 2),
+                     "timeline": timeline})
     return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
             "cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None}
+
+
+def plot(src: str, dst: str) -> None:
+    """One panel per mix: each tenant's fraction of its alone rate over time, managed (solid) and
+    unmanaged (dotted), its share as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(src) as f:
+        data = json.load(f)
+    mixes = data["mixes"]
+    fig, axes = plt.subplots(1, len(mixes), figsize=(5.5 * len(mixes), 3.8), sharey=True, squeeze=False)
+    for ax, mix in zip(axes[0], mixes, strict=True):
+        pairs = zip(mix[MANAGED]["tenants"], mix["unmanaged"]["tenants"], strict=True)
+        for i, (managed, plain) in enumerate(pairs):
+            color = f"C{i}"
+            ts = [TIMELINE_S * (k + 0.5) for k in range(len(managed["timeline"]))]
+            ax.plot(ts, [100 * v for v in managed["timeline"]], "-", color=color, label=managed["name"])
+            ax.plot(ts, [100 * v for v in plain["timeline"]], ":", color=color)
+            ax.axhspan(100 * managed["share"] - 2, 100 * managed["share"] + 2, color=color, alpha=0.15)
+        ax.set_title(f"{mix['name']}: sum {mix['sum_managed']} managed, {mix['sum_unmanaged']} unmanaged",
+                     fontsize=9)
+        ax.set_xlabel(f"seconds ({TIMELINE_S:g} s windows)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("% of alone (solid: managed, dotted: unmanaged)")
+    fig.suptitle(f"gpuscope share ({MANAGED} hand-overs) on realistic tenants, {data['date']}")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))), flush=True)
         return
+    if len(sys.argv) > 2 and sys.argv[1] == "latency":
+        result = latency_worker(float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+        print(json.dumps(result), flush=True)
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--plot", metavar="JSON", help="draw a results file instead of measuring")
+    p.add_argument("--plot-out", default="share-workloads.png")
+    p.add_argument("--out")
     p.add_argument("--port", type=int, default=9494)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--alone-seconds", type=float, default=6.0)
     p.add_argument("--warmup-s", type=float, default=15.0, help="time for the workers to import and warm up")
     p.add_argument("--mixes", default=",".join(MIXES))
+    p.add_argument("--latency-rate", type=float, default=150.0, help="the latency tenant's requests/s")
+    p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
     args = p.parse_args()
+    if args.plot:
+        plot(args.plot, args.plot_out)
+        return
+    if not args.out:
+        p.error("--out is required to measure")
     mixes = {name: MIXES[name] for name in args.mixes.split(",")}
     out: dict = {"date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "alone": {}, "mixes": []}
 
@@ -228,7 +363,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
 
-    needed = sorted({w for tenants in mixes.values() for w, _ in tenants})
+    hogs = [h for h in args.hogs.split(",") if h]
+    needed = sorted({w for tenants in mixes.values() for w, _ in tenants} | set(hogs))
     start = time.time() + args.warmup_s  # alone, one after the other, each warmed up beforehand
     procs = {}
     for i, w in enumerate(needed):
@@ -247,9 +383,33 @@ def main() -> None:
                               f"{r['worst_window_pts']})" for r in entry[variant]["tenants"])
             log(f"{name} {variant}: {shown}; sum {entry[variant]['sum']}")
             save()
+        entry.update(tenants=entry[MANAGED]["tenants"], sum_managed=entry[MANAGED]["sum"],
+                     sum_unmanaged=entry["unmanaged"]["sum"], cpu_core_pct=entry[MANAGED]["cpu_core_pct"])
         out["mixes"].append(entry)
         save()
-    print(json.dumps(out["mixes"], indent=1))
+    out["latency"] = []
+
+    def latency(hog: str | None, managed: bool) -> dict:
+        return run_latency(hog, managed, args.seconds, args.latency_rate, out["alone"], args.port,
+                           args.warmup_s)
+
+    alone_lat = latency(None, False)
+    log(f"latency tenant alone at {args.latency_rate:g}/s: p99 {alone_lat['p99_ms']} ms")
+    for hog in hogs:
+        plain, managed = latency(hog, False), latency(hog, True)
+        row = {"hog": hog, "rate_per_s": args.latency_rate, "p99_alone_ms": alone_lat["p99_ms"],
+               "p99_vs_alone_managed": rnd(managed["p99_ms"] / alone_lat["p99_ms"], 2),
+               "p99_vs_alone_unmanaged": rnd(plain["p99_ms"] / alone_lat["p99_ms"], 2),
+               "hog_fraction_managed": managed["hog_fraction"],
+               "hog_fraction_unmanaged": plain["hog_fraction"],
+               "cpu_core_pct": managed["cpu_core_pct"]}
+        out["latency"].append(row)
+        log(f"latency beside {hog}: p99 {row['p99_vs_alone_managed']}x alone managed, "
+            f"{row['p99_vs_alone_unmanaged']}x unmanaged; hog {row['hog_fraction_managed']} / "
+            f"{row['hog_fraction_unmanaged']}")
+        save()
+    print(json.dumps({"mixes": [{k: m[k] for k in ("name", "sum_managed", "sum_unmanaged", "cpu_core_pct")}
+                                for m in out["mixes"]], "latency": out["latency"]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""benchmarks/share_workloads_bench.py: the plot of a results file in the shape the script writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "share_workloads_bench.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tenant(name: str, share: float, timeline: list[float]) -> dict:
+    return {"name": name, "workload": name.split("-")[1], "share": share,
+            "fraction": sum(timeline) / len(timeline), "worst_window_pts": 1.0,
+            "worst_window_below_share_pts": 0.0, "timeline": timeline}
+
+
+def mix(name: str, managed: list[dict], plain: list[dict]) -> dict:
+    run = {"tenants": managed, "sum": 1.3, "cpu_core_pct": 0.4}
+    return {"name": name, "unmanaged": {"tenants": plain, "sum": 1.4, "cpu_core_pct": None}, "drain": run,
+            "overlap": run, "tenants": managed, "sum_managed": 1.3, "sum_unmanaged": 1.4, "cpu_core_pct": 0.4}
+
+
+def test_each_mix_is_drawn_managed_beside_unmanaged(tmp_path: Path) -> None:
+    results = {"date": "2026-12-03", "seconds": 4, "alone": {}, "latency": [], "mixes": [
+        mix("train+encoder 70/30", [tenant("t0-train", 0.7, [0.8, 0.85, 0.9, 0.86]),
+                                    tenant("t1-encoder", 0.3, [0.5, 0.45, 0.4, 0.44])],
+            [tenant("t0-train", 0.7, [0.7] * 4), tenant("t1-encoder", 0.3, [0.7] * 4)]),
+        mix("a+b+c", [tenant(f"t{i}-x", s, [s] * 4) for i, s in enumerate((0.5, 0.3, 0.2))],
+            [tenant(f"t{i}-x", s, [0.4] * 4) for i, s in enumerate((0.5, 0.3, 0.2))]),
+    ]}
+    src, out = tmp_path / "results.json", tmp_path / "mixes.png"
+    src.write_text(json.dumps(results))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_measuring_needs_an_output_file() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--out is required" in done.stderr
