@@ -35,7 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, percentile, rnd  # noqa: E402
 from share_bench import LEDGER, Controller, _lib, rate, sleep_until  # noqa: E402
 
 log = logger("share-workloads")
@@ -244,11 +244,6 @@ def collect(p: subprocess.Popen) -> list[float]:
     return result["stamps"]
 
 
-def p99_ms(latencies_s: list[float]) -> float:
-    ordered = sorted(latencies_s)
-    return 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: float, alone: dict[str, float],
                 port: int, warmup_s: float) -> dict:
     """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7)."""
@@ -260,7 +255,7 @@ def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: floa
     if controller:
         controller.mark()
     latencies = result_of(lat)["latencies_s"]
-    out = {"p99_ms": rnd(p99_ms(latencies), 2), "requests": len(latencies)}
+    out = {"p99_ms": rnd(1e3 * percentile(latencies, 99), 2), "requests": len(latencies)}
     if hog_p:
         out["hog_fraction"] = rnd(rate(collect(hog_p), start, start + seconds) / alone[hog])
     if controller:
