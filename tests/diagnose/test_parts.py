@@ -51,10 +51,12 @@ def test_parse_reads_vllm_names_and_sums_engines() -> None:
         'vllm:num_requests_running{model_name="m",engine="1"} 4\n'
         '# TYPE vllm:gpu_cache_usage_perc gauge\n'
         'vllm:gpu_cache_usage_perc{model_name="m",engine="0"} 0.5\n'
+        'vllm:gpu_cache_usage_perc{model_name="m",engine="1"} 0.25\n'
     )
     reading = scrape.parse(text)
     assert reading.source == "vllm"
-    assert reading.gauges == {"running": 7.0, "kv_cache": 0.5}  # the KV cache's name before vLLM 0.9
+    # The KV cache's name before vLLM 0.9; each engine's usage is a share of its own cache: the fullest.
+    assert reading.gauges == {"running": 7.0, "kv_cache": 0.5}
 
 
 def test_live_frame_shows_progress_and_the_latest_table() -> None:

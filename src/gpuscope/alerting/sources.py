@@ -130,38 +130,32 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
     "tenant_memory_refused": (names.TENANT_MEMORY_REFUSED_RATE, "latency", ""),
     "tenant_nvml_busy": (names.TENANT_NVML_BUSY_RATE, "starvation", ""),
 }
-#: Gauges: quantity → (record, how the source's extra splits combine).
-GAUGES: dict[str, tuple[str, str]] = {
-    "queue_depth": (names.QUEUE_DEPTH, "sum"), "running": (names.REQUESTS_RUNNING, "sum"),
-    "quota": (names.TENANT_SHARE_QUOTA, "max"), "kv_cache": (names.KV_CACHE_USAGE, "max"),
-    "memory_allocated": (names.DEVICE_MEMORY_ALLOCATED, "sum"),
-    "memory_reserved": (names.DEVICE_MEMORY_RESERVED, "sum"),
-    "memory_total": (names.DEVICE_MEMORY_TOTAL, "sum"),
-    "timer_sampling_ratio": (names.TIMER_SAMPLING_RATIO, "max"),
-    "timer_hot_path": (names.TIMER_HOT_PATH, "max"),
-    "timer_overhead": (names.TIMER_OVERHEAD, "max"), "timer_budget": (names.TIMER_OVERHEAD_BUDGET, "max"),
-    "timer_baseline": (names.TIMER_BASELINE, "max"), "timer_lag": (names.TIMER_RESOLVER_LAG, "max"),
-    "timer_pending": (names.TIMER_PENDING, "sum"), "timer_backend": (names.TIMER_BACKEND, "max"),
-    "busy_ratio": (names.REGION_GPU_BUSY_RATIO, "max"),
-    "log_queue": (names.LOG_QUEUE_RECORDS, "sum"),
-    "gpu_info": (names.GPU_INFO, "group"),
-    "gpu_utilization": (names.GPU_UTILIZATION, "max"),
-    "gpu_memory_utilization": (names.GPU_MEMORY_UTILIZATION, "max"),
-    "gpu_memory_used": (names.GPU_MEMORY_USED, "max"), "gpu_memory_total": (names.GPU_MEMORY_TOTAL, "max"),
-    "gpu_temperature": (names.GPU_TEMPERATURE, "max"),
-    "gpu_memory_temperature": (names.GPU_MEMORY_TEMPERATURE, "max"),
-    "gpu_power": (names.GPU_POWER, "max"), "gpu_power_limit": (names.GPU_POWER_LIMIT, "max"),
-    "gpu_sm_clock": (names.GPU_SM_CLOCK, "max"), "gpu_memory_clock": (names.GPU_MEMORY_CLOCK, "max"),
-    "gpu_pstate": (names.GPU_PSTATE, "max"),
-    "exporter_gpus": (names.EXPORTER_GPUS, "sum"), "exporter_gpu_up": (names.EXPORTER_GPU_UP, "min"),
-    "exporter_staleness": (names.EXPORTER_STALENESS, "max"),
-    "exporter_collection": (names.EXPORTER_COLLECTION_SECONDS, "max"),
-    "exporter_init_errors": (names.EXPORTER_INIT_ERRORS, "sum"),
-    "tenant_memory_used": (names.TENANT_MEMORY_USED, "sum"),
-    "tenant_memory_cap": (names.TENANT_MEMORY_CAP, "max"),
-    "tenant_under_reported": (names.TENANT_UNDER_REPORTED, "max"),
-    "unmanaged_processes": (names.UNMANAGED_PROCESSES, "sum"),
-    "unmanaged_memory": (names.UNMANAGED_MEMORY, "sum"),
+#: Gauges: quantity → record. How a source's splits of each combine is the contract's
+#: (``names.AGGREGATIONS``).
+GAUGES: dict[str, str] = {
+    "queue_depth": names.QUEUE_DEPTH, "running": names.REQUESTS_RUNNING,
+    "quota": names.TENANT_SHARE_QUOTA, "kv_cache": names.KV_CACHE_USAGE,
+    "memory_allocated": names.DEVICE_MEMORY_ALLOCATED, "memory_reserved": names.DEVICE_MEMORY_RESERVED,
+    "memory_total": names.DEVICE_MEMORY_TOTAL,
+    "timer_sampling_ratio": names.TIMER_SAMPLING_RATIO, "timer_hot_path": names.TIMER_HOT_PATH,
+    "timer_overhead": names.TIMER_OVERHEAD, "timer_budget": names.TIMER_OVERHEAD_BUDGET,
+    "timer_baseline": names.TIMER_BASELINE, "timer_lag": names.TIMER_RESOLVER_LAG,
+    "timer_pending": names.TIMER_PENDING, "timer_backend": names.TIMER_BACKEND,
+    "busy_ratio": names.REGION_GPU_BUSY_RATIO, "log_queue": names.LOG_QUEUE_RECORDS,
+    "gpu_info": names.GPU_INFO, "gpu_utilization": names.GPU_UTILIZATION,
+    "gpu_memory_utilization": names.GPU_MEMORY_UTILIZATION,
+    "gpu_memory_used": names.GPU_MEMORY_USED, "gpu_memory_total": names.GPU_MEMORY_TOTAL,
+    "gpu_temperature": names.GPU_TEMPERATURE, "gpu_memory_temperature": names.GPU_MEMORY_TEMPERATURE,
+    "gpu_power": names.GPU_POWER, "gpu_power_limit": names.GPU_POWER_LIMIT,
+    "gpu_sm_clock": names.GPU_SM_CLOCK, "gpu_memory_clock": names.GPU_MEMORY_CLOCK,
+    "gpu_pstate": names.GPU_PSTATE,
+    "exporter_gpus": names.EXPORTER_GPUS, "exporter_gpu_up": names.EXPORTER_GPU_UP,
+    "exporter_staleness": names.EXPORTER_STALENESS,
+    "exporter_collection": names.EXPORTER_COLLECTION_SECONDS,
+    "exporter_init_errors": names.EXPORTER_INIT_ERRORS,
+    "tenant_memory_used": names.TENANT_MEMORY_USED, "tenant_memory_cap": names.TENANT_MEMORY_CAP,
+    "tenant_under_reported": names.TENANT_UNDER_REPORTED,
+    "unmanaged_processes": names.UNMANAGED_PROCESSES, "unmanaged_memory": names.UNMANAGED_MEMORY,
 }
 #: The memory whose floor the leak rules watch, per role: (used, capacity) quantities and the records.
 MEMORY = {
@@ -204,7 +198,7 @@ def _memory_records(src: Source, p: Profile, selector: str) -> list[Record]:
         # the range windows after a replacement: workload.py) or share a join key (dcgm-exporter's
         # MIG instances share ``gpu``): the joins below would match many-to-many. Read the
         # normalised series recorded above instead, one per canonical key, already in bytes.
-        used_sel, total_expr = sel(GAUGES[used_key][0], selector), sel(GAUGES[total_key][0], selector)
+        used_sel, total_expr = sel(GAUGES[used_key], selector), sel(GAUGES[total_key], selector)
         wrap = lambda e: e  # noqa: E731
     w = p.windows
     # A serving process' restart shows in its own start time (the scrape's process collector); a
@@ -237,16 +231,17 @@ def records(src: Source, p: Profile) -> list[Record]:
         if (raw := src.raw.get(key)) is not None:
             rates = _windowed(raw, "rate", suffix, getattr(w, window), s, raw.combine or "sum")
             out.append(Record(record, rates))
-    for key, (record, aggregation) in GAUGES.items():
+    combine = names.AGGREGATIONS
+    for key, record in GAUGES.items():
         if key in src.custom:
             out.append(Record(record, src.custom[key](p, s)))
         elif (raw := src.raw.get(key)) is not None:
-            out.append(Record(record, _instant(raw, s, aggregation)))
+            out.append(Record(record, _instant(raw, s, combine[record])))
     if (depth := src.raw.get("queue_depth")) is not None:
-        backlog = _windowed(depth, "min_over_time", "", w.starvation, s, "sum")
+        backlog = _windowed(depth, "min_over_time", "", w.starvation, s, combine[names.QUEUE_DEPTH])
         out.append(Record(names.TENANT_BACKLOG, backlog))
     if (devices := src.raw.get("devices")) is not None:
-        out.append(Record(names.SERVER_DEVICE, _instant(devices, s, "group")))
+        out.append(Record(names.SERVER_DEVICE, _instant(devices, s, combine[names.SERVER_DEVICE])))
     for key in ("clock_event", "xid_code", "xid", "gpus_lost"):
         if key in src.custom:
             record = {"clock_event": names.GPU_CLOCK_EVENT_RATIO, "xid_code": names.GPU_XID_CODE,

@@ -2,7 +2,9 @@
 
 Names follow ``gpuscope:<what>:<aggregation>``, where ``<what>`` is the catalogue metric without its
 ``gpuscope_`` prefix. Window lengths are not in the names: the test profile records the same series
-over compressed windows. Labels kept by each rule are listed next to it.
+over compressed windows. Labels kept by each rule are listed next to it. A gauge's name ends in how
+a source's splits of it are combined (``AGGREGATIONS``, the one statement of it), or in what its value
+is where that says more: ``info`` (1 per label set) or ``count`` (a number of things).
 
 Two layers (docs/sources.md):
 
@@ -30,9 +32,22 @@ def rate(metric: m.Metric, suffix: str = "") -> str:
     return f"gpuscope:{_base(metric)}{suffix}:rate"
 
 
-def gauge(metric: m.Metric, aggregation: str) -> str:
-    """``gpuscope:<metric>:<aggregation>``: a gauge, summed or maxed over what a source splits it by."""
-    return f"gpuscope:{_base(metric)}:{aggregation}"
+#: How each normalised gauge combines the series a source splits it into, by record name: the PromQL
+#: aggregation over the source's labels the canonical series does not keep (``sum``, ``max``, ``min``;
+#: ``group`` for identity series, whose value is 1 whatever the source's). The normalisation layer
+#: (``gpuscope.alerting.sources``) and ``gpuscope diagnose`` read it here; ``gauge`` fills it in.
+AGGREGATIONS: dict[str, str] = {}
+
+
+def _gauge(name: str, aggregation: str) -> str:
+    AGGREGATIONS[name] = aggregation
+    return name
+
+
+def gauge(metric: m.Metric, aggregation: str, kind: str = "") -> str:
+    """``gpuscope:<metric>:<aggregation>``: a gauge, combined with ``aggregation`` over what a source
+    splits it by; named ``gpuscope:<metric>:<kind>`` where ``kind`` says what the value is instead."""
+    return _gauge(f"gpuscope:{_base(metric)}:{kind or aggregation}", aggregation)
 
 
 #: What a latency histogram's recording rules record (latency.py), the last part of their names.
@@ -99,15 +114,16 @@ LOG_RECORDS_DROPPED_RATE = rate(m.LOG_RECORDS_DROPPED)
 QUEUE_DEPTH = gauge(m.QUEUE_DEPTH, "sum")
 REQUESTS_RUNNING = gauge(m.REQUESTS_RUNNING, "sum")
 TENANT_SHARE_QUOTA = gauge(m.TENANT_SHARE_QUOTA, "max")
-#: Lowest queue depth over the starvation window: above 0, the tenant's queue never emptied. {tenant}
-TENANT_BACKLOG = gauge(m.QUEUE_DEPTH, "min")
+#: Lowest queue depth over the starvation window: above 0, the tenant's queue never emptied. A source's
+#: splits of it are combined as the queue depth's. {tenant}
+TENANT_BACKLOG = f"gpuscope:{_base(m.QUEUE_DEPTH)}:min"
 KV_CACHE_USAGE = gauge(m.KV_CACHE_USAGE, "max")
 #: {device}
 DEVICE_MEMORY_ALLOCATED = gauge(m.DEVICE_MEMORY_ALLOCATED, "sum")
 DEVICE_MEMORY_RESERVED = gauge(m.DEVICE_MEMORY_RESERVED, "sum")
 DEVICE_MEMORY_TOTAL = gauge(m.DEVICE_MEMORY_TOTAL, "sum")
 #: Value 1 per device the server runs on ({device}); a server without devices is one device-less unit.
-SERVER_DEVICE = "gpuscope:server_device:info"
+SERVER_DEVICE = _gauge("gpuscope:server_device:info", "group")
 #: The server's scrape health (Prometheus' ``up`` of the source's targets).
 SERVER_UP = "gpuscope:server:up"
 #: Value 1 with the source's job label while it has no target at all (``absent(up{...})``).
@@ -121,15 +137,15 @@ TIMER_OVERHEAD_BUDGET = gauge(m.TIMER_OVERHEAD_BUDGET_RATIO, "max")
 TIMER_BASELINE = gauge(m.TIMER_BASELINE_SECONDS, "max")
 TIMER_RESOLVER_LAG = gauge(m.TIMER_RESOLVER_LAG_SECONDS, "max")
 TIMER_PENDING = gauge(m.TIMER_PENDING, "sum")
-#: {backend}
-TIMER_BACKEND = gauge(m.TIMER_BACKEND, "info")
+#: Value 1 per route the timer records events through. {backend}
+TIMER_BACKEND = gauge(m.TIMER_BACKEND, "max", kind="info")
 #: Share of an op's region time its kernels keep the GPU busy (kernel busy windows). {op, device}
 REGION_GPU_BUSY_RATIO = gauge(m.REGION_GPU_BUSY_RATIO, "max")
 LOG_QUEUE_RECORDS = gauge(m.LOG_QUEUE_RECORDS, "sum")
 
 # --- GPU role (per GPU: {gpu}) --------------------------------------------------------------------------
 #: Value 1; {gpu, uuid, name} (and pod, namespace, container where dcgm-exporter maps GPUs to pods).
-GPU_INFO = "gpuscope:gpu:info"
+GPU_INFO = _gauge("gpuscope:gpu:info", "group")
 GPU_UTILIZATION = gauge(m.GPU_UTILIZATION, "max")
 GPU_MEMORY_UTILIZATION = gauge(m.GPU_MEMORY_UTILIZATION, "max")
 GPU_MEMORY_USED = gauge(m.GPU_MEMORY_USED, "max")
@@ -148,13 +164,13 @@ GPU_ECC_ERRORS_RATE = rate(m.GPU_ECC_ERRORS)
 #: [latency]
 GPU_PCIE_REPLAY_RATE = rate(m.GPU_PCIE_REPLAY)
 #: Share of the throttle window with each clock event (throttle) reason active. {gpu, reason}
-GPU_CLOCK_EVENT_RATIO = gauge(m.GPU_CLOCK_EVENT_ACTIVE, "ratio")
+GPU_CLOCK_EVENT_RATIO = f"gpuscope:{_base(m.GPU_CLOCK_EVENT_ACTIVE)}:ratio"
 #: Value 1 while an XID of that code was reported within the XID window. {gpu, xid}
 GPU_XID_RECENT = "gpuscope:gpu_xid:recent"
 #: The last XID code a GPU reported (0: none), where the source keeps only the last one (dcgm-exporter).
 GPU_XID_CODE = "gpuscope:gpu_xid:last_code"
 #: GPUs the exporter sees (no gpu label).
-EXPORTER_GPUS = gauge(m.EXPORTER_GPUS, "count")
+EXPORTER_GPUS = gauge(m.EXPORTER_GPUS, "sum", kind="count")
 EXPORTER_GPU_UP = gauge(m.EXPORTER_GPU_UP, "min")
 #: GPUs NVML reported lost over the XID window.
 EXPORTER_GPUS_LOST = "gpuscope:exporter_gpus_lost:increase"
@@ -164,7 +180,7 @@ EXPORTER_COLLECTION_SECONDS = gauge(m.EXPORTER_COLLECTION_SECONDS, "max")
 #: {call} [latency]
 EXPORTER_ERRORS_RATE = rate(m.EXPORTER_ERRORS)
 #: NVML initialisation failures since the exporter started (the GPUs-missing alert prints it).
-EXPORTER_INIT_ERRORS = "gpuscope:exporter_init_errors:count"
+EXPORTER_INIT_ERRORS = _gauge("gpuscope:exporter_init_errors:count", "sum")
 GPU_EXPORTER_UP = "gpuscope:gpu_exporter:up"
 GPU_EXPORTER_TARGETS_ABSENT = "gpuscope:gpu_exporter_targets:absent"
 

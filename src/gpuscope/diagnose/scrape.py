@@ -2,7 +2,9 @@
 
 Names come from the catalogue (gpuscope) and ``contract/upstream.py`` (vLLM): the same tables the
 normalisation layer uses, so ``diagnose`` reads what the alerts read. Series split by tenant, model
-or engine are summed (gauges, counters, histogram buckets); per-op series are kept per op.
+or engine are summed (counters, histogram buckets) or, gauges, combined as their normalised series
+combine them (``names.AGGREGATIONS``: the KV cache's usage is the highest, not a sum); per-op series
+are kept per op.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuscope.contract import catalogue as cat
-from gpuscope.contract import parts
+from gpuscope.contract import names, parts
 from gpuscope.contract import upstream as up
 
-#: quantity → (gpuscope sample name, vLLM sample names, newest first)
+#: quantity → (its normalised series, whose aggregation combines the splits; gpuscope sample name;
+#: vLLM sample names, newest first)
 GAUGES = {
-    "running": (cat.REQUESTS_RUNNING.name, (up.VLLM_RUNNING.name,)),
-    "waiting": (cat.QUEUE_DEPTH.name, (up.VLLM_WAITING.name,)),
-    "kv_cache": (cat.KV_CACHE_USAGE.name, (up.VLLM_KV_CACHE.name, up.VLLM_KV_CACHE_BEFORE_0_9)),
+    "running": (names.REQUESTS_RUNNING, cat.REQUESTS_RUNNING.name, (up.VLLM_RUNNING.name,)),
+    "waiting": (names.QUEUE_DEPTH, cat.QUEUE_DEPTH.name, (up.VLLM_WAITING.name,)),
+    "kv_cache": (names.KV_CACHE_USAGE, cat.KV_CACHE_USAGE.name,
+                 (up.VLLM_KV_CACHE.name, up.VLLM_KV_CACHE_BEFORE_0_9)),
 }
+_COMBINE = {"sum": sum, "max": max, "min": min}
+#: quantity → (gpuscope sample name, vLLM sample names, newest first)
 COUNTERS = {
     "preemptions": (cat.PREEMPTIONS.name, (up.VLLM_PREEMPTIONS.name,)),
     "generation_tokens": (cat.GENERATION_TOKENS.name, (up.VLLM_GENERATION_TOKENS.name,)),
@@ -65,9 +71,9 @@ def parse(text: str) -> ServerReading:
                 return samples[name + suffix]
         return []
 
-    for key, (own, theirs) in GAUGES.items():
+    for key, (record, own, theirs) in GAUGES.items():
         if found := pick(own, theirs):
-            reading.gauges[key] = sum(s.value for s in found)
+            reading.gauges[key] = _COMBINE[names.AGGREGATIONS[record]](s.value for s in found)
     for key, (own, theirs) in COUNTERS.items():
         if found := pick(own, theirs):
             reading.counters[key] = sum(s.value for s in found)
