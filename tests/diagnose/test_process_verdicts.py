@@ -1,10 +1,12 @@
 """The per-process pieces on set numbers: /proc stat parsing, CPU rates, descendants, each verdict's
-edges, and the server-address verdict. (``test_processes.py`` runs them on real processes.)"""
+edges, the server-address verdict and the memory-pressure edge. (``test_processes.py`` runs them on
+real processes.)"""
 
 from __future__ import annotations
 
 import pytest
 
+from gpuscope.contract.profiles import Thresholds
 from gpuscope.diagnose.findings import Limits
 from gpuscope.diagnose.processes import (
     CLK_TCK,
@@ -16,7 +18,7 @@ from gpuscope.diagnose.processes import (
     parse_stat,
     rate,
 )
-from gpuscope.diagnose.summary import ProcessSummary, ServerSummary, Summary, TaskSummary
+from gpuscope.diagnose.summary import GpuSummary, ProcessSummary, ServerSummary, Summary, TaskSummary
 from gpuscope.diagnose.verdicts import judge
 
 # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ... starttime
@@ -125,3 +127,11 @@ def test_a_named_server_that_never_answered_is_a_problem() -> None:
     assert [(f.code, f.severity) for f in judge(flaky)] == [("server_unreachable", "warning")]
     default = Summary("live", 2.0, server_tried=3, server_failed=3, server_error="refused")  # not named
     assert judge(default) == []
+
+
+def test_memory_pressure_starts_where_the_alert_rules_put_it() -> None:
+    full = Thresholds().bottleneck_memory_ratio
+    at, below = (Summary("live", 2.0, gpus=[GpuSummary("0", memory_used_ratio=r)])
+                 for r in (full, full - 0.01))
+    assert [(f.code, f.severity) for f in judge(at)] == [("memory_pressure", "warning")]
+    assert judge(below) == []

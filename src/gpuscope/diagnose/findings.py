@@ -2,7 +2,9 @@
 
 Both verdict modules (``verdicts`` for host, GPUs and server; ``process_verdicts`` for the processes
 on the GPUs) read their thresholds from here, so each number is written once, with why it is what it
-is; the tests pass their own ``Limits`` where a loaded test machine cannot reach the real ones.
+is; the tests pass their own ``Limits`` where a loaded test machine cannot reach the real ones. What
+the alert rules also judge (memory pressure, launch-bound ops, a full KV cache, throttling, XIDs) is
+read from the rules' own thresholds (``shared``: ``contract/profiles.py``), not restated here.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ Severity = Literal["problem", "warning"]
 
 @dataclass(frozen=True)
 class Limits:
-    """The classic script's thresholds, and the ones this command adds."""
+    """The classic script's thresholds, the ones this command adds, and the alert rules' (``shared``)."""
 
     input_cpu: float = 0.90
     input_gpu: float = 0.30
-    memory_full: float = 0.95
+    #: A GPU whose memory is at least ``shared.bottleneck_memory_ratio`` full (the rules' memory
+    #: pressure) with its utilization swinging by this much within the window is thrashing.
     memory_swing: float = 0.30
     idle_cpu: float = 0.40
     idle_gpu: float = 0.40

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gpuscope.contract import catalogue as cat
 from gpuscope.diagnose import processes, scrape
+from gpuscope.diagnose.findings import Limits
 from gpuscope.diagnose.gpus import GpuSampler, Reading
 from gpuscope.diagnose.host import HostReading, HostSampler
 from gpuscope.diagnose.processes import CpuSnapshot, GpuUse, ProcReader
@@ -49,7 +50,8 @@ class Window:
     cpu_after: CpuSnapshot | None = None
     commands: dict[int, str] = field(default_factory=dict)
 
-    def summary(self, host_name: str = "") -> Summary:
+    def summary(self, host_name: str = "", limits: Limits | None = None) -> Summary:
+        lim = limits or Limits()
         begin = self.started if self.started is not None else self.ticks[0].at
         span = self.ticks[-1].at - begin if self.ticks else 0.0
         out = Summary("live", round(span, 2), host=host_name)
@@ -58,7 +60,7 @@ class Window:
         out.ram_used_ratio = _max(t.host.ram_used_ratio for t in self.ticks)
         out.cpu_cores = next((t.host.cores for t in reversed(self.ticks) if t.host.cores), None)
         labels = sorted({g for t in self.ticks for g in t.gpus}, key=lambda x: (len(x), x))
-        out.gpus = [self._gpu(label, span) for label in labels]
+        out.gpus = [self._gpu(label, span, lim.leak_growth_share) for label in labels]
         out.processes = processes.join(self.gpu_use(), self.cpu_before, self.cpu_after, self.commands)
         out.server = self._server(span)
         out.server_asked = self.server_url if self.server_asked else ""
@@ -99,7 +101,7 @@ class Window:
                 use.gpu_util = _max((use.gpu_util, device))
         return out
 
-    def _gpu(self, label: str, span: float) -> GpuSummary:
+    def _gpu(self, label: str, span: float, leak_growth_share: float) -> GpuSummary:
         def series(name: str, key: str = "") -> list[float]:
             return [v for t in self.ticks if (v := t.gpus.get(label, {}).get(name, {}).get(key)) is not None]
 
@@ -110,7 +112,7 @@ class Window:
             g.memory_used_ratio = max(used) / total[-1]
             grew = used[-1] - used[0]
             monotone = all(b >= a for a, b in itertools.pairwise(used))
-            if span > 0 and monotone and grew >= 0.01 * total[-1]:
+            if span > 0 and monotone and grew >= leak_growth_share * total[-1]:
                 g.memory_growth_bytes_per_s = grew / span
         g.sm_clock_hz = _mean(series(cat.GPU_SM_CLOCK.name))
         g.power_w = _mean(series(cat.GPU_POWER.name))

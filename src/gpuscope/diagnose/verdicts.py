@@ -5,8 +5,9 @@ The three classic patterns (the thresholds of the well-known diagnostic script):
 
 - ``input_bound``: host CPU >= 90% while GPU utilization < 30%: the GPU waits for input
   (tokenization, data loading, pre-processing).
-- ``memory_pressure``: a GPU's memory >= 95% full; with utilization swinging by 30 points or more
-  within the window, the allocator is likely thrashing (fragmentation, retries, preemption).
+- ``memory_pressure``: a GPU's memory at least as full as the alert rules' memory pressure
+  (``bottleneck_memory_ratio``, 90%); with utilization swinging by 30 points or more within the
+  window, the allocator is likely thrashing (fragmentation, retries, preemption).
 - ``hidden_sync``: host CPU < 40% and GPU utilization < 40% while the server has requests in
   flight: neither side is busy, yet requests wait. With one core saturated it is launch-bound (one
   Python thread feeding the GPU kernel by kernel); otherwise a hidden synchronisation.
@@ -19,7 +20,7 @@ full (``kv_preemption``), thermal or power throttling, XIDs, and memory that gro
 
 Last, a server address the user named that did not answer (``server_unreachable``), and what the
 processes on the GPUs show without any server (``process_verdicts``: launch-bound, data-loader-bound,
-idle holders). Every threshold is in ``findings.Limits``.
+idle holders). Every threshold is in ``findings.Limits``, the rules' in its ``shared``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _classic(s: Summary, lim: Limits) -> list[Finding]:
             "profile the CPU side (py-spy top --pid <server>); move tokenization off the serving thread "
             "(more workers, a fast tokenizer, pre-tokenized input) or give the host more cores"))
     for g in s.gpus:
-        if g.memory_used_ratio is None or g.memory_used_ratio < lim.memory_full:
+        if g.memory_used_ratio is None or g.memory_used_ratio < lim.shared.bottleneck_memory_ratio:
             continue
         swing = g.util_swing
         swinging = swing is not None and swing >= lim.memory_swing
