@@ -15,13 +15,15 @@ import sys
 import pytest
 
 from gpuscope.share.ledger import TenantPolicy
+from gpuscope.share.metrics import ShareCollector
 from tests.share.fakecuda import HERE, child_env, running_controller
 
 SECONDS = 3.0
 BURST, KERNEL_US, GAP_MS = 10, 300, 3  # a step: 3 ms of GPU work, a sync, 3 ms on the host
 
 
-def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None, ledger: str | None = None) -> list[int]:
+def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None,
+        ledger: str | None = None) -> list[int]:
     """Each kind as a process on one fake GPU for SECONDS; the steps each finished."""
     gpu = tmp_path / f"gpu-{'-'.join(kinds)}-{'managed' if tenants else 'plain'}"
     procs = []
@@ -29,8 +31,9 @@ def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None, ledg
         env = child_env(fake, os.devnull, tenant=tenants[i] if tenants else None, ledger=ledger)
         env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu), WORKLOAD_BURST=str(BURST),
                    WORKLOAD_KERNEL_US=str(KERNEL_US), WORKLOAD_GAP_MS=str(GAP_MS))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "workload.py"), kind, str(SECONDS)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        argv = [sys.executable, str(HERE / "workload.py"), kind, str(SECONDS)]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     steps = []
     for p in procs:
         out, err = p.communicate(timeout=60)
@@ -54,12 +57,15 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
     with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice_s=0.03,
                             handover=handover, keeper=keeper, drain_timeout_s=2.0) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger)
+        shown = {m.name: m.samples[0].value for m in ShareCollector(c).collect() if "turns" in m.name}
     train, hog = steps / alone["steps"], kernels / alone["busy"]
     # alone the training tenant keeps the GPU busy about half the time: at 0.7 it needs a third of
     # it, and the hog has the rest (exclusive turns gave it 0.3 of its steps and idled the GPU)
     assert train >= 0.6, (train, hog, c.stats)
     assert hog >= 0.22, (train, hog, c.stats)
     assert c.stats.lends > 0 and c.stats.reclaims > 0
+    assert 0 < shown["gpuscope_share_lent_turns"] <= c.stats.lends  # /metrics shows them
+    assert 0 < shown["gpuscope_share_reclaimed_turns"] <= c.stats.reclaims
     if handover == "drain":  # exact charges (overlapping hand-overs split concurrent time evenly)
         # charged its kernels' time, not the host work between them: 3 ms a step
         gpu_s = steps * BURST * KERNEL_US / 1e6

@@ -551,6 +551,14 @@ SHARE_YIELDS = _m("gpuscope_share_yields_total", "counter",
                   "Draining hand-overs where the holder stopped launching at its slice's end by itself and "
                   "drained its queue before the controller looked (one controller wake-up, not two).",
                   "handovers", area=SHARE)
+SHARE_LENDS = _m("gpuscope_share_lent_turns_total", "counter",
+                 "Turns lent while their tenant was idle (a quiet holder with nothing queued, or an idle "
+                 "tenant within its share at its turn's end): the others ran in them until it launched "
+                 "again.",
+                 "turns", area=SHARE)
+SHARE_RECLAIMS = _m("gpuscope_share_reclaimed_turns_total", "counter",
+                    "Lent turns taken back by their tenant's next launch, after the borrower's queued work.",
+                    "turns", area=SHARE)
 
 def all_metrics() -> Iterator[Metric]:
     """Every metric, in definition order."""

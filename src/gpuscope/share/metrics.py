@@ -36,6 +36,7 @@ class ShareCollector:
                     for pid, s in c.procs.items()]
             slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
             binding, timeouts, yields = c.stats.binding, c.stats.drain_timeouts, c.stats.yields
+            lends, reclaims = c.stats.lends, c.stats.reclaims
             states = dict(c.stats.state_s)
             ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
             duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
@@ -81,9 +82,11 @@ class ShareCollector:
         d = cat.SHARE_DRAIN_TIMEOUTS.family()
         d.add_metric([], timeouts)
         yield d
-        y = cat.SHARE_YIELDS.family()
-        y.add_metric([], yields)
-        yield y
+        turns = ((cat.SHARE_YIELDS, yields), (cat.SHARE_LENDS, lends), (cat.SHARE_RECLAIMS, reclaims))
+        for metric, value in turns:
+            family = metric.family()
+            family.add_metric([], value)
+            yield family
         used, cap, refused = (m.family() for m in (cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP,
                                                    cat.SHARE_MEMORY_REFUSED))
         for tenant, held, refusals, cap_bytes in memory:
