@@ -1,8 +1,9 @@
 /* gpuscope share: the preload library an unmodified CUDA process loads with LD_PRELOAD.
  *
  * It interposes the kernel-launch entry points of the driver API (cuLaunchKernel, cuLaunchKernelEx,
- * their _ptsz variants, cuGraphLaunch and its _ptsz variant) three ways, because each is how some
- * program reaches them:
+ * their _ptsz variants, cuGraphLaunch and its _ptsz variant) and the program's waits for the GPU
+ * (cuStreamSynchronize and its _ptsz variant, cuCtxSynchronize, cuEventSynchronize) three ways,
+ * because each is how some program reaches them:
  *   - by symbol, for programs linked against libcuda;
  *   - through cuGetProcAddress / cuGetProcAddress_v2, which is how the CUDA runtime (torch's
  *     libcudart) resolves every driver entry point;
@@ -21,6 +22,9 @@
  *     cuEventSynchronize on blocking-sync events, so the launching thread never waits on accounting,
  *     except that at most `inflight` windows may be queued (the bound on queued work that lets the
  *     controller switch tenants quickly); the window length adapts to about `window_us` of GPU time;
+ *   - a wait for the GPU ends the open window at the last launch; a slice holder with nothing queued
+ *     and no launch for QUIET_NS is quiet, and its helper rings: the controller lends the rest of its
+ *     turn, and its next held launch rings to take it back (a borrower queues little meanwhile);
  *   - a tenant the controller runs beside the slice holder (its bit in `beside_mask`) launches
  *     untimed: events between its small kernels would each cost a context switch on the time-sliced
  *     GPU. In a probe (its bit in `busy_mask`, the holder paused) each launch is a window of its own,
