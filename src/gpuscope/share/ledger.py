@@ -56,7 +56,7 @@ MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
 
-# policy_t
+# policy_t (every offset here is checked against _ledger.h by tests/share/test_layout.py)
 P_MAGIC, P_VERSION, P_PID, P_NTENANTS = 0, 4, 8, 12
 P_HEARTBEAT, P_GATE, P_MODE = 16, 24, 28
 P_WINDOW_US, P_INFLIGHT_SLICE, P_INFLIGHT_OPEN, P_STALE_MS = 32, 36, 40, 44
@@ -65,6 +65,7 @@ P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches unti
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
 P_LENDER_MASK = 64  # slots that lent the rest of their turn: their first held thread rings the bell
 P_TENANTS, TENANT_SIZE = 128, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
+T_SHARE, T_PRIORITY, T_ACTIVE = NAME_LEN, NAME_LEN + 4, NAME_LEN + 8  # in a tenant's entry
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
 T_MEM_CAP = NAME_LEN + 16  # its memory cap: bytes, or MEM_CAP_FRACTION | parts per million of the card
 MEM_CAP_FRACTION = 1 << 63
@@ -311,9 +312,9 @@ class Policy:
             base = P_TENANTS + i * TENANT_SIZE
             name = t.name.encode()
             ctypes.memmove(m.addr + base, name, len(name))
-            m.set_u32(base + NAME_LEN, round(t.share * 1e6))
-            m.set_u32(base + NAME_LEN + 4, t.priority)
-            m.set_u32(base + NAME_LEN + 8, 1 if t.share > 0 else 0)
+            m.set_u32(base + T_SHARE, round(t.share * 1e6))
+            m.set_u32(base + T_PRIORITY, t.priority)
+            m.set_u32(base + T_ACTIVE, 1 if t.share > 0 else 0)
             m.set_u64(base + T_MEM_CAP, t.mem_cap_word())
         m.set_u32(P_NTENANTS, len(self.tenants))
 
