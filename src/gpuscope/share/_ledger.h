@@ -1,7 +1,8 @@
 /* gpuscope share: the layout of the ledger's pages, as the preload library sees them. ledger.py
  * mirrors every offset; tests/share/test_layout.py builds a program from this header and compares
- * them. Each page is a sealed memfd the controller hands over the join socket (joins.py): the policy (read-only to tenants), the bell, one page per
- * tenant process, and one per tenant shared by all its processes (its memory use against its cap).
+ * them. Each page is a sealed memfd the controller hands over the join socket (joins.py): the policy
+ * (read-only to tenants), the bell, one page per tenant process, and one per tenant shared by all its
+ * processes (its memory use against its cap).
  */
 #ifndef GPUSCOPE_SHARE_LEDGER_H
 #define GPUSCOPE_SHARE_LEDGER_H
