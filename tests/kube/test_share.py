@@ -54,6 +54,7 @@ def test_the_addon_renders_every_object_once() -> None:
     assert kinds == sorted([
         ("ConfigMap", share.POLICY_CONFIGMAP), ("DaemonSet", share.CONTROLLER), ("Service", share.CONTROLLER),
         ("ServiceMonitor", share.CONTROLLER), ("Deployment", share.WEBHOOK), ("Service", share.WEBHOOK),
+        ("ServiceMonitor", share.WEBHOOK),
         ("PodDisruptionBudget", share.WEBHOOK), ("MutatingWebhookConfiguration", share.WEBHOOK_CONFIGURATION),
         ("Issuer", share.ISSUER), ("Certificate", share.CERTIFICATE)])
     for obj in _objects():
@@ -247,6 +248,22 @@ def test_webhook_serves_tls_from_the_certificate_behind_its_service() -> None:
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     pdb = _one("PodDisruptionBudget", share.WEBHOOK)
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels(dep).items()
+
+
+def test_webhook_is_scraped_over_its_tls_with_the_certificates_ca() -> None:
+    svc = _one("Service", share.WEBHOOK)
+    monitor = _one("ServiceMonitor", share.WEBHOOK)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert (endpoint["scheme"], endpoint["path"]) == ("https", "/metrics")
+    cert = _one("Certificate", share.CERTIFICATE)
+    assert endpoint["tlsConfig"] == {"ca": {"secret": {"name": cert["spec"]["secretName"], "key": "ca.crt"}},
+                                     "serverName": cert["spec"]["commonName"]}
+    assert endpoint["tlsConfig"]["serverName"] in cert["spec"]["dnsNames"]
+    job = {"action": "replace", "targetLabel": "job", "replacement": share.WEBHOOK}
+    assert job in endpoint["relabelings"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"]["release"] == DEPLOYMENT.cluster.release
 
 
 def pod_labels(obj: dict) -> dict:

@@ -61,8 +61,8 @@ def _share(d: Deployment) -> dict[str, tuple[str, str]]:
             [controller, dump_yaml(share.controller_service(d)),
              dump_yaml(share.controller_service_monitor(d))])),
         "share/webhook.yaml": (_SHARE_SOURCE, _docs(
-            [share.webhook_deployment(d), share.webhook_service(d), share.webhook_pdb(d),
-             share.mutating_webhook_configuration(d)])),
+            [share.webhook_deployment(d), share.webhook_service(d), share.webhook_service_monitor(d),
+             share.webhook_pdb(d), share.mutating_webhook_configuration(d)])),
         "share/certificate.yaml": (_SHARE_SOURCE, _docs([share.issuer(d), share.certificate(d)])),
     }
 

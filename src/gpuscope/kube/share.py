@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import re
 
-from gpuscope.alerting.rules import duration
 from gpuscope.contract import parts
 from gpuscope.kube.config import IMAGE, Deployment
 from gpuscope.kube.monitoring import _job, _meta, _release
 from gpuscope.share import deploy
+from gpuscope.util.promql import duration
 
 CONTROLLER = parts.SHARE.job  # gpuscope-share: the workload, its Service and ServiceMonitor
 POLICY_CONFIGMAP = "gpuscope-share-policy"
@@ -230,6 +230,20 @@ def webhook_service(d: Deployment) -> dict:
             "metadata": _meta(WEBHOOK, _labels(WEBHOOK, "share-webhook")),
             "spec": {"selector": {"app.kubernetes.io/name": WEBHOOK},
                      "ports": [{"name": WEBHOOK_PORT_NAME, "port": 443, "targetPort": WEBHOOK_PORT_NAME}]}}
+
+
+def webhook_service_monitor(d: Deployment) -> dict:
+    # Its /metrics (reviews by result, connections closed) over the same TLS as the API server's calls:
+    # the self-signed certificate is its own CA, and cert-manager puts it in the Secret as ca.crt.
+    interval = duration(d.cluster.scrape_interval_s)
+    tls = {"ca": {"secret": {"name": TLS_SECRET, "key": "ca.crt"}}, "serverName": webhook_dns_names(d)[0]}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _meta(WEBHOOK, {**_release(d), "app.kubernetes.io/name": WEBHOOK}),
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": WEBHOOK}},
+                     "endpoints": [{"port": WEBHOOK_PORT_NAME, "path": "/metrics", "scheme": "https",
+                                    "tlsConfig": tls, "interval": interval,
+                                    "scrapeTimeout": duration(min(10, d.cluster.scrape_interval_s)),
+                                    "relabelings": [_job(WEBHOOK)]}]}}
 
 
 def webhook_pdb(d: Deployment) -> dict:
