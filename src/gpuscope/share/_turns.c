@@ -451,15 +451,31 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
     return rc;
 }
 
+/* Keyword arguments only, named as the keeper's fields: a positional call of this many values is
+ * where a swapped pair goes unnoticed. */
+static char *KEYWORDS[] = {"gate", "bell", "heartbeat", "bell_seen", "gen", "beside", "holder", "slice_start_ns",
+                           "slice_end_ns", "return_ns", "base_slice_ns", "recent_ns", "drain_timeout_ns",
+                           "slice_end_word", "grace_ns", "shares", "priorities", "used", "procs", "offsets",
+                           "lender_word", "lender", "lend_end_ns", NULL};
+#define NARGS 23
+
 #define USAGE \
-    "take_turns(gate, bell, heartbeat, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, return_ns, " \
-    "base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, used, " \
-    "procs[(slot, pid, page)], offsets, lender_word, lender, lend_end_ns) -> (reason, holder, gen, " \
-    "slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns, lends, reclaims)"
+    "take_turns(*, gate, bell, heartbeat, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, " \
+    "return_ns, base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, " \
+    "used, procs=[(slot, pid, page)], offsets, lender_word, lender, lend_end_ns) -> {reason, holder, gen, " \
+    "slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns, lends, " \
+    "reclaims}"
 
 
-static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 23) {
+static PyObject *take_turns(PyObject *self, PyObject *posargs, PyObject *kwargs) {
+    PyObject *args[NARGS];
+    if (!PyArg_ParseTupleAndKeywords(posargs, kwargs, "|$OOOOOOOOOOOOOOOOOOOOOOO:take_turns", KEYWORDS, &args[0],
+                                     &args[1], &args[2], &args[3], &args[4], &args[5], &args[6], &args[7],
+                                     &args[8], &args[9], &args[10], &args[11], &args[12], &args[13], &args[14],
+                                     &args[15], &args[16], &args[17], &args[18], &args[19], &args[20], &args[21],
+                                     &args[22]))
+        return NULL;
+    if (!kwargs || PyDict_Size(kwargs) != NARGS) {
         PyErr_SetString(PyExc_TypeError, USAGE);
         return NULL;
     }
@@ -558,9 +574,11 @@ static PyObject *take_turns(PyObject *self, PyObject *const *args, Py_ssize_t n)
             PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
             PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
         }
-        result = Py_BuildValue("(iiiLLOOkkiLkk)", reason, k->holder, (int)k->gen, (long long)k->slice_start,
-                               (long long)k->slice_end, grants, held, k->drain_timeouts, k->yields, k->lender,
-                               (long long)k->lend_end, k->lends, k->reclaims);
+        result = Py_BuildValue("{s:i,s:i,s:i,s:L,s:L,s:O,s:O,s:k,s:k,s:i,s:L,s:k,s:k}", "reason", reason,
+                               "holder", k->holder, "gen", (int)k->gen, "slice_start_ns", (long long)k->slice_start,
+                               "slice_end_ns", (long long)k->slice_end, "grants", grants, "held_ns", held,
+                               "drain_timeouts", k->drain_timeouts, "yields", k->yields, "lender", k->lender,
+                               "lend_end_ns", (long long)k->lend_end, "lends", k->lends, "reclaims", k->reclaims);
     }
     Py_XDECREF(grants);
     Py_XDECREF(held);
@@ -582,7 +600,7 @@ static PyObject *py_helper_wake_bit(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef methods[] = {
-    {"take_turns", (PyCFunction)(void (*)(void))take_turns, METH_FASTCALL, USAGE},
+    {"take_turns", (PyCFunction)(void (*)(void))take_turns, METH_VARARGS | METH_KEYWORDS, USAGE},
     {"helper_wake_bit", py_helper_wake_bit, METH_O,
      "helper_wake_bit(pid) -> the futex bit the helper thread of process `pid` sleeps with on the gate"},
     {NULL, NULL, 0, NULL},

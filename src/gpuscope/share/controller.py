@@ -650,31 +650,36 @@ class Controller:
         with self.lock:
             procs = tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())
             used = self.scheduler.usage(now, self._pending(now))
-        (reason, holder, gen, start_ns, end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns,
-         lends, reclaims) = _turns.take_turns(
-            self.policy.gate_address, self.policy.bell_address, self.policy.heartbeat_address, seen,
-            self.policy.gen, self._beside_bits(),
-            self.holder, int(self._slice_start * 1e9), int(self.slice_end * 1e9), int(until * 1e9),
-            int(self.slice_s * 1e9), int(HOLDER_RECENT_S * 1e9),
-            int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0, self.policy.slice_end_address,
-            int(YIELD_GRACE_WINDOWS * self.policy.window_us * 1e3), [t.share for t in self.tenants],
-            [t.priority for t in self.tenants], used, procs, KEEPER_OFFSETS, self.policy.lender_mask_address,
-            -1 if self.lender is None else self.lender, int(self.lend_end * 1e9))
+        policy = self.policy
+        out = _turns.take_turns(
+            gate=policy.gate_address, bell=policy.bell_address, heartbeat=policy.heartbeat_address,
+            bell_seen=seen, gen=policy.gen, beside=self._beside_bits(), holder=self.holder,
+            slice_start_ns=int(self._slice_start * 1e9), slice_end_ns=int(self.slice_end * 1e9),
+            return_ns=int(until * 1e9), base_slice_ns=int(self.slice_s * 1e9),
+            recent_ns=int(HOLDER_RECENT_S * 1e9),
+            drain_timeout_ns=int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0,
+            slice_end_word=policy.slice_end_address,
+            grace_ns=int(YIELD_GRACE_WINDOWS * policy.window_us * 1e3),
+            shares=[t.share for t in self.tenants], priorities=[t.priority for t in self.tenants], used=used,
+            procs=procs, offsets=KEEPER_OFFSETS, lender_word=policy.lender_mask_address,
+            lender=-1 if self.lender is None else self.lender, lend_end_ns=int(self.lend_end * 1e9))
         with self.lock:
-            self.policy.gen = gen
-            self.stats.drain_timeouts += drain_timeouts
-            self.stats.yields += yields
-            self.stats.lends += lends
-            self.stats.reclaims += reclaims
-            self.lender, self.lend_end = (None, 0.0) if lender < 0 else (lender, lend_end_ns / 1e9)
-            if holder != self.holder:
-                self.holder, self._mask = holder, (1 << holder) | self._beside_bits()
-            if any(grants):
-                self._slice_start, self._posted_in_slice = start_ns / 1e9, 0.0
-            self.slice_end = end_ns / 1e9
-            for slot, count in enumerate(grants):
+            policy.gen = out["gen"]
+            self.stats.drain_timeouts += out["drain_timeouts"]
+            self.stats.yields += out["yields"]
+            self.stats.lends += out["lends"]
+            self.stats.reclaims += out["reclaims"]
+            lender = out["lender"]
+            self.lender, self.lend_end = (None, 0.0) if lender < 0 else (lender, out["lend_end_ns"] / 1e9)
+            if out["holder"] != self.holder:
+                self.holder, self._mask = out["holder"], (1 << out["holder"]) | self._beside_bits()
+            if any(out["grants"]):
+                self._slice_start, self._posted_in_slice = out["slice_start_ns"] / 1e9, 0.0
+            self.slice_end = out["slice_end_ns"] / 1e9
+            for slot, count in enumerate(out["grants"]):
                 self.stats.slices[self.tenants[slot].name] += count
-            self._count_states(time.monotonic(), [ns / 1e9 for ns in held_ns])
+            self._count_states(time.monotonic(), [ns / 1e9 for ns in out["held_ns"]])
+        reason = out["reason"]
         if reason == _turns.RETURN_GONE:
             self._last_scan = 0.0  # a tenant process exited: the next step forgets it
         # the holder went quiet with nobody waiting: as the Python loop would, wait for a bell
