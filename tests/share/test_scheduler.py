@@ -196,3 +196,33 @@ def test_a_tenant_beside_the_holder_is_charged_its_kernels_and_the_holder_the_re
     assert got[1] == pytest.approx(0.12) and got[0] == pytest.approx(0.88)
     assert own_time({0: 0.5, 1: 0.1}, 1.0, exact={1}) == {0: 0.5, 1: 0.1}  # no overlap
     assert own_time({0: 1.0, 1: 2.0}, 1.0, exact={1}) == {0: 0.0, 1: 1.0}  # never more than the wall
+
+
+def test_an_idle_tenant_within_its_share_keeps_its_claim_and_one_over_it_does_not():
+    s = SliceScheduler([TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)])
+    s.charge(0, 0.2, 1.0)  # train used little (its host work is not charged), the hog the rest
+    s.charge(1, 0.8, 1.0)
+    assert s.keeps_claim(0, {1}, 1.0)
+    assert not s.keeps_claim(1, {0}, 1.0)  # the hog, idle a moment, is over its share: no claim
+    assert not s.keeps_claim(0, set(), 1.0)  # nobody waits: nothing to lend
+    s.charge(0, 3.0, 1.0)
+    assert not s.keeps_claim(0, {1}, 1.0)  # now over its share: the hog's turns are the hog's
+
+
+def test_lent_gaps_are_charged_to_the_borrower_and_the_lender_keeps_its_rate():
+    """A training-like tenant (3 ms of kernels, then 3 ms on the host) on a 0.7 share beside a hog: each
+    gap is lent to the hog and charged to it, the trainer only for its kernels. It keeps its claim at
+    every step, so it runs every step at once (its alone rate) and the GPU never idles."""
+    s = SliceScheduler([TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)])
+    now, steps, claims = 0.0, 0, 0
+    while now < 4.0:
+        claims += s.keeps_claim(0, {1}, now)  # it comes back: the turn is its own
+        now += 0.003
+        s.charge(0, 0.003, now)  # its kernels
+        steps += 1
+        now += 0.003
+        s.charge(1, 0.003, now)  # its host work, lent: the hog's kernels
+    assert steps == pytest.approx(4.0 / 0.006, abs=1)
+    assert claims == steps  # never over its share: 0.5 of the GPU used against 0.7 promised
+    used = s.usage(now)
+    assert used[0] / sum(used) == pytest.approx(0.5, abs=0.01)  # charged kernel time, not turn time

@@ -289,13 +289,16 @@ def test_the_next_holder_is_the_one_the_python_scheduler_picks(tmp_path, seed):
     scheduler = SliceScheduler(tenants)
     scheduler.used = list(used)
     expected = scheduler.pick(waiting | ({holder} if holder_wants else set()), 0.0)
+    # an idle holder within its share keeps its claim: the pick is lent its turn
+    lends = not holder_wants and scheduler.keeps_claim(holder, waiting, 0.0)
     p = Policy(str(tmp_path / "ledger"), tenants)
     try:
         p.set_gate(1 << holder)
         pages = [Page(s).set(waiting=int(s in waiting), **(busy() if s == holder and holder_wants else {}))
                  for s in range(n)]
-        _, picked, *_ = keep(p, tenants, pages, holder=holder, used=used, base_slice_s=1.0, return_s=0.005)
-        assert picked == expected
+        turns = keep(p, tenants, pages, holder=holder, used=used, base_slice_s=1.0, return_s=0.005)
+        assert turns.holder == expected
+        assert turns.lender == (holder if lends else -1)
     finally:
         p.close()
 

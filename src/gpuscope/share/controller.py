@@ -385,9 +385,7 @@ class Controller:
         self._set_lender(None)
         borrowers = wanting - {claimant}
         pending = self._pending(now)
-        if (not borrowers or claimant in wanting
-                or not self.scheduler.within_share(claimant, wanting | {claimant})
-                or self.scheduler.pick(wanting | {claimant}, now, pending) != claimant):
+        if claimant in wanting or not self.scheduler.keeps_claim(claimant, borrowers, now, pending):
             return False
         borrower = self.scheduler.pick(borrowers, now, pending)
         if borrower != holder and self.handover == "drain" and holder in wanting:

@@ -140,6 +140,23 @@ class SliceScheduler:
         finally:
             self.used = saved
 
+    def keeps_claim(self, slot: int, wanting: Iterable[int], now: float,
+                    pending: Mapping[int, float] | None = None) -> bool:
+        """Whether ``slot``, idle as its turn ends (or lent), keeps its claim on the GPU while the
+        tenants in ``wanting`` wait: it is within its share and the pick would be its own. Its next
+        turn is then lent to them at once, and its next launch takes it back; a tenant over its share
+        has no claim. The turn keeper in C decides the same (_turns.c, keep)."""
+        wanting = set(wanting) - {slot}
+        if not wanting:
+            return False
+        saved = self.used
+        self.used = self.usage(now, pending)
+        try:
+            within = self.within_share(slot, wanting | {slot})
+        finally:
+            self.used = saved
+        return within and self.pick(wanting | {slot}, now, pending) == slot
+
     def quantum(self, slot: int, wanting: Iterable[int], base_s: float) -> float:
         """Slice length for ``slot``: ``base_s`` for the smallest share among ``wanting``, longer in
         proportion to the share (weighted round robin; the deficits correct what is left). A tenant
