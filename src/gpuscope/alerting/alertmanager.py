@@ -22,9 +22,10 @@ from __future__ import annotations
 import yaml
 
 from gpuscope.alerting import composite
-from gpuscope.alerting.rules import GENERATED_HEADER, duration
+from gpuscope.alerting.rules import GENERATED_HEADER
 from gpuscope.contract import parts
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration
 
 RECEIVERS = {"critical": "gpuscope-page", "warning": "gpuscope-ticket"}
 DEFAULT_RECEIVER = parts.RECEIVER.service

@@ -18,20 +18,12 @@ time. A launch-bound op on a ``cpu_bound`` host says which modules to capture in
 
 from __future__ import annotations
 
-from gpuscope.alerting.rules import Group, Record, duration, num
+from gpuscope.alerting.rules import Group, Record
 from gpuscope.contract import names
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration, num, with_host
 
-HOST_REGEX = "(.*):[0-9]+"
 ON = "on (host, instance)"
-
-
-def with_host(expr_of: str) -> str:
-    """``expr_of`` with ``@M`` standing for extra matchers: add ``host`` where the scrape did not."""
-    plain = expr_of.replace("{@M}", '{host=""}').replace("@M", ',host=""')
-    labelled = expr_of.replace("{@M}", '{host!=""}').replace("@M", ',host!=""')
-    return f'label_replace({plain}, "host", "$1", "instance", "{HOST_REGEX}")\nor\n{labelled}'
-
 
 
 def _attach(per_host: str) -> str:

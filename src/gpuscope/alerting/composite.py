@@ -24,9 +24,10 @@ Two decisions, each tested in ``tests/alerts/cases/composite.test.yml``:
 from __future__ import annotations
 
 from gpuscope.alerting import latency, memory, scheduling
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration
+from gpuscope.alerting.rules import Alert, Doc, Group, Record
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration
 
 COMPONENTS = {  # dimension → the alerts that are its symptoms (inhibited by the composite)
     "latency_spike": ("GPUKernelLatencySpike", "GPUStepLatencySpike"),

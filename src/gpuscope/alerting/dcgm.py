@@ -23,8 +23,8 @@ break a join if the normalised series kept it:
 from __future__ import annotations
 
 from gpuscope.alerting import workload
-from gpuscope.alerting.rules import by, sel
 from gpuscope.contract import upstream as up
+from gpuscope.util.promql import by, sel
 
 #: MIG labels (folded into ``gpu``).
 MIG = up.DCGM_MIG_LABELS

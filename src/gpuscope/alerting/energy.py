@@ -10,7 +10,7 @@ no per-tenant GPU time, so its servers get per-server records and no tenant spli
 How energy is attributed:
 
 - **host**: servers and GPU exporters meet by ``host`` as the bottleneck rules join them
-  (``bottleneck.with_host``: a ``host`` label the scrape sets, else the host part of ``instance``).
+  (``promql.with_host``: a ``host`` label the scrape sets, else the host part of ``instance``).
   The host's GPU watts are the sum over its GPUs of the energy counter's rate.
 - **server**: the host's GPU energy split between the servers on that host by their output tokens
   (one server per GPU host, the usual case, gets all of it). J/token = server watts / tokens per
@@ -26,10 +26,10 @@ Every record is absent while its denominator is zero (no tokens: no cost per tok
 
 from __future__ import annotations
 
-from gpuscope.alerting.bottleneck import with_host
 from gpuscope.alerting.rules import Group, Record
 from gpuscope.contract import names
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import with_host
 
 SERVER = "host, job, instance"
 TENANT = "host, job, instance, tenant"

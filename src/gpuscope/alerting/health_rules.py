@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from gpuscope.alerting import operator_labels
-from gpuscope.alerting.rules import Alert, Doc, Group, Severity, duration, num, query_value, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Severity, query_value
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration, num, sel
 
 
 def _throttle(p: Profile, name: str, cause: str, reasons: str) -> Alert:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, by, duration, num, query_value, sel
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, query_value
 from gpuscope.contract import catalogue as m
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import by, duration, num, sel
 
 KERNEL_LABELS = ("job", "instance", "op", "device")
 ENDPOINT_LABELS = ("job", "instance")

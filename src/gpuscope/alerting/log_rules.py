@@ -8,9 +8,10 @@ reads the rule file from the ruler directory of tenant ``fake``.
 
 from __future__ import annotations
 
-from gpuscope.alerting.rules import Alert, Doc, Group, duration, num
+from gpuscope.alerting.rules import Alert, Doc, Group
 from gpuscope.contract import uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration, num
 
 LABELS = "service, instance"
 

@@ -79,9 +79,10 @@ of their own, on the memory their processes hold together against the cap:
 from __future__ import annotations
 
 from gpuscope.alerting import operator_labels
-from gpuscope.alerting.rules import Alert, Doc, Group, duration, num, query_value
+from gpuscope.alerting.rules import Alert, Doc, Group, query_value
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile, Thresholds
+from gpuscope.util.promql import duration, num
 
 SERVER_LABELS = ("job", "instance", "device")
 GPU_LABELS = ("job", "instance", "gpu")

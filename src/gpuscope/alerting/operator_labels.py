@@ -8,8 +8,8 @@ where nothing else is matched against them.
 
 from __future__ import annotations
 
-from gpuscope.alerting.rules import by
 from gpuscope.contract import names
+from gpuscope.util.promql import by
 
 #: From ``gpuscope:gpu:info``, where the source has them: the board (``uuid``; dcgm-exporter's ``UUID``),
 #: its model (``name``; dcgm-exporter's ``modelName``), and in Kubernetes mode the workload's ``pod``,

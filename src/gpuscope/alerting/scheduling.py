@@ -21,10 +21,11 @@ under-report its GPU time). Both already hold over several samples in the contro
 
 from __future__ import annotations
 
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, num, query_value
+from gpuscope.alerting.rules import Alert, Doc, Group, Record, query_value
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
 from gpuscope.share import crosscheck
+from gpuscope.util.promql import duration, num
 
 LABELS = ("job", "instance", "tenant")
 ON = "on (job, instance, tenant)"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gpuscope.alerting.rules import Alert, Doc, Group, Record, duration, le, num
+from gpuscope.alerting.rules import Alert, Doc, Group, Record
 from gpuscope.contract import catalogue as m
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import duration, le, num
 
 if TYPE_CHECKING:
     from gpuscope.alerting.sources import Raw

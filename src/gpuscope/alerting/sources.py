@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuscope.alerting import dcgm, memory, slo, workload
-from gpuscope.alerting.rules import Group, Record, by, duration, sel
+from gpuscope.alerting.rules import Group, Record
 from gpuscope.contract import catalogue as m
 from gpuscope.contract import names, parts
 from gpuscope.contract import upstream as up
 from gpuscope.contract.choices import MetricNames
 from gpuscope.contract.profiles import Profile
+from gpuscope.util.promql import by, duration, sel
 
 Role = Literal["server", "gpu"]
 _MIB = 1 << 20

@@ -11,8 +11,8 @@ exporter's own pod in their place. So normalised series drop all six (``DROP``),
 
 from __future__ import annotations
 
-from gpuscope.alerting.rules import by
 from gpuscope.contract import upstream as up
+from gpuscope.util.promql import by
 
 LABELS = up.DCGM_KUBERNETES_LABELS
 EXPORTED = tuple(f"exported_{label}" for label in LABELS)

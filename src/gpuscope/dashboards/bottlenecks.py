@@ -5,9 +5,9 @@ from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.dashboards.common import (
             PromTarget,
             dashboard,
+            filtered,
             gpu_var,
             instance_var,
-            sel,
             stat,
             table,
             timeseries,
@@ -20,9 +20,9 @@ CPU_BUSY = ('1 - avg by (instance) (rate(node_cpu_seconds_total{mode="idle",inst
             '[$__rate_interval]))')
 HOST_MEMORY = ('1 - node_memory_MemAvailable_bytes{instance=~"$instance"}'
                ' / node_memory_MemTotal_bytes{instance=~"$instance"}')
-GPU_BUSY = f"avg by (instance) ({sel(names.GPU_UTILIZATION, 'gpu')})"
-GPU_MEMORY = (f"sum by (instance) ({sel(names.GPU_MEMORY_USED, 'gpu')})"
-              f" / sum by (instance) ({sel(names.GPU_MEMORY_TOTAL, 'gpu')})")
+GPU_BUSY = f"avg by (instance) ({filtered(names.GPU_UTILIZATION, 'gpu')})"
+GPU_MEMORY = (f"sum by (instance) ({filtered(names.GPU_MEMORY_USED, 'gpu')})"
+              f" / sum by (instance) ({filtered(names.GPU_MEMORY_TOTAL, 'gpu')})")
 
 dashboard = dashboard(
     uid=uids.BOTTLENECKS,
@@ -49,7 +49,7 @@ dashboard = dashboard(
                    unit="percentunit", w=24,
                    description="What the classification reads; GPU is 0 on hosts without GPUs."),
         table("Launch-bound modules",
-              PromTarget(sel(names.OP_LAUNCH_BOUND), instant=True, format="table"),
+              PromTarget(filtered(names.OP_LAUNCH_BOUND), instant=True, format="table"),
               w=24, h=6, unit="percentunit", exclude=("Time", "__name__", "job"),
               description=f"Ops whose kernels keep the GPU busy less than "
                           f"{PRODUCTION.thresholds.launch_bound_busy_ratio:.0%} of their region time "
@@ -69,16 +69,16 @@ dashboard = dashboard(
                    PromTarget('sum by (instance, mode) (rate(node_cpu_seconds_total{instance=~"$instance",'
                               'mode!="idle"}[$__rate_interval]))', "{{instance}} {{mode}}"),
                    unit="short", stack=True, description="CPU seconds per second (cores) by mode."),
-        timeseries("Server memory held", PromTarget(sel(names.DEVICE_MEMORY_ALLOCATED),
+        timeseries("Server memory held", PromTarget(filtered(names.DEVICE_MEMORY_ALLOCATED),
                                                     "{{instance}} {{device}} allocated"),
-                   PromTarget(sel(names.DEVICE_MEMORY_RESERVED), "{{instance}} {{device}} reserved"),
+                   PromTarget(filtered(names.DEVICE_MEMORY_RESERVED), "{{instance}} {{device}} reserved"),
                    unit="bytes",
                    description="torch allocated/reserved bytes on CUDA; process resident memory on CPU."),
         timeseries("Load average and run queue",
                    PromTarget('node_load1{instance=~"$instance"}', "{{instance}} load1"),
                    PromTarget('node_procs_running{instance=~"$instance"}', "{{instance}} running")),
         timeseries("Queue depth against GPU utilization",
-                   PromTarget(f"sum by (instance) ({sel(names.QUEUE_DEPTH)})",
+                   PromTarget(f"sum by (instance) ({filtered(names.QUEUE_DEPTH)})",
                               "{{instance}} waiting requests"),
                    PromTarget(GPU_BUSY, "{{instance}} GPU busy"),
                    description="Requests waiting while the GPU is not busy point at the CPU side."),

@@ -25,6 +25,7 @@ from grafanalib.core import Dashboard, Panel, Template, Templating, Time
 from gpuscope.contract import names, parts, uids
 from gpuscope.contract.catalogue import Metric
 from gpuscope.contract.parts import PORTS
+from gpuscope.util import promql
 
 # --- datasources --------------------------------------------------------------------------------------
 
@@ -94,18 +95,16 @@ def datasources_provisioning() -> dict[str, Any]:
 VARIABLE_OF_LABEL = {"instance": "instance", "gpu": "gpu", "op": "op", "tenant": "tenant"}
 
 
-def sel(name: str, *labels: str, extra: str = "") -> str:
+def filtered(name: str, *labels: str, extra: str = "") -> str:
     """``name{instance=~"$instance",...}``: a normalised series filtered by ``instance`` and the
     dashboard variables of ``labels`` (``gpu``, ``op``, ``tenant``)."""
     matchers = [f'{label}=~"${VARIABLE_OF_LABEL[label]}"' for label in dict.fromkeys(("instance", *labels))]
-    if extra:
-        matchers.append(extra)
-    return name + "{" + ",".join(matchers) + "}"
+    return promql.sel(name, *matchers, extra)
 
 
 def buckets(metric: Metric, *labels: str, extra: str = "") -> str:
     """The normalised bucket rates of a histogram, filtered."""
-    return sel(names.rate(metric, "_bucket"), *labels, extra=extra)
+    return filtered(names.rate(metric, "_bucket"), *labels, extra=extra)
 
 
 def heatmap_expr(metric: Metric, *labels: str) -> str:
@@ -121,7 +120,7 @@ def quantile_expr(q: float, metric: Metric, *labels: str, by: Sequence[str] = ()
 def sum_expr(name: str, *labels: str, by: Sequence[str] = (), extra: str = "") -> str:
     """``sum by (...) (name{...})``: a normalised rate or gauge summed."""
     grouping = f"sum by ({', '.join(by)}) " if by else "sum "
-    return f"{grouping}({sel(name, *labels, extra=extra)})"
+    return f"{grouping}({filtered(name, *labels, extra=extra)})"
 
 
 # --- targets ------------------------------------------------------------------------------------------

@@ -4,23 +4,23 @@ dcgm-exporter) through its normalised series."""
 from gpuscope.contract import names as n
 from gpuscope.contract import uids
 from gpuscope.dashboards.common import (
-                    PromTarget,
-                    dashboard,
-                    gpu_var,
-                    heatmap,
-                    instance_var,
-                    sel,
-                    stat,
-                    sum_expr,
-                    table,
-                    timeseries,
+    PromTarget,
+    dashboard,
+    filtered,
+    gpu_var,
+    heatmap,
+    instance_var,
+    stat,
+    sum_expr,
+    table,
+    timeseries,
 )
 
 G = "{{instance}} gpu {{gpu}}"
 
 
 def per_gpu(name: str, legend: str = G) -> PromTarget:
-    return PromTarget(sel(name, "gpu"), legend)
+    return PromTarget(filtered(name, "gpu"), legend)
 
 
 dashboard = dashboard(
@@ -35,15 +35,16 @@ dashboard = dashboard(
              description="GPUs and MIG instances the exporters see (0 on a machine without a GPU)."),
         stat("GPUs answering", PromTarget(sum_expr(n.EXPORTER_GPU_UP, "gpu")),
              description="GPUs that answered their last fast sampling round (gpuscope exporter)."),
-        stat("Mean utilization", PromTarget(f"avg({sel(n.GPU_UTILIZATION, 'gpu')})"), unit="percentunit"),
+        stat("Mean utilization", PromTarget(f"avg({filtered(n.GPU_UTILIZATION, 'gpu')})"),
+             unit="percentunit"),
         stat("Power draw", PromTarget(sum_expr(n.GPU_POWER, "gpu")), unit="watt"),
-        stat("GPUs with a recent XID", PromTarget(f"count({sel(n.GPU_XID_RECENT, 'gpu')}) or vector(0)"),
+        stat("GPUs with a recent XID", PromTarget(f"count({filtered(n.GPU_XID_RECENT, 'gpu')}) or vector(0)"),
              description="GPUs that reported an XID of any code within the XID alert's window."),
-        stat("Oldest cached value", PromTarget(f"max({sel(n.EXPORTER_STALENESS)})"), unit="s",
+        stat("Oldest cached value", PromTarget(f"max({filtered(n.EXPORTER_STALENESS)})"), unit="s",
              description="Age of the NVML state gpuscope exporter serves; scrapes never wait on NVML."),
-        heatmap("Utilization across GPUs", sel(n.GPU_UTILIZATION, "gpu"), unit="percentunit", calculate=True,
-                w=24, description="How many GPUs sit at each utilization over time (Grafana buckets the "
-                                  "values)."),
+        heatmap("Utilization across GPUs", filtered(n.GPU_UTILIZATION, "gpu"), unit="percentunit",
+                calculate=True, w=24,
+                description="How many GPUs sit at each utilization over time (Grafana buckets the values)."),
         timeseries("GPU utilization", per_gpu(n.GPU_UTILIZATION), unit="percentunit",
                    description="gpuscope exporter: NVML utilization; dcgm-exporter: GR_ENGINE_ACTIVE where "
                                "profiling fields are on, else GPU_UTIL."),
@@ -57,12 +58,12 @@ dashboard = dashboard(
         timeseries("Clocks", per_gpu(n.GPU_SM_CLOCK, G + " SM"),
                    per_gpu(n.GPU_MEMORY_CLOCK, G + " memory"), unit="hertz"),
         timeseries("Throttle reasons (share of time)",
-                   PromTarget(sel(n.GPU_CLOCK_EVENT_RATIO, "gpu"), G + " {{reason}}"),
+                   PromTarget(filtered(n.GPU_CLOCK_EVENT_RATIO, "gpu"), G + " {{reason}}"),
                    unit="percentunit", stack=True,
                    description="Share of the throttle window spent with each clock event (throttle) reason."),
         timeseries("Performance state", per_gpu(n.GPU_PSTATE), description="0 = P0 (fastest) … 15 = P15."),
         table("Recent XIDs per GPU",
-              PromTarget(f"max by (instance, gpu, xid) ({sel(n.GPU_XID_RECENT, 'gpu')})", instant=True,
+              PromTarget(f"max by (instance, gpu, xid) ({filtered(n.GPU_XID_RECENT, 'gpu')})", instant=True,
                          format="table"),
               description="XID codes each GPU reported within the XID alert's window."),
         timeseries("ECC errors and PCIe replays",
@@ -72,7 +73,7 @@ dashboard = dashboard(
                               G + " PCIe replay"),
                    unit="ops"),
         timeseries("Exporter sampling cost",
-                   PromTarget(f"max by (instance, collector) ({sel(n.EXPORTER_COLLECTION_SECONDS)})",
+                   PromTarget(f"max by (instance, collector) ({filtered(n.EXPORTER_COLLECTION_SECONDS)})",
                               "{{instance}} {{collector}}"), unit="s",
                    description="Duration of the last NVML sampling round per collector (off the scrape "
                                "path)."),

@@ -11,11 +11,11 @@ from gpuscope.dashboards import energy
 from gpuscope.dashboards.common import (
     PromTarget,
     dashboard,
+    filtered,
     heatmap,
     heatmap_expr,
     instance_var,
     quantile_expr,
-    sel,
     sum_expr,
     table,
     tenant_var,
@@ -25,13 +25,13 @@ from gpuscope.dashboards.common import (
 T = "tenant"
 GPU_RATE = sum_expr(names.TENANT_GPU_SECONDS_RATE, T, by=[T])
 SHARE = f"{GPU_RATE} / ignoring(tenant) group_left sum({GPU_RATE})"
-QUOTA = f"max by (tenant) ({sel(names.TENANT_SHARE_QUOTA, T)})"
+QUOTA = f"max by (tenant) ({filtered(names.TENANT_SHARE_QUOTA, T)})"
 #: 1 while a tenant has requests waiting but generated no token: starvation in the making.
-STARVING = (f"(sum by (tenant) ({sel(names.QUEUE_DEPTH, T)}) > bool 0)"
+STARVING = (f"(sum by (tenant) ({filtered(names.QUEUE_DEPTH, T)}) > bool 0)"
             f" * on (tenant) ({sum_expr(names.GENERATION_TOKENS_RATE, T, by=[T])} == bool 0)")
 
-MEMORY_USED = f"sum by (tenant) ({sel(names.TENANT_MEMORY_USED, T)})"
-MEMORY_CAP = f"max by (tenant) ({sel(names.TENANT_MEMORY_CAP, T)})"
+MEMORY_USED = f"sum by (tenant) ({filtered(names.TENANT_MEMORY_USED, T)})"
+MEMORY_CAP = f"max by (tenant) ({filtered(names.TENANT_MEMORY_CAP, T)})"
 NEAR_CAP = Thresholds().bottleneck_memory_ratio
 
 dashboard = dashboard(
@@ -95,7 +95,7 @@ dashboard = dashboard(
         timeseries("Waiting requests per tenant", PromTarget(sum_expr(names.QUEUE_DEPTH, T, by=[T]),
                                                              "{{tenant}}"), w=12),
         timeseries("Recorded GPU-time share (starvation window)",
-                   PromTarget(sel(names.TENANT_GPU_SHARE, T), "{{instance}} {{tenant}}"),
+                   PromTarget(filtered(names.TENANT_GPU_SHARE, T), "{{instance}} {{tenant}}"),
                    unit="percentunit", w=12,
                    description="The share the starvation alert compares with each tenant's quota."),
         timeseries("Starvation indicator", PromTarget(STARVING, "{{tenant}}"), w=12,

@@ -2,8 +2,8 @@
 
 Reads only normalised and derived series (``contract/names.py``: whatever the sources), plus
 node_exporter's CPU for the whole-host figure. Series are keyed by ``host`` as the bottleneck rules
-key them (``alerting/bottleneck.py``: a ``host`` label the scrape sets, else the host part of
-``instance``), so CPU, GPUs and the server of one machine meet in one :class:`Summary`.
+key them (``util/promql.py``'s ``with_host``: a ``host`` label the scrape sets, else the host part
+of ``instance``), so CPU, GPUs and the server of one machine meet in one :class:`Summary`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
-from gpuscope.alerting.bottleneck import with_host
-from gpuscope.alerting.rules import duration
 from gpuscope.contract import names
 from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.diagnose.summary import GpuSummary, OpSummary, ServerSummary, Summary
+from gpuscope.util.promql import duration, with_host
 
 
 class HistoryError(Exception):

@@ -21,10 +21,10 @@ Two metrics, and the HPA scales to the larger count either asks for:
 from __future__ import annotations
 
 from gpuscope.alerting.latency import quantile_expr
-from gpuscope.alerting.rules import duration, sel
 from gpuscope.contract import catalogue as m
 from gpuscope.contract.profiles import Profile
 from gpuscope.kube.config import Deployment
+from gpuscope.util.promql import duration, sel
 
 #: prometheus-adapter's template fields (Go templates with << >> delimiters).
 GROUP_BY = "<<.GroupBy>>"

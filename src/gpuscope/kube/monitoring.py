@@ -22,11 +22,12 @@ import yaml
 
 from gpuscope.alerting import alertmanager
 from gpuscope.alerting.generate import prometheus_groups
-from gpuscope.alerting.rules import GENERATED_HEADER, duration
+from gpuscope.alerting.rules import GENERATED_HEADER
 from gpuscope.contract.parts import PORTS
 from gpuscope.contract.profiles import Profile
 from gpuscope.dashboards import render
 from gpuscope.kube.config import Deployment, job_of
+from gpuscope.util.promql import duration
 
 PART_OF = {"app.kubernetes.io/part-of": "gpuscope"}
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}
