@@ -18,28 +18,30 @@ from gpuscope.alerting.rules import Alert, Doc, Group, Record, query_value
 from gpuscope.contract import catalogue as m
 from gpuscope.contract import names, uids
 from gpuscope.contract.profiles import Profile
-from gpuscope.util.promql import by, duration, num, sel
+from gpuscope.util.promql import by, duration, histogram_quantile, num, sel
 
 KERNEL_LABELS = ("job", "instance", "op", "device")
 ENDPOINT_LABELS = ("job", "instance")
 TENANT_LABELS = ("job", "instance", "tenant")
 
 
+def _with_samples(q: float, buckets: str, count: str, labels: Sequence[str]) -> str:
+    """The quantile of ``buckets`` per ``labels``, present only while ``count`` (the rate of the same
+    histogram's count) is above 0: no NaN series."""
+    return (f"{histogram_quantile(q, buckets, labels)}\n"
+            f"and on ({by(labels)})\nsum by ({by(labels)}) ({count}) > 0")
+
+
 def quantile_expr(metric: m.Metric, q: float, labels: Sequence[str], selector: str, window: int) -> str:
-    """p-quantile over ``window``, present only while the histogram has samples (no NaN series)."""
+    """p-quantile over ``window`` of the source's own histogram, present only while it has samples."""
     w = duration(window)
-    return (f"histogram_quantile({num(q)}, sum by ({by([*labels, 'le'])}) "
-            f"(rate({sel(metric.series('_bucket'), selector)}[{w}])))\n"
-            f"and on ({by(labels)})\n"
-            f"sum by ({by(labels)}) (rate({sel(metric.series('_count'), selector)}[{w}])) > 0")
+    return _with_samples(q, f"rate({sel(metric.series('_bucket'), selector)}[{w}])",
+                         f"rate({sel(metric.series('_count'), selector)}[{w}])", labels)
 
 
 def recorded_quantile(metric: m.Metric, q: float, labels: Sequence[str]) -> str:
-    """p-quantile of the normalised bucket rates, present only while there are samples (no NaN series)."""
-    buckets = names.rate(metric, "_bucket")
-    return (f"histogram_quantile({num(q)}, sum by ({by([*labels, 'le'])}) ({buckets}))\n"
-            f"and on ({by(labels)})\n"
-            f"sum by ({by(labels)}) ({names.rate(metric, '_count')}) > 0")
+    """p-quantile of the normalised bucket rates, present only while there are samples."""
+    return _with_samples(q, names.rate(metric, "_bucket"), names.rate(metric, "_count"), labels)
 
 
 #: The baseline recorded for each quantile that a spike compares: the median over the baseline window.

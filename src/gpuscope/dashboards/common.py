@@ -114,7 +114,8 @@ def heatmap_expr(metric: Metric, *labels: str) -> str:
 
 
 def quantile_expr(q: float, metric: Metric, *labels: str, by: Sequence[str] = ()) -> str:
-    return f"histogram_quantile({q}, sum by ({', '.join(('le', *by))}) ({buckets(metric, *labels)}))"
+    """The ``q``-quantile of a histogram's normalised bucket rates, filtered, per ``by``."""
+    return promql.histogram_quantile(q, buckets(metric, *labels), ("le", *by))
 
 
 def sum_expr(name: str, *labels: str, by: Sequence[str] = (), extra: str = "") -> str:

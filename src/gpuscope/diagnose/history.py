@@ -18,7 +18,7 @@ from collections.abc import Callable
 from gpuscope.contract import names
 from gpuscope.contract.profiles import PRODUCTION
 from gpuscope.diagnose.summary import GpuSummary, OpSummary, ServerSummary, Summary
-from gpuscope.util.promql import duration, with_host
+from gpuscope.util.promql import duration, histogram_quantile, with_host
 
 
 class HistoryError(Exception):
@@ -69,8 +69,7 @@ def judge_window(query: Query, since_s: int, host: str | None = None) -> list[Su
 
     def hq(q: float, bucket_rate: str, *labels: str) -> dict[tuple[str, ...], float]:
         inner = with_host(f"avg_over_time({bucket_rate}{{@M}}[{w}])")
-        by = ", ".join(("host", *labels, "le"))
-        return _values(query, f"histogram_quantile({q}, sum by ({by}) (\n{inner}\n))", "host", *labels)
+        return _values(query, histogram_quantile(q, f"\n{inner}\n", ("host", *labels)), "host", *labels)
 
     cpu = per(f'1 - rate(node_cpu_seconds_total{{{node},mode="idle"@M}}[{w}])', "avg")
     core = per(f"avg_over_time({names.HOST_CPU_BUSY}{{@M}}[{w}])", "max")

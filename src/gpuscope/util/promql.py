@@ -40,6 +40,14 @@ def by(labels: Sequence[str]) -> str:
     return ", ".join(labels)
 
 
+def histogram_quantile(q: float, buckets: str, labels: Sequence[str] = ()) -> str:
+    """The ``q``-quantile of a histogram's bucket rates (or increases) ``buckets``, per ``labels``:
+    the buckets summed by ``labels`` and ``le`` (last, unless ``labels`` places it), the quantile
+    interpolated within the bucket that holds it, as Prometheus does."""
+    grouping = labels if "le" in labels else (*labels, "le")
+    return f"histogram_quantile({num(q)}, sum by ({by(grouping)}) ({buckets}))"
+
+
 #: The host part of an ``instance`` (its port stripped).
 HOST_REGEX = "(.*):[0-9]+"
 
