@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,15 +35,13 @@ from collections import defaultdict
 from typing import Any
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+from gpuscope.util.freeport import free_ports  # noqa: E402
+
 TOKEN = "bench-profile-token-0123456789"
 INSTANCE = "h200-server:8000"
 ALERT = "GPUStepLatencySpike"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: Any = None, token: str | None = None, timeout: float = 30) -> Any:
@@ -242,7 +239,8 @@ def main() -> int:
     import torch
 
     gpu = torch.cuda.is_available()
-    sport, rport = free_port(), free_port()
+    ports = free_ports(["server", "receiver"])
+    sport, rport = ports["server"], ports["receiver"]
     server, receiver = f"http://127.0.0.1:{sport}", f"http://127.0.0.1:{rport}"
     servers_file = os.path.join(work, "servers.json")
     with open(servers_file, "w") as f:

@@ -302,6 +302,18 @@ TENANT_GPU_POWER = "gpuscope:tenant_gpu_energy_joules:rate"
 TENANT_ENERGY_PER_OUTPUT_TOKEN = "gpuscope:tenant_energy_per_output_token:joules"
 TENANT_COST_PER_MILLION_OUTPUT_TOKENS = "gpuscope:tenant_cost_per_million_output_tokens:price"
 
+# === Custom metrics (Kubernetes' custom metrics API; prometheus-adapter serves them to the server's HPA) ===
+
+
+def custom_quantile(metric: m.Metric, q: float) -> str:
+    """``<histogram>_p<100 q>``: a histogram's q-quantile per Kubernetes object, evaluated by the adapter
+    from the source's buckets (``gpuscope_request_ttft_seconds_p95``)."""
+    return f"{metric.name}_p{q * 100:g}".replace(".", "_")
+
+
+#: Per server pod, its busiest GPU's utilization averaged over a window (``HOST_GPU_BUSY`` per pod).
+POD_GPU_BUSY = "gpuscope_gpu_busy_ratio"
+
 #: Per role, the up copy and the absence record of its targets (health alerts, sources).
 TARGETS = {"server": (SERVER_UP, SERVER_TARGETS_ABSENT),
            "gpu": (GPU_EXPORTER_UP, GPU_EXPORTER_TARGETS_ABSENT)}

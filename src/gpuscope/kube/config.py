@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from gpuscope.contract import parts
+from gpuscope.contract import catalogue as m
+from gpuscope.contract import names, parts
 from gpuscope.contract.parts import PORTS
 
 
@@ -73,9 +74,15 @@ class Autoscaling:
     scale_down_stabilization_s: int = 600
     scale_down_pods: int = 1
     scale_down_period_s: int = 300
-    #: Names in the custom metrics API (prometheus-adapter serves them).
-    ttft_metric: str = "gpuscope_request_ttft_seconds_p95"
-    gpu_busy_metric: str = "gpuscope_gpu_busy_ratio"
+
+    # Names in the custom metrics API (prometheus-adapter serves them), as the contract has them.
+    @property
+    def ttft_metric(self) -> str:
+        return names.custom_quantile(m.REQUEST_TTFT, self.ttft_quantile)
+
+    @property
+    def gpu_busy_metric(self) -> str:
+        return names.POD_GPU_BUSY
 
 
 @dataclass(frozen=True)
