@@ -51,8 +51,14 @@ Entry = tuple[str, str, dict[str, str]]
 class _Aggregate:
     """One collector per registry, summing every live handler registered in it."""
 
+    #: Every family it yields.
+    METRICS = (c.LOG_RECORDS_SENT, c.LOG_RECORDS_DROPPED, c.LOG_PUSH_FAILURES, c.LOG_QUEUE_RECORDS)
+
     def __init__(self) -> None:
         self.handlers: weakref.WeakSet[LokiHandler] = weakref.WeakSet()
+
+    def describe(self):
+        return [metric.family() for metric in self.METRICS]
 
     def collect(self):
         handlers = list(self.handlers)

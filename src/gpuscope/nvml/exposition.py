@@ -20,6 +20,12 @@ from gpuscope.nvml.store import CollectorState, Store
 #: The collector whose answer decides ``gpuscope_exporter_gpu_up``.
 UP_COLLECTOR = "device"
 
+#: Every family ``ExporterCollector`` may yield (which ones it does depends on the GPUs and the
+#: collectors that run): the exporter's catalogue metrics but the ones served by others, the age of
+#: the values (``StalenessCollector``) and the HTTP server's closed connections.
+METRICS = tuple(m for m in cat.all_metrics() if m.area == cat.GPU
+                and m not in (cat.EXPORTER_STALENESS, cat.EXPORTER_HTTP_CONNECTIONS_CLOSED))
+
 
 class ExporterCollector:
     """Yields every ``gpuscope_gpu_*`` and ``gpuscope_exporter_*`` family from cached state."""
@@ -31,8 +37,10 @@ class ExporterCollector:
         self.devices = list(devices)
         self.driver_version = driver_version
 
-    def describe(self) -> list:
-        return []  # names vary with hardware; registration must not run a collection
+    def describe(self) -> list[Family]:
+        """Every family it may yield, from the catalogue: registration checks the names without
+        running a collection."""
+        return [metric.family() for metric in METRICS]
 
     def collect(self) -> Iterator[Family]:
         yield from self.families(self.store.snapshot())
@@ -105,8 +113,8 @@ class StalenessCollector:
         self.clock = clock
         self.snapshot = snapshot or store.snapshot
 
-    def describe(self) -> list:
-        return []
+    def describe(self) -> list[Family]:
+        return [cat.EXPORTER_STALENESS.family()]
 
     def collect(self) -> Iterator[Family]:
         now = self.clock()

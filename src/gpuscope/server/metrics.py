@@ -167,6 +167,11 @@ class StateCollector:
         gpuscope_fault_active{fault="latency_spike"} 0.0
     """
 
+    #: Every family it yields.
+    METRICS = (c.QUEUE_DEPTH, c.REQUESTS_RUNNING, c.TENANT_GPU_SECONDS, c.TENANT_SHARE_QUOTA, c.PREEMPTIONS,
+               c.KV_CACHE_USAGE, c.DEVICE_MEMORY_ALLOCATED, c.DEVICE_MEMORY_RESERVED, c.DEVICE_MEMORY_TOTAL,
+               c.FAULT_ACTIVE)
+
     def __init__(self, scheduler: Scheduler, device: torch.device, kv_usage: Callable[[], float],
                  faults: Callable[[], dict[str, bool]]) -> None:
         self._scheduler = scheduler
@@ -174,6 +179,10 @@ class StateCollector:
         self._kv_usage = kv_usage
         self._faults = faults
         self._total = device_memory_total(device)  # fixed for the process's life: read once
+
+    def describe(self):
+        """The families by name, type and help, for the registry's check of duplicate names."""
+        return [metric.family() for metric in self.METRICS]
 
     def collect(self):
         state = self._scheduler.state()
@@ -212,10 +221,16 @@ class VllmStateCollector:
         vllm:num_preemptions_total{model_name="gpuscope-tiny",engine="0"} 4.0
     """
 
+    #: Every family it yields.
+    METRICS = (up.VLLM_RUNNING, up.VLLM_WAITING, up.VLLM_KV_CACHE, up.VLLM_PREEMPTIONS)
+
     def __init__(self, scheduler: Scheduler, kv_usage: Callable[[], float], model_name: str) -> None:
         self._scheduler = scheduler
         self._kv_usage = kv_usage
         self._values = [model_name, "0"]
+
+    def describe(self):
+        return [metric.family() for metric in self.METRICS]
 
     def collect(self):
         states = self._scheduler.state().values()

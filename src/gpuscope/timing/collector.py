@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from gpuscope.timing.resolver import Resolver
 
 
+#: Every family the collector yields (the kernel busy window's only while it is on): the catalogue's
+#: timing metrics.
+METRICS = tuple(m for m in c.all_metrics() if m.area == c.TIMING)
+
+
 class TimerCollector(Collector):
     def __init__(self, core: TimerCore, resolver: Resolver, budget: BudgetController) -> None:
         self.core = core
@@ -39,7 +44,9 @@ class TimerCollector(Collector):
         self.budget = budget
 
     def describe(self) -> Iterator:
-        return iter(())  # collect() is cheap, but registration must not depend on timer state
+        """The families by name, type and help, without timer state: what a registry checks for
+        names another collector of it already has."""
+        return (metric.family() for metric in METRICS)
 
     def collect(self) -> Iterator:
         core, resolver = self.core, self.resolver

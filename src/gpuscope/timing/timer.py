@@ -83,7 +83,8 @@ class Timer:
     """Times GPU work with CUDA events (or wall time on CPU-only machines) into Prometheus histograms.
 
     Args:
-        registry: where the timer's metrics are registered (None: nowhere).
+        registry: where the timer's metrics are registered (None: nowhere). One timer per registry:
+            a second one's names are already there, and registering it raises ``ValueError``.
         backend: "auto" (CUDA if available, else host), "cuda", "host", or a route name.
         budget: share of wall time the timer may cost; sampling adapts to stay within it.
             Ignored when ``sample_rate`` is given.
@@ -139,10 +140,10 @@ class Timer:
                                  calibrate_every=calibrate_every)
         self._regions: dict[str, Region] = {}
         self._local = threading.local()
-        self.resolver.start()
-        if registry is not None:
+        if registry is not None:  # first: a registry that refuses its names leaves no thread behind
             registry.register(TimerCollector(self.core, self.resolver, self.budget_controller))
         self._registry = registry
+        self.resolver.start()
         ref = weakref.ref(self)
         atexit.register(lambda: (t := ref()) is not None and t.close(timeout=1.0))
 
