@@ -11,10 +11,10 @@ import pytest
 import requests
 
 from gpuscope.contract import catalogue as c
-from gpuscope.server import profile_trace as pt
 from gpuscope.server.config import ConfigError
 from gpuscope.server.main import load_config
-from gpuscope.server.profile_config import ProfileConfig
+from gpuscope.server.profile import trace as pt
+from gpuscope.server.profile.config import ProfileConfig
 from tests.conftest import promtool_check_metrics, wait_for
 from tests.server.conftest import ServerThread, small_config
 
@@ -254,7 +254,7 @@ def test_caps_keep_kernels_first_and_bytes_bound_the_file():
 def test_kernel_mode_plumbing_with_torch_profiler_on_cpu(serve, monkeypatch):
     """The kernels recorder end to end where torch.profiler records CPU activity only (no CUDA here):
     module ranges and step marks land in torch's own Chrome trace, which is capped and served."""
-    from gpuscope.server import profile
+    from gpuscope.server.profile import capture as profile
 
     monkeypatch.setattr(profile, "kernels_available", lambda device: True)
     server = serve(timing="budget")
@@ -290,7 +290,7 @@ def test_kernel_capture_waits_for_an_open_busy_window_and_gives_cupti_back(tmp_p
 
     from prometheus_client import CollectorRegistry
 
-    from gpuscope.server import profile
+    from gpuscope.server.profile import capture as profile
 
     monkeypatch.setattr(profile, "kernels_available", lambda device: True)
     busy = FakeBusy()

@@ -51,7 +51,7 @@ from .faults import FaultError, FaultInjector
 from .limits import CLOSE_REASONS, BodyTimeout, LimitedRequestHandler, socket_cap
 from .limits import SUPPORTED as LIMITS_SUPPORTED
 from .loop_lag import LoopMonitor
-from .profile_api import add_routes as add_profile_routes
+from .profile.api import add_routes as add_profile_routes
 from .protocol import (
     BadRequest,
     Completion,

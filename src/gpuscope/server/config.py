@@ -21,7 +21,7 @@ from gpuscope.util.flags import parse_listen_address
 from gpuscope.util.settings import LogLevel, group, parse_float, setting
 
 from .http_settings import HttpLimits
-from .profile_config import ProfileConfig
+from .profile.config import ProfileConfig
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 #: The tenant that ``--tenants.unknown other`` sends unknown X-Tenant values to.

@@ -1,4 +1,4 @@
-"""The API's error body (OpenAI's shape), shared by the routes of ``api`` and ``profile_api``."""
+"""The API's error body (OpenAI's shape), shared by the routes of ``api`` and ``profile.api``."""
 
 from __future__ import annotations
 

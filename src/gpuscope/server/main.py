@@ -26,7 +26,7 @@ from gpuscope.util.settings import LogLevel, SettingsParser, parser_for
 
 from .api import build_app, run
 from .config import ConfigError, ServerConfig, resolve_tracing
-from .profile_config import TOKEN_ENV as PROFILE_TOKEN_ENV
+from .profile.config import TOKEN_ENV as PROFILE_TOKEN_ENV
 from .service import Service
 
 PROG = "gpuscope serve"

@@ -19,7 +19,7 @@ from .faults import FAULTS, FaultInjector
 from .hf import load_runner
 from .metrics import RequestMetrics, StateCollector, VllmRequestMetrics, VllmStateCollector
 from .model import ModelRunner, TinyRunner, build_model
-from .profile import ProfileCapture
+from .profile.capture import ProfileCapture
 from .scheduler import Scheduler
 from .step_timing import build_timer, enable_kernel_busy
 

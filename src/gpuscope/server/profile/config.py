@@ -1,8 +1,9 @@
 """Settings of on-demand profile captures (``gpuscope serve --profile.*``), validated in one place.
 
-The flags live here, not in ``main.py``'s long list, so the feature's settings read in one page.
-Like the fault-injection API, captures are off unless ``--profile.enable`` is given with a token,
-and the token comes only from a file or ``GPUSCOPE_PROFILE_TOKEN``, never the command line.
+The flags live here, not in the server's ``main.py`` and its long list, so the feature's settings
+read in one page. Like the fault-injection API, captures are off unless ``--profile.enable`` is given
+with a token, and the token comes only from a file or ``GPUSCOPE_PROFILE_TOKEN``, never the command
+line.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 A request (the API's event loop, usually the alert receiver on a firing latency alert) is checked and
 rate-limited here: at most one accepted capture per ``min_interval_s``, one at a time. The engine
 thread then drives it between steps (``tick`` at each iteration, ``after_step`` after each step):
-it starts the recorder (``profile_recorders.py``: kernels through torch.profiler on CUDA, else the
+it starts the recorder (``recorders.py``: kernels through torch.profiler on CUDA, else the
 timer's regions), counts the asked steps and stops it; a background thread builds the trace, caps
-it, writes it (``profile_trace.py``), prunes old ones and logs one ``profile_captured`` line that
+it, writes it (``trace.py``), prunes old ones and logs one ``profile_captured`` line that
 links to it (the server's structured log, shipped to Loki). So the engine thread pays only the
 recorder's start and stop (counted in ``gpuscope_profile_stall_seconds_total``) and the window's own
 slowdown, which is measured: tokens per step-second during the window against the same over the
@@ -32,9 +32,9 @@ from prometheus_client import CollectorRegistry
 
 from gpuscope.contract import catalogue as c
 
-from . import profile_trace as pt
-from .profile_config import MODES, ProfileConfig
-from .profile_recorders import KernelRecorder, RegionRecorder, kernels_available
+from . import trace as pt
+from .config import MODES, ProfileConfig
+from .recorders import KernelRecorder, RegionRecorder, kernels_available
 
 log = logging.getLogger("gpuscope.server.profile")
 
@@ -242,7 +242,8 @@ class ProfileCapture:
     def warm_up(self) -> None:
         """Before the engine reports ready: start and stop torch.profiler once where kernel captures
         can run. Its first use in a process sets up Kineto and CUPTI: 4.5 s of engine stall in the
-        first capture on the H200, against 0.06 s in the next (benchmarks/NOTES.md). Never raises."""
+        first capture on the H200, against 0.06 s in the next (docs/server.md, "Kernel profiles on an
+        alert"). Never raises."""
         if not kernels_available(self.device):
             return
         t0 = time.perf_counter()

@@ -15,8 +15,8 @@ import os
 
 from aiohttp import web
 
-from .errors import error_response
-from .profile import ProfileCapture, ProfileError
+from ..errors import error_response
+from .capture import ProfileCapture, ProfileError
 
 PROFILE = web.AppKey("profile", ProfileCapture)
 

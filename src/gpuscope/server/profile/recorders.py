@@ -1,4 +1,4 @@
-"""The two ways a capture records the steps it spans (``profile.py`` drives them on the engine thread).
+"""The two ways a capture records the steps it spans (``capture.py`` drives them on the engine thread).
 
 - :class:`KernelRecorder` (mode ``kernels``, on CUDA): ``torch.profiler`` with CPU and CUDA activity,
   that is every kernel under the name CUPTI gives it, with each instrumented module's forward as a
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import profile_trace as pt
+from . import trace as pt
 
 STEP_TID, REGION_TID = 1, 2
 
