@@ -54,6 +54,13 @@ def test_a_timer_collector_registers_once_per_registry() -> None:
             cat.REGIONS_ENTERED.create(registry)  # another collector with one of its names
 
 
+def test_a_closed_timer_gives_its_names_back() -> None:
+    registry = CollectorRegistry()
+    Timer(registry, backend="host").close()
+    with Timer(registry, backend="host") as timer:  # a notebook cell run again, after a close
+        assert not timer.closed
+
+
 def test_an_exporter_collector_registers_once_per_registry() -> None:
     registry = CollectorRegistry()
     state = exporter_state()

@@ -79,6 +79,11 @@ class Handle:
         self.callback = callback
 
 
+#: The timer collector each registry holds: a new timer replaces a closed one's (one per registry,
+#: else a scrape would carry every family twice).
+_REGISTERED: weakref.WeakKeyDictionary[CollectorRegistry, TimerCollector] = weakref.WeakKeyDictionary()
+
+
 class Timer:
     """Times GPU work with CUDA events (or wall time on CPU-only machines) into Prometheus histograms.
 
@@ -141,7 +146,12 @@ class Timer:
         self._regions: dict[str, Region] = {}
         self._local = threading.local()
         if registry is not None:  # first: a registry that refuses its names leaves no thread behind
-            registry.register(TimerCollector(self.core, self.resolver, self.budget_controller))
+            collector = TimerCollector(self.core, self.resolver, self.budget_controller)
+            previous = _REGISTERED.get(registry)
+            if previous is not None and previous.core.closed:
+                registry.unregister(previous)  # a closed timer's names go to its successor
+            registry.register(collector)
+            _REGISTERED[registry] = collector
         self._registry = registry
         self.resolver.start()
         ref = weakref.ref(self)
@@ -228,7 +238,8 @@ class Timer:
         return self.resolver.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the resolver, resolve what completes within ``timeout``, destroy every event."""
+        """Stop the resolver, resolve what completes within ``timeout``, destroy every event. Its
+        metrics stay readable until a new timer takes its registry."""
         if self.core.closed:
             return
         self.core.closed = True
