@@ -578,9 +578,8 @@ fail:
 }
 
 /* Whether this process's tenant runs beside the slice holder (a higher-priority tenant within its
- * share). The GPU then time-slices it with the holder, and on the H200 an event recorded between its
- * small kernels costs a context switch of its own: a decode loop timed per launch there ran 5x slower
- * than untimed. So its launches go untimed, and the controller charges it the busy fraction measured
+ * share). The GPU then time-slices it with the holder, and an event recorded between its small
+ * kernels costs a context switch of its own (docs/share.md, "Priorities"). So its launches go untimed, and the controller charges it the busy fraction measured
  * in short probes, when the holder is paused and it runs alone (busy_accounting). */
 static inline int beside(void) {
     return policy && (atomic_load_explicit(&policy->beside_mask, memory_order_relaxed) & slot_bit);
@@ -823,8 +822,8 @@ static void *helper_main(void *arg) {
             /* A launching thread keeps waiting for the oldest window and posts what finished each
              * time: nap instead of waking with it for every window. With the gate open (no share
              * binds) nothing waits on the posted time but the counters, so post what finished and nap
-             * too: sleeping on each window woke a launch-bound loop's helper every 2 ms (700 times a
-             * second, about 1% of a core; 2% on the H200), and a launching thread at the queue bound
+             * too: sleeping on each window woke a launch-bound loop's helper at every window, and a
+             * launching thread at the queue bound
              * posts anyway. A gate change wakes the helper (a drain needs the queue posted at once,
              * and the controller's gate writes wake every waiter); else it looks after the nap. */
             atomic_store(&helper_sleeping, NAPPING);

@@ -2,8 +2,8 @@
  *
  * While two or more tenants take turns, the controller's only frequent job is the hand-over at each
  * slice's end: read who is waiting, pick the next holder, write the gate, wake its threads. Done by
- * the Python loop, each hand-over is a wake-up of the interpreter on a cold cache, ~150 µs of CPU;
- * at 20 ms slices that alone is about half a percent of a core. take_turns() does the same
+ * the Python loop, each hand-over is a wake-up of the interpreter on a cold cache (docs/share.md,
+ * "The turn keeper", has the cost). take_turns() does the same
  * decisions here and returns to Python only at a deadline (the controller's bookkeeping: charging,
  * the active set, probes, every 250 ms), when a tenant rings the bell (a preempting priority, a quiet
  * holder) or when a tenant process has exited, so a hand-over costs a futex wake-up, a few loads and

@@ -42,8 +42,8 @@ ACTIVE_S = 0.5
 SCAN_S, ZOMBIE_CHECK_S = 0.1, 2.0
 #: How often the loop looks while shares do not bind: with tenant processes attached (a second one
 #: starting to launch makes them bind), and with none (a process that joins rings the bell; the
-#: heartbeat must still move well inside the tenants' 2 s staleness limit). An idle controller cost
-#: 0.2% of a core looking every 100 ms.
+#: heartbeat must still move well inside the tenants' 2 s staleness limit). Looking more often costs
+#: an idle controller CPU for nothing.
 OPEN_POLL_S, NO_TENANTS_POLL_S = 0.25, 0.5
 #: The holder still wants its slice if it launched this recently.
 HOLDER_RECENT_S = 0.002
@@ -52,16 +52,15 @@ HOLDER_RECENT_S = 0.002
 #: (a training step's host work between its kernels would otherwise cost it the whole turn).
 LEND_MIN_S = 0.001
 #: The turn of the smallest share while shares bind (``--share.slice``). Each hand-over wakes the
-#: controller and both tenants' helper threads: on the H200 (two matmul loops at 70/30, draining
-#: hand-overs, side by side in one run) 20 ms turns cost 0.24% + 0.17% + 0.18% of a core, 30 ms turns
-#: 0.18% + 0.13% + 0.09%, and 30 ms kept every 5 s window as close to the shares (0.9 against 1.2
-#: points). A tenant of equal priority waits up to the other's turn: latency tenants get a priority.
+#: controller and both tenants' helper threads, so shorter turns cost CPU without holding shares any
+#: closer (docs/share.md, "Turn length against CPU"). A tenant of equal priority waits up to the
+#: other's turn: latency tenants get a priority.
 DEFAULT_SLICE_S = 0.03
 #: While tenants run concurrently their posted GPU time is summed over at least this long and, when
 #: it exceeds the wall time (time-sliced contexts' event spans overlap), the overlap is split.
 CONCURRENT_PERIOD_S = 0.05
-#: A tenant beside the holder launches untimed (on the H200 an event between its small kernels cost a
-#: context switch each: a decode loop ran 5x slower timed per launch than untimed). Every PROBE_EVERY_S
+#: A tenant beside the holder launches untimed (an event between its small kernels costs it a context
+#: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S
 #: the holder is paused for PROBE_S and the tenants beside it, running alone, time each launch: the busy
 #: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
 #: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
@@ -70,8 +69,8 @@ PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
 PROBE_WEIGHT = 0.5
 #: While tenants take turns the hand-overs run in C (``_turns``), and the Python loop takes control
 #: back this often to charge posted time, update the active set and start probes (the C loop itself
-#: returns at once when a tenant process exits). Handing over in Python cost ~150-250 µs of CPU per
-#: hand-over on a cold cache: half a percent of a core at 20 ms slices; each return costs as much.
+#: returns at once when a tenant process exits). Each return costs a wake-up of the interpreter on a
+#: cold cache, as each hand-over did when they were decided in Python (docs/share.md, "The turn keeper").
 KEEPER_RETURN_S = 0.25
 #: With draining hand-overs the holder stops at its slice's end by itself (it sees the end in the
 #: policy), drains its queue and rings: one wake-up of the keeper per hand-over instead of two. The
@@ -589,8 +588,8 @@ class Controller:
             self.tenants = tenants
             self.scheduler.set_tenants(tenants)
             if shares_changed:
-                # the usage remembered under the old shares would be repaid under the new ones (on the
-                # H200 the tenant whose share grew got the whole GPU for half a second): start afresh
+                # the usage remembered under the old shares would be repaid under the new ones (the
+                # tenant whose share grew would take the whole GPU for a while): start afresh
                 self.scheduler.used = [0.0] * len(tenants)
             self.buckets.set_tenants(tenants)
             for t in tenants:

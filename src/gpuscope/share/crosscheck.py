@@ -18,8 +18,8 @@ from gpuscope.share.nvml_source import process_samples
 
 #: How far back the comparison looks, and by how much of that wall time NVML may exceed the charge.
 WINDOW_S, TOLERANCE = 300.0, 0.15
-#: How often NVML's per-process utilization is read: a call costs about 1.4 ms on the H200, so every
-#: 0.5 s it alone took 0.3% of a core; over minutes, every 5 s is as good.
+#: How often NVML's per-process utilization is read: each call costs the controller milliseconds of
+#: CPU (docs/share.md, "Security model"), and over minutes every 5 s is as good as more often.
 SAMPLE_EVERY_S = 5.0
 
 

@@ -32,8 +32,7 @@ DUTY_MAX_OVER = 2.0
 DUTY_MAX_BUSY = 0.5
 #: A tenant already beside the holder stays there until its busy time passes those limits by this
 #: factor: probes vary by a few percent, and a tenant at the limit that moved between the duty and the
-#: turns at each probe waited a whole turn of the holder now and then (on the H200, at busy 0.18 on a
-#: 0.09 share: 4 of 1,500 decode steps took 176-264 ms).
+#: turns at each probe waited a whole turn of the holder now and then (docs/share.md, Limits).
 DUTY_STAY_MARGIN = 1.25
 
 
