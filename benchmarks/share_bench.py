@@ -333,7 +333,7 @@ def rate(stamps: list[float], lo: float, hi: float) -> float:
 
 
 def pair_run(shares: str, accounting: str, seconds: float, alone: float, port: int, *extra: str) -> dict:
-    from gpuscope.share.controller import DEFAULT_SLICE_S  # recorded: the default turn changed once
+    from gpuscope.share.settings import DEFAULT_SLICE_S  # recorded: the default turn changed once
 
     ctl = Controller(shares, accounting, port, *extra)
     start = time.time() + 12  # both processes past torch's start-up

@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     args = p.parse_args()
     from gpuscope.share.ledger import TenantPolicy
+    from gpuscope.share.settings import Handover
     from tests.share.fakecuda import running_controller
 
     tmp = Path(tempfile.mkdtemp())
@@ -82,11 +83,11 @@ def main() -> None:
         entry: dict = {"name": name}
         plain = run(fake, tmp, kinds, args.seconds)
         variants = {"unmanaged": ([s / alone[k] for s, k in zip(plain, kinds, strict=True)], None)}
-        for handover in ("drain", "overlap"):
+        for handover in (Handover.DRAIN, Handover.OVERLAP):
             policy = [TenantPolicy(n, share) for n, (_, share) in zip(names, mix, strict=True)]
             with running_controller(str(tmp / "ledger"), policy, handover=handover) as c:
                 steps = run(fake, tmp, kinds, args.seconds, names)
-            variants[handover] = ([s / alone[k] for s, k in zip(steps, kinds, strict=True)],
+            variants[str(handover)] = ([s / alone[k] for s, k in zip(steps, kinds, strict=True)],
                                   {"lends": c.stats.lends, "reclaims": c.stats.reclaims})
         for variant, (fractions, stats) in variants.items():
             entry[variant] = {"tenants": [{"name": n, "workload": k, "share": share, "fraction": rnd(f)}

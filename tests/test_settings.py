@@ -137,7 +137,7 @@ def _command_settings() -> dict[str, type]:
     from gpuscope.ops.stack_command import StackSettings
     from gpuscope.receiver.main import ReceiverSettings
     from gpuscope.server.config import ServerConfig
-    from gpuscope.share.main import ShareSettings
+    from gpuscope.share.settings import ShareSettings
 
     return {"serve": ServerConfig, "exporter": Config, "receiver": ReceiverSettings, "stack": StackSettings,
             "generate": GenerateSettings, "share": ShareSettings, "diagnose": DiagnoseSettings,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -79,11 +80,14 @@ class Joined:
 
 
 @contextlib.contextmanager
-def running_controller(prefix: str, tenants, **options):
-    """A Controller with its loop in a thread, closed at the end (``options``: Controller's)."""
+def running_controller(prefix: str, tenants, *, access=None, policy_file=None, **flags):
+    """A Controller with its loop in a thread, closed at the end. ``flags``: settings by their names
+    in ShareSettings (``slice=0.01``, ``handover=Handover.OVERLAP``...), over the command's defaults."""
     from gpuscope.share.controller import Controller
+    from gpuscope.share.settings import ShareSettings
 
-    c = Controller(prefix, tenants, log=lambda line: None, **options)
+    settings = dataclasses.replace(ShareSettings(), **flags)
+    c = Controller(prefix, tenants, settings, access=access, policy_file=policy_file, log=lambda line: None)
     stop = threading.Event()
     loop = threading.Thread(target=c.run, args=(stop,))
     loop.start()

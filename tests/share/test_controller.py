@@ -17,6 +17,7 @@ from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import main as share_main
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
+from gpuscope.share.settings import Handover, Turns
 from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env, running_controller
 
@@ -48,9 +49,10 @@ def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
     shared_wait_for(predicate, timeout=timeout, interval=0.01, what=what)
 
 
-def running(ledger: str, tenants: list[TenantPolicy], handover: str = "overlap", keeper: bool = True):
-    return running_controller(ledger, tenants, slice_s=0.01, drain_timeout_s=2.0,  # CI's slack
-                              handover=handover, keeper=keeper)
+def running(ledger: str, tenants: list[TenantPolicy], handover: Handover = Handover.OVERLAP,
+            turns: Turns = Turns.C):
+    return running_controller(ledger, tenants, slice=0.01, drain_timeout=2.0,  # CI's slack
+                              handover=handover, turns=turns)
 
 
 @pytest.fixture(params=["drain", "drain-python", "overlap", "overlap-python"])
@@ -58,7 +60,7 @@ def controller(tmp_path, request):
     """Draining and overlapping hand-overs, decided in C (the turn keeper, where built) or in Python."""
     handover, _, where = request.param.partition("-")
     with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
-                 handover, keeper=where != "python") as c:
+                 Handover(handover), Turns.PYTHON if where == "python" else Turns.C) as c:
         yield c
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.settings import Handover, Turns
 from tests.share.fakecuda import HERE, child_env, running_controller
 
 SECONDS = 3.0
@@ -49,13 +50,14 @@ def alone(fake_cuda, tmp_path_factory) -> dict[str, int]:
     return {kind: run(fake_cuda, tmp, [kind])[0] for kind in ("steps", "busy")}
 
 
-@pytest.mark.parametrize("handover, keeper", [("drain", True), ("drain", False), ("overlap", True)],
+@pytest.mark.parametrize("handover, turns", [(Handover.DRAIN, Turns.C), (Handover.DRAIN, Turns.PYTHON),
+                                             (Handover.OVERLAP, Turns.C)],
                          ids=["drain", "drain-python", "overlap"])
 def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda, tmp_path, alone, handover,
-                                                                        keeper):
+                                                                        turns):
     ledger = str(tmp_path / "ledger")
-    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice_s=0.03,
-                            handover=handover, keeper=keeper, drain_timeout_s=2.0) as c:
+    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
+                            handover=handover, turns=turns, drain_timeout=2.0) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger)
         shown = {m.name: m.samples[0].value for m in ShareCollector(c).collect() if "turns" in m.name}
     train, hog = steps / alone["steps"], kernels / alone["busy"]
@@ -66,7 +68,7 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
     assert c.stats.lends > 0 and c.stats.reclaims > 0
     assert 0 < shown["gpuscope_share_lent_turns"] <= c.stats.lends  # /metrics shows them
     assert 0 < shown["gpuscope_share_reclaimed_turns"] <= c.stats.reclaims
-    if handover == "drain":  # exact charges (overlapping hand-overs split concurrent time evenly)
+    if handover == Handover.DRAIN:  # exact charges (overlapping hand-overs split concurrent time evenly)
         # charged its kernels' time, not the host work between them: 3 ms a step
         gpu_s = steps * BURST * KERNEL_US / 1e6
         assert c.stats.charged_s["train"] == pytest.approx(gpu_s, rel=0.3)

@@ -29,11 +29,23 @@ from gpuscope.share.ledger import (
 )
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time
+from gpuscope.share.settings import (
+    PROBE_FIRST_S,
+    PROBE_READ_LAG_S,
+    PROBE_S,
+    Accounting,
+    Handover,
+    ShareSettings,
+    Turns,
+)
 
 try:
     from gpuscope.share import _turns
 except ImportError:  # no compiler where gpuscope was installed: the Python loop hands over (more CPU)
     _turns = None
+
+#: The settings of a controller made without any (the command's defaults).
+DEFAULTS = ShareSettings()
 
 #: A tenant counts as active (shares bind while two are) this long after its last launch.
 ACTIVE_S = 0.5
@@ -51,20 +63,9 @@ HOLDER_RECENT_S = 0.002
 #: others wait lends them the rest of it and keeps its claim: its next launch takes the turn back
 #: (a training step's host work between its kernels would otherwise cost it the whole turn).
 LEND_MIN_S = 0.001
-#: The turn of the smallest share while shares bind (``--share.slice``). Each hand-over wakes the
-#: controller and both tenants' helper threads, so shorter turns cost CPU without holding shares any
-#: closer (docs/share.md, "Turn length against CPU"). A tenant of equal priority waits up to the
-#: other's turn: latency tenants get a priority.
-DEFAULT_SLICE_S = 0.03
 #: While tenants run concurrently their posted GPU time is summed over at least this long and, when
 #: it exceeds the wall time (time-sliced contexts' event spans overlap), the overlap is split.
 CONCURRENT_PERIOD_S = 0.05
-#: A tenant beside the holder launches untimed (an event between its small kernels costs it a context
-#: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S
-#: the holder is paused for PROBE_S and the tenants beside it, running alone, time each launch: the busy
-#: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
-#: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
-PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
 #: Weight of a new probe's busy fraction in the running estimate.
 PROBE_WEIGHT = 0.5
 #: While tenants take turns the hand-overs run in C (``_turns``), and the Python loop takes control
@@ -122,26 +123,24 @@ class Stats:
 
 
 class Controller:
-    def __init__(self, prefix: str, tenants: list[TenantPolicy], *, mode: str = "events",
-                 slice_s: float = DEFAULT_SLICE_S, drain_timeout_s: float = 0.2, window_us: int = 2000,
-                 handover: str = "drain", probe_every_s: float = PROBE_EVERY_S,
-                 inflight_slice: int = 2, inflight_open: int = 16,
-                 utilization: UtilizationSource | None = None, keeper: bool = True,
-                 access: Access | None = None, log: Callable[[str], None] | None = None,
-                 policy_file: PolicyFile | None = None) -> None:
+    def __init__(self, prefix: str, tenants: list[TenantPolicy], settings: ShareSettings = DEFAULTS, *,
+                 utilization: UtilizationSource | None = None, access: Access | None = None,
+                 log: Callable[[str], None] | None = None, policy_file: PolicyFile | None = None) -> None:
+        """``settings``: the command's flags as they are (``--share.slice``, ``--share.handover``...);
+        ``tenants``, ``access`` and ``policy_file`` replace its ``--share`` and ``--share.allow``."""
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
-        self.policy = Policy(prefix, tenants, mode=mode, window_us=window_us, inflight_slice=inflight_slice,
-                             inflight_open=inflight_open, access=access, log=self.log)
+        self.settings = settings
+        self.policy = Policy(prefix, tenants, mode=str(settings.accounting),
+                             window_us=int(settings.window * 1e6), inflight_slice=settings.queued_windows,
+                             access=access, log=self.log)
         self.tenants = tenants
-        self.mode = mode
-        self.slice_s = slice_s
-        self.probe_every_s = probe_every_s
-        self.drain_timeout_s = drain_timeout_s
-        if handover not in ("overlap", "drain"):
-            raise ValueError(f"handover must be overlap or drain, not {handover!r}")
-        self.handover = handover
+        self.mode = settings.accounting
+        self.slice_s = settings.slice
+        self.probe_every_s = settings.probe_every
+        self.drain_timeout_s = settings.drain_timeout
+        self.handover = settings.handover
         # hand-overs between slice holders in C (nvml mode has none: it stays in Python)
-        self.keeper = keeper and _turns is not None and mode == "events"
+        self.keeper = settings.turns == Turns.C and _turns is not None and self.mode == Accounting.EVENTS
         self.scheduler = SliceScheduler(tenants)
         self.buckets = TokenBuckets(tenants)
         self.utilization = utilization
@@ -251,7 +250,7 @@ class Controller:
         # several tenants at once: the open gate, tenants beside the holder, or (overlap hand-overs) the
         # previous holder's queued work running beside the next one's
         concurrent = (bin(self._mask & OPEN_MASK).count("1") > 1
-                      or (self.handover == "overlap" and self._mask != OPEN_MASK))
+                      or (self.handover == Handover.OVERLAP and self._mask != OPEN_MASK))
         if not concurrent and self._unscaled_since is None:
             self._apply(posted, now)
             return
@@ -354,7 +353,7 @@ class Controller:
             if self.lender not in wanting:
                 return False
             lender, end = self.lender, self.lend_end
-            if self.handover == "drain":
+            if self.handover == Handover.DRAIN:
                 self._drain({holder})
                 self._charge(time.monotonic())
             self._set_lender(None)
@@ -387,7 +386,7 @@ class Controller:
         if claimant in wanting or not self.scheduler.keeps_claim(claimant, borrowers, now, pending):
             return False
         borrower = self.scheduler.pick(borrowers, now, pending)
-        if borrower != holder and self.handover == "drain" and holder in wanting:
+        if borrower != holder and self.handover == Handover.DRAIN and holder in wanting:
             self._drain({holder})
             self._charge(time.monotonic())
         now = time.monotonic()
@@ -519,7 +518,7 @@ class Controller:
         if nxt == holder:
             self._renew(now, wanting)
             return self.slice_end - now
-        if self.handover == "drain":
+        if self.handover == Handover.DRAIN:
             self._drain({holder})
             self._charge(time.monotonic())
         self._grant(nxt, time.monotonic(), wanting)
@@ -628,7 +627,7 @@ class Controller:
                 self._last_zombie_check = now
             self.scan(zombie_check=zombies)
         with self.lock:
-            if self.mode == "nvml":
+            if self.mode == Accounting.NVML:
                 return self.step_nvml(now)
             return self.step_events(now)
 
@@ -654,7 +653,7 @@ class Controller:
             slice_start_ns=int(self._slice_start * 1e9), slice_end_ns=int(self.slice_end * 1e9),
             return_ns=int(until * 1e9), base_slice_ns=int(self.slice_s * 1e9),
             recent_ns=int(HOLDER_RECENT_S * 1e9),
-            drain_timeout_ns=int(self.drain_timeout_s * 1e9) if self.handover == "drain" else 0,
+            drain_timeout_ns=int(self.drain_timeout_s * 1e9) if self.handover == Handover.DRAIN else 0,
             slice_end_word=policy.slice_end_address,
             grace_ns=int(YIELD_GRACE_WINDOWS * policy.window_us * 1e3),
             shares=[t.share for t in self.tenants], priorities=[t.priority for t in self.tenants], used=used,

@@ -90,6 +90,10 @@ KEEPER_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
 #: turn (``_wake_bits.h`` QUIET_NS, which the preload library and the turn keeper use; equal by test).
 QUIET_NS = 300_000
 
+#: The accounting window's GPU time and how many windows a slice holder may queue
+#: (``--share.window``, ``--share.queued-windows``: the settings take their defaults from here).
+DEFAULT_WINDOW_US, DEFAULT_QUEUED_WINDOWS = 2000, 2
+
 MODES = {"events": 0, "nvml": 1}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -257,7 +261,8 @@ class Policy:
     the gate, and admits tenant processes through the join socket (``joins.JoinServer``)."""
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
-                 window_us: int = 2000, inflight_slice: int = 2, inflight_open: int = 16,
+                 window_us: int = DEFAULT_WINDOW_US, inflight_slice: int = DEFAULT_QUEUED_WINDOWS,
+                 inflight_open: int = 16,
                  stale_ms: int = 2000, access: Access | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:

@@ -1,0 +1,109 @@
+"""The settings of ``gpuscope share``: each flag and its default declared once, read as they are by
+the command (main.py) and the controller (controller.py), enums staying enums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuscope.contract.choices import Choice
+from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
+from gpuscope.share.access import Rule, parse_allow
+from gpuscope.share.ledger import DEFAULT_QUEUED_WINDOWS, DEFAULT_WINDOW_US, TenantPolicy
+from gpuscope.share.policy import parse_shares
+from gpuscope.share.preload import DEFAULT_LEDGER
+from gpuscope.util.bounded_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
+from gpuscope.util.flags import listen_address, parse_duration
+from gpuscope.util.settings import setting
+
+#: The turn of the smallest share while shares bind (``--share.slice``). Each hand-over wakes the
+#: controller and both tenants' helper threads, so shorter turns cost CPU without holding shares any
+#: closer (docs/share.md, "Turn length against CPU"). A tenant of equal priority waits up to the
+#: other's turn: latency tenants get a priority.
+DEFAULT_SLICE_S = 0.03
+#: A tenant beside the holder launches untimed (an event between its small kernels costs it a context
+#: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S
+#: the holder is paused for PROBE_S and the tenants beside it, running alone, time each launch: the busy
+#: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
+#: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
+PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
+
+
+class Accounting(Choice):
+    """``--share.accounting``: what a tenant's GPU time is charged from."""
+
+    EVENTS = "events"
+    NVML = "nvml"
+
+
+class Handover(Choice):
+    """``--share.handover``: how the GPU passes from one slice holder to the next."""
+
+    OVERLAP = "overlap"
+    DRAIN = "drain"
+
+
+class Turns(Choice):
+    """``--share.turns``: where hand-overs between slice holders are decided."""
+
+    C = "c"
+    PYTHON = "python"
+
+
+@dataclass(frozen=True)
+class ShareSettings:
+    """The flags of ``gpuscope share``."""
+
+    shares: list[TenantPolicy] | None = setting(
+        "--share", None, "tenants, their shares, priorities and memory caps: "
+        "NAME=FRACTION[:PRIORITY[:MEMORY]],... (higher priority first; MEMORY a fraction of the card such as "
+        "0.4, or a size such as 40GiB)",
+        parse=parse_shares)
+    accounting: Accounting = setting(
+        "--share.accounting", Accounting.EVENTS, "events: slices charged by the tenants' CUDA events; nvml: "
+        "token buckets fed by NVML utilization every 100 ms (what the peer projects do)")
+    policy_file: str = setting(
+        "--share.policy-file", "", "a YAML file of the tenants (shares, priorities, memory caps, admission "
+        "rules) instead of --share and --share.allow; a change is applied within half a second (or at "
+        "SIGHUP), after validation, without restarting anything")
+    ledger: str = setting("--share.ledger", DEFAULT_LEDGER, "path prefix of the shared-memory ledger "
+                          "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
+    slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
+                           parse=parse_duration)
+    handover: Handover = setting(
+        "--share.handover", Handover.DRAIN, "drain: the next holder starts once the previous one's queued "
+        "work is done (the holder stops at its slice's end by itself and drains; exact shares); overlap: the "
+        "next holder starts at once, beside that work, and the overlap is split between them (the two "
+        "contexts' time-slicing then costs the smaller share more)")
+    turns: Turns = setting(
+        "--share.turns", Turns.C, "where hand-overs are decided: c (a loop in C that wakes "
+        "Python only every 250 ms; python where it was not built) or python (a wake-up of the Python loop "
+        "per hand-over)")
+    drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
+                                   "before a drain hand-over or a probe", parse=parse_duration)
+    probe_every: float = setting(
+        "--share.probe-every", PROBE_EVERY_S, "how often tenants running beside the slice holder are probed "
+        f"(the holder paused for {PROBE_S * 1e3:g} ms while they time each launch) for the busy fraction "
+        "they are charged: longer costs less CPU and holder time, shorter follows a changing workload sooner",
+        parse=parse_duration)
+    window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
+                            "at (two CUDA events per window)", parse=parse_duration)
+    queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
+                                  "windows a slice holder may have queued: bounds the work a hand-over "
+                                  "overlaps or waits for")
+    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting, and the watch for "
+                       "processes that never joined)")
+    watch_interval: float = setting(
+        "--share.watch-interval", 0.25, "how often NVML's list of the GPU's processes is compared with the "
+        "ones that joined (a process seen twice without joining is reported)", parse=parse_duration)
+    allow: dict[str, tuple[Rule, ...]] | None = setting(
+        "--share.allow", None, "which processes may join as which tenant: NAME=RULE[|RULE...],... with rules "
+        "uid:N, user:NAME, gid:N, group:NAME, cgroup:PATH, any (a tenant not named: the controller's own "
+        "user only)", parse=parse_allow)
+    listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
+                          parse=listen_address, metavar="HOST:PORT")
+    max_connections: int = setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once: at the limit "
+        "the one waiting longest for a request is closed, or with all busy the new one gets a 503")
+    read_timeout: float = setting(
+        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request "
+        "within this (idle keep-alive time included), else it is closed", parse=parse_duration)
