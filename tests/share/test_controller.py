@@ -189,6 +189,11 @@ def test_metrics_come_from_the_catalogue(fake_cuda, tmp_path, controller):
         p.kill()
         p.wait()
     assert f'gpuscope_share_launches_total{{pid="{p.pid}",tenant="b"}} 10.0' in text
+    # it describes what it collects, so a registry refuses a second collector with one of its names
+    collected = {f.name for f in ShareCollector(controller).collect()}
+    assert {f.name for f in ShareCollector(controller).describe()} == collected
+    with pytest.raises(ValueError, match="Duplicated"):
+        registry.register(ShareCollector(controller))
     assert 'gpuscope_share_target_ratio{tenant="a"} 0.7' in text
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
     for name in names:

@@ -10,6 +10,7 @@ binds and a few wake-ups per slice while one does.
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import time
@@ -122,6 +123,19 @@ class Stats:
     policy_reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "refused": 0})
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What /metrics shows of a controller, copied at one moment under its lock."""
+
+    tenants: tuple[TenantPolicy, ...]
+    processes: tuple[tuple[str, int, dict[str, int]], ...]  # tenant, pid, counters (and "waiting")
+    stats: Stats
+    busy_ratio: dict[str, float]  # tenant -> busy fraction of its probes (tenants beside the holder)
+    duty: dict[str, float]  # tenant beside the holder -> its duty
+    joins: dict[str, int]
+    memory: tuple[tuple[str, int, int, int], ...]  # tenant, bytes held, refusals, cap in bytes (0: none)
+
+
 class Controller:
     def __init__(self, prefix: str, tenants: list[TenantPolicy], settings: ShareSettings = DEFAULTS, *,
                  utilization: UtilizationSource | None = None, access: Access | None = None,
@@ -218,6 +232,22 @@ class Controller:
     def tenants_by_pid(self) -> dict[int, str]:
         with self.lock:
             return {pid: self.tenants[state.view.slot].name for pid, state in self.procs.items()}
+
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of what the metrics show, taken under the lock."""
+        with self.lock:
+            names = [t.name for t in self.tenants]
+            return Snapshot(
+                tenants=tuple(self.tenants),
+                processes=tuple((names[s.view.slot], pid, {**s.view.counters(), "waiting": s.view.waiting})
+                                for pid, s in self.procs.items()),
+                stats=copy.deepcopy(self.stats),
+                busy_ratio={names[slot]: r for slot, r in self.busy_ratio.items()},
+                duty={names[slot]: self.duty.get(slot, 1.0) for slot in self.beside},
+                joins=dict(self.policy.joins.results),
+                memory=tuple((t.name, page.used, page.refused, self.policy.mem_cap_bytes(slot))
+                             for slot, (t, page) in enumerate(zip(self.tenants, self.policy.memory,
+                                                                  strict=True))))
 
     def charged_seconds(self) -> dict[str, float]:
         with self.lock:

@@ -19,6 +19,17 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_WAITING_THREADS, "waiting", 1),
 )
 
+#: Every family collect() yields from the controller, then from the NVML watch and the cross-check
+#: (those only where they run): describe() names them without reading live state, so a registry
+#: refuses a second collector that would serve one of them.
+_CONTROLLER = (*(m for m, _, _ in _PER_PROCESS), cat.SHARE_TARGET_RATIO, cat.SHARE_PROCESSES,
+               cat.SHARE_SLICES, cat.SHARE_CHARGED_SECONDS, cat.SHARE_STATE_SECONDS, cat.SHARE_BUSY_RATIO,
+               cat.SHARE_DUTY_RATIO, cat.SHARE_PROBES, cat.SHARE_BINDING, cat.SHARE_DRAIN_TIMEOUTS,
+               cat.SHARE_YIELDS, cat.SHARE_LENDS, cat.SHARE_RECLAIMS, cat.SHARE_MEMORY_USED,
+               cat.SHARE_MEMORY_CAP, cat.SHARE_MEMORY_REFUSED, cat.SHARE_JOINS, cat.SHARE_POLICY_RELOADS)
+_WATCH = (cat.SHARE_UNMANAGED_PROCESSES, cat.SHARE_UNMANAGED_MEMORY)
+_CHECK = (cat.SHARE_NVML_BUSY_SECONDS, cat.SHARE_UNDER_REPORTED)
+
 
 class ShareCollector:
     """A prometheus_client collector over a running Controller."""
@@ -29,22 +40,19 @@ class ShareCollector:
         self.watch = watch  # None where NVML cannot list the GPU's processes: no series then
         self.check = check
 
+    def describe(self) -> Iterator[object]:
+        metrics = (*_CONTROLLER, *(_WATCH if self.watch is not None else ()),
+                   *(_CHECK if self.check is not None else ()))
+        return (metric.family() for metric in metrics)
+
     def collect(self) -> Iterator[object]:
-        c = self.controller
-        with c.lock:
-            rows = [(c.tenants[s.view.slot].name, str(pid), {**s.view.counters(), "waiting": s.view.waiting})
-                    for pid, s in c.procs.items()]
-            slices, charged = dict(c.stats.slices), dict(c.stats.charged_s)
-            binding, timeouts, yields = c.stats.binding, c.stats.drain_timeouts, c.stats.yields
-            lends, reclaims = c.stats.lends, c.stats.reclaims
-            states = dict(c.stats.state_s)
-            ratios = {c.tenants[slot].name: r for slot, r in c.busy_ratio.items()}
-            duties = {c.tenants[slot].name: c.duty.get(slot, 1.0) for slot in c.beside}
-            probes = c.stats.probes
-            joins = dict(c.policy.joins.results)
-            reloads = dict(c.stats.policy_reloads)
-            memory = [(t.name, page.used, page.refused, c.policy.mem_cap_bytes(slot))
-                      for slot, (t, page) in enumerate(zip(c.tenants, c.policy.memory, strict=True))]
+        snap = self.controller.snapshot()
+        rows = [(tenant, str(pid), counters) for tenant, pid, counters in snap.processes]
+        stats = snap.stats
+        slices, charged, states = stats.slices, stats.charged_s, stats.state_s
+        binding, timeouts, yields = stats.binding, stats.drain_timeouts, stats.yields
+        lends, reclaims, probes, reloads = stats.lends, stats.reclaims, stats.probes, stats.policy_reloads
+        ratios, duties, joins, memory = snap.busy_ratio, snap.duty, snap.joins, snap.memory
         for metric, key, scale in _PER_PROCESS:
             family = metric.family()
             for tenant, pid, counters in rows:
@@ -52,7 +60,7 @@ class ShareCollector:
             yield family
         target, procs = cat.SHARE_TARGET_RATIO.family(), cat.SHARE_PROCESSES.family()
         sl, ch = cat.SHARE_SLICES.family(), cat.SHARE_CHARGED_SECONDS.family()
-        for t in c.tenants:
+        for t in snap.tenants:
             target.add_metric([t.name], t.share)
             procs.add_metric([t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
             sl.add_metric([t.name], slices.get(t.name, 0))
@@ -106,7 +114,7 @@ class ShareCollector:
             yield held
         if self.check is not None:
             busy, flagged = cat.SHARE_NVML_BUSY_SECONDS.family(), cat.SHARE_UNDER_REPORTED.family()
-            for tenant in (t.name for t in c.tenants):
+            for tenant in (t.name for t in snap.tenants):
                 busy.add_metric([tenant], self.check.nvml_busy_s.get(tenant, 0.0))
                 flagged.add_metric([tenant], 1.0 if self.check.flagged.get(tenant) else 0.0)
             yield busy
