@@ -262,14 +262,20 @@ def test_span_trace_id_is_the_loki_line_and_exemplar_trace_id(memory):
 
 
 def test_preempted_request_shows_its_preemption():
-    """The preemption is forced, not hoped for: from its second step on, the low-priority request
-    waits until the high-priority one is queued (on a busy machine it could otherwise finish first)."""
+    """The preemption is forced, not hoped for: the high-priority request is sent once the
+    low-priority one has had its first step, and from its second step on the low-priority request
+    waits until the high-priority one is queued (on a busy machine it could otherwise finish first).
+    It cannot end early either: greedy, past end-of-sequence tokens (the toy model samples one in 258
+    at temperature 1, which would free the slot instead of preempting)."""
     exporter = InMemorySpanExporter()
-    steps, holder = [0], {}
+    lo_steps, holder, started = [0], {}, threading.Event()
 
     def gate(op, batch, host_s):
-        steps[0] += 1
-        if steps[0] < 2:  # the first step streams lo's first token, which the test waits for
+        if not any(r.tenant == "lo" for r in batch):
+            return
+        lo_steps[0] += 1
+        if lo_steps[0] == 1:  # lo's prefill: lo is running, the test may send hi
+            started.set()
             return
         scheduler = holder["srv"].service.scheduler
         deadline = time.monotonic() + 30
@@ -283,13 +289,14 @@ def test_preempted_request_shows_its_preemption():
                            default_tenant="lo")
     srv = holder["srv"] = TracedServer(config, exporter, on_step=gate).start()
     try:
+        # Its headers come at once; its first text may not (a token can be half a UTF-8 character).
         low = requests.post(srv.url + "/v1/completions", stream=True, timeout=60, headers={"X-Tenant": "lo"},
-                            json={"prompt": "long", "max_tokens": 64, "stream": True})
-        lines = low.iter_lines()
-        next(line for line in lines if line.startswith(b"data: "))  # lo is running
+                            json={"prompt": "long", "max_tokens": 64, "stream": True, "temperature": 0,
+                                  "ignore_eos": True})
+        assert started.wait(60), "lo never started"
         high = srv.complete("urgent", max_tokens=2, tenant="hi")
         assert high.status_code == 200
-        rest = [line for line in lines if line.startswith(b"data: ")]
+        rest = [line for line in low.iter_lines() if line.startswith(b"data: ")]
         assert rest[-1] == b"data: [DONE]"
         assert srv.service.scheduler.state()["lo"].preemptions >= 1, "the scenario did not preempt"
         spans = srv.spans_of(exporter, low.headers["X-Trace-Id"], 5)
