@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import yaml
@@ -39,6 +43,7 @@ RULE_FILES = [path for p in PROFILES.values() for path in (
     generate.prometheus_rules_path(p), generate.sources_rules_path(p),
     *(generate.source_rules_path(p, name) for name in sources.SOURCES))]
 DURATION = re.compile(r"\b\d+[smhd]\b")
+T = TypeVar("T")
 
 
 def _rules(path: str) -> list[dict]:
@@ -67,13 +72,42 @@ def test_promtool_check_rules(rel: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def selected(request: pytest.FixtureRequest, test: str, param: str) -> list:
+    """The values of ``param`` of this module's ``test`` that this session runs."""
+    return [item.callspec.params[param] for item in request.session.items
+            if getattr(item, "originalname", None) == test and item.module is request.module]
+
+
+def side_by_side(run: Callable[[T], object], items: list[T]) -> dict[T, object]:
+    """``run(item)`` for every item, as many at a time as there are CPUs: promtool is single-threaded,
+    and its biggest files take most of this module's time."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), os.cpu_count() or 1))) as pool:
+        return dict(zip(items, pool.map(run, items), strict=True))
+
+
+def _promtool_test(path: Path) -> tuple[int | None, str]:
+    try:
+        result = subprocess.run([require_binary("promtool"), "test", "rules", path.name], cwd=path.parent,
+                                capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return None, "promtool test rules: no answer in 300 s"
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def unit_test_runs(request: pytest.FixtureRequest) -> dict[Path, tuple[int | None, str]]:
+    """promtool's exit status and output for every selected unit-test file, largest first."""
+    require_binary("promtool")
+    paths = sorted(selected(request, "test_promtool_unit_tests", "path"), key=lambda p: -p.stat().st_size)
+    return side_by_side(_promtool_test, paths)
+
+
 @pytest.mark.distro
 @pytest.mark.parametrize("path", UNIT_TESTS + TEST_PROFILE_CASES,
                          ids=lambda p: p.relative_to(p.parents[1]).as_posix())
-def test_promtool_unit_tests(path: Path) -> None:
-    result = subprocess.run([require_binary("promtool"), "test", "rules", path.name], cwd=path.parent,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_promtool_unit_tests(path: Path, unit_test_runs) -> None:
+    status, output = unit_test_runs[path]
+    assert status == 0, output
 
 
 @pytest.mark.parametrize("rel", sorted(memory_shapes.outputs()))
@@ -161,7 +195,8 @@ def test_recording_rule_names_are_exported_constants() -> None:
              *(generate.source_rules_path(PRODUCTION, name) for name in sources.SOURCES)]
     recorded = {r["record"] for path in files for r in _rules(path) if "record" in r}
     exported = {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
-    assert recorded == exported - {"", *names.QUANTILE_SUFFIXES}
+    # the custom metrics API's names are prometheus-adapter's, not rules
+    assert recorded == exported - {"", *names.QUANTILE_SUFFIXES, names.POD_GPU_BUSY}
 
 
 def test_test_profile_is_production_with_compressed_windows() -> None:
@@ -242,11 +277,18 @@ def test_loki_rules_use_only_the_server_stream_labels(profile) -> None:
         assert "sum by (service, instance)" in rule["expr"]
 
 
+@pytest.fixture(scope="module")
+def covered_pages(request: pytest.FixtureRequest) -> dict[str, float | None]:
+    """The first page of every selected covered leak (leak_envelope runs promtool side by side)."""
+    require_binary("promtool")
+    leaks = selected(request, "test_covered_linear_leaks_page_five_minutes_before_exhaustion", "leak")
+    return leak_envelope.first_pages(leaks)
+
+
 @pytest.mark.parametrize("leak", leak_envelope.COVERED, ids=lambda leak: leak.name)
-def test_covered_linear_leaks_page_five_minutes_before_exhaustion(leak) -> None:
+def test_covered_linear_leaks_page_five_minutes_before_exhaustion(leak, covered_pages) -> None:
     """The production rules under promtool: each leak of the envelope pages with the lead to spare
     (the whole grid, covered or not, is the table ``python -m tests.alerts.leak_envelope`` prints)."""
-    require_binary("promtool")
-    paged = leak_envelope.first_pages([leak])[leak.name]
+    paged = covered_pages[leak.name]
     assert paged is not None, f"{leak.name} never paged before exhaustion"
     assert leak.exhausted_at - paged >= leak_envelope.LEAD_MIN, f"{leak.name} paged at {paged}m"
