@@ -69,7 +69,7 @@ def test_bad_flags_fail_with_one_line(argv, needle):
 def test_short_comparison_against_real_servers_writes_table_csv_plots_and_html(tmp_path):
     progress = io.StringIO()
     code = compare.main(["--sets", "batching", "--batch.sizes", "4", "--repeats", "2",
-                         "--run.duration", "3s", "--run.warmup", "1s", "--run.users", "3",
+                         "--run.duration", "2s", "--run.warmup", "1s", "--run.users", "3",
                          "--load.output-tokens", "uniform:min=4,max=12", "--server.args", "--model.layers 1",
                          "--output.dir", str(tmp_path), "--output.name", "ci"], progress=progress)
     assert code == 0, progress.getvalue()

@@ -134,7 +134,7 @@ def test_comparison_of_two_servers_and_a_vllm_style_endpoint_given_as_targets(tm
         progress = io.StringIO()
         code = compare.main(["--target", f"serve-a={a.url}", "--target", f"serve-b={b.url}/v1",
                              "--target", f"fake-vllm={paced_server.url}#org/paced-7b", "--repeats", "2",
-                             "--run.duration", "4s", "--run.warmup", "1s", "--run.users", "2",
+                             "--run.duration", "2s", "--run.warmup", "1s", "--run.users", "2",
                              "--load.output-tokens", "uniform:min=4,max=12", "--output.dir", str(tmp_path),
                              "--output.name", "ci"], progress=progress)
     assert code == 0, progress.getvalue()
