@@ -93,7 +93,7 @@ class LokiSink:
         self.server.server_close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def loki_sink():
     sink = LokiSink()
     yield sink
@@ -120,7 +120,7 @@ class StackWithShare(Stack):
         path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def share_controller(tmp_path_factory) -> Iterator[str]:
     """A `gpuscope share` controller on CPU (no tenant process joins): its /metrics address."""
     folder: Path = tmp_path_factory.mktemp("share")
@@ -134,10 +134,11 @@ def share_controller(tmp_path_factory) -> Iterator[str]:
         yield address
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def live_stack(loki_sink, share_controller):
     """The stack (test profile, free ports) after traffic and enough scrapes for rate() windows, with a
-    share controller scraped beside it."""
+    share controller scraped beside it. Per module (test_live.py is its one user): it stops when that
+    module is done instead of scraping and evaluating rules through the rest of the session."""
     for binary in ("prometheus", "prometheus-alertmanager", "prometheus-node-exporter"):
         require_binary(binary)
     options = StackOptions(profile="test", ports="free",
