@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,6 +17,7 @@ import pytest
 
 STRICT = os.environ.get("GPUSCOPE_STRICT") == "1"
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _cuda_available() -> bool:
@@ -63,9 +65,28 @@ def usage_error(*argv: str, env: dict[str, str] | None = None, timeout: float = 
     line on stderr: every gpuscope command checks its flags before it starts anything."""
     result = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout,
                             env=env)
+    return usage_line(result)
+
+
+def usage_line(result: subprocess.CompletedProcess[str]) -> str:
+    """``usage_error``'s check of a finished ``python -m ARGV``: its one line."""
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, f"exit status {result.returncode}:\n{result.stderr}"
     return lines[0]
+
+
+def selected(request: pytest.FixtureRequest, test: str, param: str) -> list:
+    """The values of ``param`` of the requesting module's ``test`` that this session runs: what a
+    module fixture computes for its parametrized tests (a -k run computes only its own)."""
+    return [item.callspec.params[param] for item in request.session.items
+            if getattr(item, "originalname", None) == test and item.module is request.module]
+
+
+def side_by_side(run: Callable[[T], R], items: list[T]) -> dict[T, R]:
+    """``run(item)`` for every item, as many at a time as there are CPUs: for independent child
+    processes that each keep one core busy (promtool, a command that loads torch before it answers)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), os.cpu_count() or 1))) as pool:
+        return dict(zip(items, pool.map(run, items), strict=True))
 
 
 def run_bench(script: Path, tmp_path: Path, *args: str, status: int = 0,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 import yaml
@@ -27,7 +23,7 @@ from gpuscope.contract.profiles import (
     Thresholds,
 )
 from tests.alerts import leak_envelope, memory_shapes
-from tests.conftest import require_binary
+from tests.conftest import require_binary, selected, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Production cases (the default sources', and each other source's under sources/), and test-profile
@@ -43,7 +39,6 @@ RULE_FILES = [path for p in PROFILES.values() for path in (
     generate.prometheus_rules_path(p), generate.sources_rules_path(p),
     *(generate.source_rules_path(p, name) for name in sources.SOURCES))]
 DURATION = re.compile(r"\b\d+[smhd]\b")
-T = TypeVar("T")
 
 
 def _rules(path: str) -> list[dict]:
@@ -72,19 +67,6 @@ def test_promtool_check_rules(rel: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def selected(request: pytest.FixtureRequest, test: str, param: str) -> list:
-    """The values of ``param`` of this module's ``test`` that this session runs."""
-    return [item.callspec.params[param] for item in request.session.items
-            if getattr(item, "originalname", None) == test and item.module is request.module]
-
-
-def side_by_side(run: Callable[[T], object], items: list[T]) -> dict[T, object]:
-    """``run(item)`` for every item, as many at a time as there are CPUs: promtool is single-threaded,
-    and its biggest files take most of this module's time."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(items), os.cpu_count() or 1))) as pool:
-        return dict(zip(items, pool.map(run, items), strict=True))
-
-
 def _promtool_test(path: Path) -> tuple[int | None, str]:
     try:
         result = subprocess.run([require_binary("promtool"), "test", "rules", path.name], cwd=path.parent,
@@ -99,7 +81,7 @@ def unit_test_runs(request: pytest.FixtureRequest) -> dict[Path, tuple[int | Non
     """promtool's exit status and output for every selected unit-test file, largest first."""
     require_binary("promtool")
     paths = sorted(selected(request, "test_promtool_unit_tests", "path"), key=lambda p: -p.stat().st_size)
-    return side_by_side(_promtool_test, paths)
+    return side_by_side(_promtool_test, paths)  # promtool is single-threaded; the biggest files dominate
 
 
 @pytest.mark.distro

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from gpuscope.loadtest.serverproc import ServerProcess
-from tests.conftest import usage_error, wait_for
+from tests.conftest import selected, side_by_side, usage_error, usage_line, wait_for
 from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +23,21 @@ SMALL = ["--model.layers", "1", "--model.dim", "64", "--model.context", "256", "
 def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpuscope", "serve", *args], capture_output=True, text=True,
                           timeout=60, env=env or ENV, **kw)
+
+
+def _serve_usage(args: tuple[str, ...]) -> subprocess.CompletedProcess | subprocess.TimeoutExpired:
+    try:
+        return serve(*args)
+    except subprocess.TimeoutExpired as exc:
+        return exc
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(request) -> dict:
+    """``gpuscope serve ARGS`` of every selected bad-flag case, side by side: each process loads torch
+    before it parses its flags, which is most of its time."""
+    return side_by_side(_serve_usage, [tuple(args) for args in
+                                       selected(request, "test_bad_flags_exit_2_with_one_line", "args")])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -41,8 +56,10 @@ def serve(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProc
     (["--model.cuda-graphs", "--model.hf", "/nonexistent"], "cannot go with --model.hf"),
     (["--timing", "off", "--timing.kernel-busy"], "--timing.kernel-busy needs the timer"),
 ])
-def test_bad_flags_exit_2_with_one_line(args, message):
-    assert message in usage_error("gpuscope", "serve", *args, env=ENV)
+def test_bad_flags_exit_2_with_one_line(args, message, bad_flag_runs):
+    result = bad_flag_runs[tuple(args)]
+    assert not isinstance(result, subprocess.TimeoutExpired), f"no answer in {result.timeout} s"
+    assert message in usage_line(result)
 
 
 def test_kernel_busy_windows_need_a_gpu():
