@@ -465,12 +465,8 @@ class CompiledRegions:
             except Exception:
                 shapes.baseline_s = None
         device = shapes.recorder.device
-        try:
-            free = core.pools[device]
-        except KeyError:
-            free = core.add_device(device)
-        if not free or len(core.ring) >= core.ring_size:
-            core.dropped["pool_empty" if not free else "ring_full"] += 1
+        free = core.fence_events(device)
+        if free is None:
             return
         pairs = shapes.pairs()
         if not pairs:

@@ -222,6 +222,19 @@ class TimerCore:
                 self.pools[device] = list(events)
         return self.pools[device]
 
+    def fence_events(self, device: int) -> list[Any] | None:
+        """The device's free events, for the fence event a timed graph replay records after itself;
+        None, the drop counted, when the pool is empty or the ring is full (a replay is then untimed,
+        never blocked). The pool is made on the device's first replay (``add_device``)."""
+        try:
+            free = self.pools[device]
+        except KeyError:
+            free = self.add_device(device)
+        if not free or len(self.ring) >= self.ring_size:
+            self.dropped["pool_empty" if not free else "ring_full"] += 1
+            return None
+        return free
+
     def close_pools(self) -> None:
         """Destroy every event (after the resolver has stopped); later regions find no pool."""
         self.closed = True

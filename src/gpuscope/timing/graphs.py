@@ -290,12 +290,8 @@ class TimedGraph:
 
     def _replay_timed(self, copy: GraphReplay) -> Any:
         core, device = self.core, self.device
-        try:
-            free = core.pools[device]
-        except KeyError:
-            free = core.add_device(device)
-        if not free or len(core.ring) >= core.ring_size:
-            core.dropped["pool_empty" if not free else "ring_full"] += 1
+        free = core.fence_events(device)
+        if free is None:
             self.graphs.replay(self._untimed)
             return self._untimed_output
         fence = free.pop()
