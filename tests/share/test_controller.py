@@ -118,10 +118,10 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
             assert c.policy.beside_mask == 0b10  # it launches untimed
             assert c.policy.gate & 0b11 == 0b11  # the holder and the tenant beside it both launch
             # a probe pauses the holder and measures the busy fraction of the tenant beside it
-            wait_for(lambda: 1 in c.busy_ratio, what="a probe's busy fraction")
+            wait_for(lambda: 1 in c.prober.busy_ratio, what="a probe's busy fraction")
             assert c.stats.probes >= 1 and c.policy.busy_mask == 0  # the probe is over
             # 5 µs kernels about 2 ms apart (sleeps overshoot on a busy machine): about 0.25% busy
-            assert 0 < c.busy_ratio[1] < 0.01
+            assert 0 < c.prober.busy_ratio[1] < 0.01
             for p in (hog, online):
                 _, err = p.communicate(timeout=30)
                 assert p.returncode == 0 and err == ""
@@ -148,16 +148,16 @@ def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):
     try:
         registry = CollectorRegistry()
         registry.register(ShareCollector(c))
-        c.beside, c.busy_ratio = {1}, {1: 0.4}  # its probes: busy 40% of the time, on a 30% share
+        c.beside, c.prober.busy_ratio = {1}, {1: 0.4}  # its probes: busy 40% of the time, on a 30% share
         c._set_duties({0, 1})
         assert c.policy.duty(1) == pytest.approx(0.75) and c.policy.duty(0) == 1.0
         shown = [ln for ln in generate_latest(registry).decode().splitlines()
                  if ln.startswith('gpuscope_share_duty_ratio{tenant="online"}')]
         assert len(shown) == 1 and float(shown[0].split()[-1]) == pytest.approx(0.75)
-        c.busy_ratio = {1: 0.2}  # fits: launches all the time again
+        c.prober.busy_ratio = {1: 0.2}  # fits: launches all the time again
         c._set_duties({0, 1})
         assert c.policy.duty(1) == 1.0
-        c.busy_ratio, c.beside = {1: 0.4}, set()  # taking turns: the gate holds it, not a duty
+        c.prober.busy_ratio, c.beside = {1: 0.4}, set()  # taking turns: the gate holds it, not a duty
         c._set_duties({0, 1})
         assert c.policy.duty(1) == 1.0
     finally:
@@ -169,7 +169,7 @@ def test_time_posted_while_the_gate_is_open_is_not_held_against_a_tenant(tmp_pat
     c = Controller(str(tmp_path / "ledger"), tenants)
     try:
         assert c.policy.gate & 0xFFFF == 0xFFFF  # nothing binds yet
-        c._apply({0: 0.5, 1: 0.5}, time.monotonic())  # what two tenants posted side by side
+        c.charger._apply({0: 0.5, 1: 0.5}, time.monotonic(), None, gate_open=True)  # posted side by side
         assert c.stats.charged_s == {"batch": 0.5, "online": 0.5}  # shown in /metrics
         assert c.scheduler.used == [0.0, 0.0]  # but the online tenant starts within its share
         assert c.scheduler.beside({0, 1}) == {1}
