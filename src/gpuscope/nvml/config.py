@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from gpuscope.contract.parts import default_listen_address
 from gpuscope.nvml.collector_table import registered
-from gpuscope.util.bounded_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, parse_max_connections
+from gpuscope.util.bounded_http import max_connections_setting, read_timeout_setting
 from gpuscope.util.flags import parse_duration, parse_listen_address
 from gpuscope.util.settings import LogLevel, SettingsParser, parser_for, setting, toggles
 
@@ -57,14 +57,8 @@ class Config:
         "GPU series (default off)", metavar="PATH")
     log_level: LogLevel = setting("--log.level", LogLevel.INFO, "log level (default info)")
     #: The HTTP server's connection limits (``nvml.http.ExporterServer``).
-    max_connections: int = setting(
-        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
-        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
-        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=parse_max_connections, metavar="N")
-    read_timeout: float = setting(
-        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request within "
-        f"this (idle keep-alive time included), else it is closed (default {DEFAULT_READ_TIMEOUT:g}s)",
-        parse=parse_duration, metavar="DURATION")
+    max_connections: int = max_connections_setting()
+    read_timeout: float = read_timeout_setting()
     collectors: frozenset[str] = toggles("collector", COLLECTORS)
 
 

@@ -39,9 +39,10 @@ from gpuscope.util.bounded_http import (
     BadRequest,
     BoundedHTTPServer,
     DeadlineHandler,
-    parse_max_connections,
+    max_connections_setting,
+    read_timeout_setting,
 )
-from gpuscope.util.flags import listen_address, parse_duration, parse_listen_address
+from gpuscope.util.flags import listen_address, parse_listen_address
 from gpuscope.util.logsafe import EscapingFilter
 from gpuscope.util.settings import SettingsParser, parser_for, setting
 
@@ -202,14 +203,8 @@ class ReceiverSettings:
     history: int = setting("--receiver.history", 500,
                            "notifications kept for GET /alerts (oldest dropped first)")
     max_body: int = setting("--receiver.max-body-bytes", 1 << 20, "largest notification accepted (413 above)")
-    max_connections: int = setting(
-        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
-        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
-        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=parse_max_connections, metavar="N")
-    read_timeout: float = setting(
-        "--web.read-timeout", READ_TIMEOUT_S, "a connection must deliver each whole request, body included, "
-        f"within this (idle keep-alive time included), else it is closed (default {READ_TIMEOUT_S:g}s)",
-        parse=parse_duration, metavar="DURATION")
+    max_connections: int = max_connections_setting()
+    read_timeout: float = read_timeout_setting(READ_TIMEOUT_S, body_included=True)
     profile_servers: str | None = setting(
         "--receiver.profile-servers", None, "JSON allow-list of servers (instance label → URL) asked for a "
         "kernel profile on firing latency alerts (off when unset; docs/server.md)")

@@ -27,7 +27,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from gpuscope.contract import catalogue as cat
+from gpuscope.util.flags import parse_duration
 from gpuscope.util.httpjson import JsonRequestHandler
+from gpuscope.util.settings import setting
 
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_READ_TIMEOUT = 30.0  # seconds; Prometheus' keep-alive connections come back every scrape interval
@@ -43,6 +45,26 @@ def parse_max_connections(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise ValueError(f"{text!r} is not a whole number of at least 1")
     return int(text)
+
+
+# The two limits' flags, declared once for the commands whose servers run one thread a connection (the
+# exporter and the alert receiver), so that their names, parsing and help say the same thing.
+
+def max_connections_setting() -> Any:
+    """The ``--web.max-connections`` settings field: how many connections at once."""
+    return setting(
+        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once, one thread each; "
+        "at the limit the one waiting longest for a request is closed, or with all busy the new one gets a "
+        f"503 (default {DEFAULT_MAX_CONNECTIONS})", parse=parse_max_connections, metavar="N")
+
+
+def read_timeout_setting(default: float = DEFAULT_READ_TIMEOUT, *, body_included: bool = False) -> Any:
+    """The ``--web.read-timeout`` settings field; ``body_included`` says so in the help (a server that
+    takes request bodies)."""
+    request = "each whole request, body included," if body_included else "each whole request"
+    return setting(
+        "--web.read-timeout", default, f"a connection must deliver {request} within this (idle keep-alive "
+        f"time included), else it is closed (default {default:g}s)", parse=parse_duration, metavar="DURATION")
 
 
 @dataclass(eq=False)
