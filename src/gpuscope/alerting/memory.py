@@ -361,46 +361,44 @@ def groups(p: Profile) -> list[Group]:
                 "expr": labelled(target, climbing_condition(target[0], target[1], target[2], p)),
                 "description": _climbing_description(target[0], target[1], target[2], target[3], p)}
 
-    server_summary = "Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within "
-    gpu_summary = "GPU {{ $labels.gpu }} on {{ $labels.instance }} runs out of memory within "
-    server_what = "The server's memory grows fast enough to run out soon (composite dimension: memory leak)"
-    gpu_what = "A GPU's framebuffer (all processes) grows fast enough to run out soon"
+    def running_out(name: str, route: dict, target: tuple, head: str, rate: str, summary: str,
+                    what: str) -> list[Alert]:
+        # The three triggers of one memory's running-out alert (sustained, near full, climbing): the
+        # server's and a GPU's differ only in their names, series and words.
+        return [
+            Alert(name=name, **route, **fast(target, head, rate), summary=summary + fast_horizon,
+                  doc=Doc(what=what, threshold=fast_threshold, window=fast_window, why=fast_why)),
+            Alert(name=name, **route, **near_full(target),
+                  summary=summary + duration(w.leak_near_full_horizon),
+                  doc=Doc(what=what + ", near full at any age", threshold=near_full_threshold,
+                          window=near_full_window, why=near_full_why)),
+            Alert(name=name, **route, **climbing(target),
+                  summary=summary + duration(w.leak_climb_horizon),
+                  doc=Doc(what=what + ", climbing steadily at any age", threshold=climbing_threshold,
+                          window=climbing_window, why=climbing_why)),
+        ]
+
     alerts = [
         Alert(name="GPUMemoryLeak", **srv, **slow(server, names.MEMORY_HEADROOM, names.MEMORY_GROWTH_RATE),
               summary="Memory of {{ $labels.instance }} ({{ $labels.device }}) leaks towards exhaustion",
               doc=Doc(what="The server's memory floor keeps rising and will run out (one of the composite's "
                            "three dimensions)",
                       threshold=slow_threshold, window=slow_window, why=slow_why)),
-        Alert(name="GPUMemoryRunningOut", **srv,
-              **fast(server, names.MEMORY_HEADROOM_FAST, names.MEMORY_GROWTH_RATE_FAST),
-              summary=server_summary + fast_horizon,
-              doc=Doc(what=server_what, threshold=fast_threshold, window=fast_window, why=fast_why)),
-        Alert(name="GPUMemoryRunningOut", **srv, **near_full(server),
-              summary=server_summary + duration(w.leak_near_full_horizon),
-              doc=Doc(what=server_what + ", near full at any age", threshold=near_full_threshold,
-                      window=near_full_window, why=near_full_why)),
-        Alert(name="GPUMemoryRunningOut", **srv, **climbing(server),
-              summary=server_summary + duration(w.leak_climb_horizon),
-              doc=Doc(what=server_what + ", climbing steadily at any age", threshold=climbing_threshold,
-                      window=climbing_window, why=climbing_why)),
+        *running_out("GPUMemoryRunningOut", srv, server, names.MEMORY_HEADROOM_FAST,
+                     names.MEMORY_GROWTH_RATE_FAST,
+                     "Memory of {{ $labels.instance }} ({{ $labels.device }}) runs out within ",
+                     "The server's memory grows fast enough to run out soon (composite dimension: "
+                     "memory leak)"),
         Alert(name="GPUFramebufferFillingUp", **exp,
               **slow(gpu, names.GPU_MEMORY_HEADROOM, names.GPU_MEMORY_GROWTH_RATE),
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} fills its memory",
               doc=Doc(what="A GPU's framebuffer floor (all processes) keeps rising and will run out",
                       threshold=slow_threshold, window=slow_window,
                       why=slow_why + " Catches processes other than the server.")),
-        Alert(name="GPUFramebufferRunningOut", **exp,
-              **fast(gpu, names.GPU_MEMORY_HEADROOM_FAST, names.GPU_MEMORY_GROWTH_RATE_FAST),
-              summary=gpu_summary + fast_horizon,
-              doc=Doc(what=gpu_what, threshold=fast_threshold, window=fast_window, why=fast_why)),
-        Alert(name="GPUFramebufferRunningOut", **exp, **near_full(gpu),
-              summary=gpu_summary + duration(w.leak_near_full_horizon),
-              doc=Doc(what=gpu_what + ", near full at any age", threshold=near_full_threshold,
-                      window=near_full_window, why=near_full_why)),
-        Alert(name="GPUFramebufferRunningOut", **exp, **climbing(gpu),
-              summary=gpu_summary + duration(w.leak_climb_horizon),
-              doc=Doc(what=gpu_what + ", climbing steadily at any age", threshold=climbing_threshold,
-                      window=climbing_window, why=climbing_why)),
+        *running_out("GPUFramebufferRunningOut", exp, gpu, names.GPU_MEMORY_HEADROOM_FAST,
+                     names.GPU_MEMORY_GROWTH_RATE_FAST,
+                     "GPU {{ $labels.gpu }} on {{ $labels.instance }} runs out of memory within ",
+                     "A GPU's framebuffer (all processes) grows fast enough to run out soon"),
     ]
     alerts.append(Alert(
         name="GPUKVCacheExhausted", expr=kv_exhausted_condition(p), for_s=w.latency_for,
