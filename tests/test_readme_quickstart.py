@@ -25,7 +25,7 @@ import yaml
 
 from gpuscope.ops import procs
 from gpuscope.ops.stack import Stack, StackOptions
-from tests.test_loki import Receiver, free_port
+from tests.logs.test_loki_push import Receiver, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuscope.contract import catalogue
 from tests.conftest import promtool_check_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_total", "_joules", "_hertz", "_celsius", "_watts",
                  "_info", "_bytes_per_second")
 

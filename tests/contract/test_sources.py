@@ -17,7 +17,7 @@ from gpuscope.alerting import dcgm, sources
 from gpuscope.contract import catalogue, upstream
 from gpuscope.contract.profiles import PROFILES
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sources"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sources"
 FIXTURES_OF = {"vllm": ("vllm-0.12.prom", "vllm-0.10.prom"),
                "dcgm-exporter": ("dcgm-exporter-3.3.prom", "dcgm-exporter-4.x.prom",
                                  "dcgm-exporter-4.x-mig.prom")}
@@ -152,7 +152,7 @@ def test_the_stack_runs_the_vllm_source(tmp_path):
     from gpuscope.alerting import generate
     from gpuscope.ops.stack import Stack, StackOptions
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     stack = Stack(StackOptions(profile="test", ports="free", source="vllm", run_dir=tmp_path, root=root,
                                components=("server", "prometheus")))
     stack.render_configs()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpuscope.ops import generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_committed_generated_file_is_current():

@@ -13,7 +13,7 @@ import requests
 
 from gpuscope.loadtest.serverproc import ServerProcess
 from tests.conftest import selected, side_by_side, usage_error, usage_line, wait_for
-from tests.test_loki import Receiver
+from tests.logs.test_loki_push import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

@@ -31,8 +31,8 @@ from gpuscope.server.model import encode
 from gpuscope.server.scheduler import Scheduler
 from gpuscope.server.step_timing import build_timer
 from tests.conftest import wait_for
+from tests.logs.test_loki_push import Receiver
 from tests.server.conftest import ServerThread, small_config
-from tests.test_loki import Receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

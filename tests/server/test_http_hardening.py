@@ -25,7 +25,7 @@ import requests
 from gpuscope.contract import catalogue as cat
 from gpuscope.ops import procs
 from tests.conftest import wait_for
-from tests.test_loki import free_port
+from tests.logs.test_loki_push import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}

@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuscope.alerting import sources
 from gpuscope.contract import upstream
 from gpuscope.server.config import ConfigError
+from tests.contract.test_sources import CURRENT, _buckets, _family, families
 from tests.server.conftest import ServerThread, small_config
-from tests.test_sources import CURRENT, _buckets, _family, families
 
 
 @pytest.fixture(scope="module")
