@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Throughput loss per configuration across runs of ``hot_path_probes.py``, drawn side by side.
 
-    python benchmarks/plot_probe_runs.py benchmarks/results/recycler-probe-h200-1.json \\
-        benchmarks/results/recycle-interval-h200.json benchmarks/results/recycler-probe-h200-2.json \\
-        --out benchmarks/results/recycler-h200.png
+    python benchmarks/plot_probe_runs.py benchmarks/results/recycle-interval-h200.json \\
+        benchmarks/results/recycler-probe-h200-2.json --out /tmp/recycler.png
+
+(``benchmarks/README.md`` gives the command that drew ``results/recycler-h200.png``.)
 
 One group of bars per configuration (in the order the files first name them), one bar per run.
 Runs on a shared VM differ by more than configurations do, so each run's own floor

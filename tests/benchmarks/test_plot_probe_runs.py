@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "plot_probe_runs.py"
-RUNS = sorted((ROOT / "benchmarks" / "results").glob("recycler-probe-h200-*.json"))
+RUNS = sorted((ROOT / "benchmarks" / "results").glob("recycle*-h200*.json"))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -18,7 +18,7 @@ def plot(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_draws_every_run_of_the_committed_results(tmp_path: Path) -> None:
-    assert len(RUNS) >= 2, "the recycler probe's results are committed under benchmarks/results"
+    assert len(RUNS) >= 2, "the recycler probes' results are committed under benchmarks/results"
     out = tmp_path / "runs.png"
     result = plot(*map(str, RUNS), "--out", str(out))
     assert result.returncode == 0, result.stderr
