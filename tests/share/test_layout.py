@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope.share import ledger
+from gpuscope.share import ledger, preload
 
 HEADER = Path(ledger.__file__).with_name("_ledger.h")
 
@@ -32,7 +32,9 @@ POLICY = {
     "T_MEM_CAP": "offsetof(policy_t, tenants[0].mem_cap) - offsetof(policy_t, tenants)",
     "MAX_TENANTS": "MAX_TENANTS", "NAME_LEN": "NAME_LEN", "LAYOUT_VERSION": "LAYOUT_VERSION",
     "POLICY_MAGIC": "POLICY_MAGIC", "PROC_MAGIC": "PROC_MAGIC", "TENANT_MAGIC": "TENANT_MAGIC",
-    "MEM_CAP_FRACTION": "MEM_CAP_FRACTION",
+    "MEM_CAP_FRACTION": "MEM_CAP_FRACTION", "DEFAULT_WINDOW_US": "DEFAULT_WINDOW_US",
+    "DEFAULT_QUEUED_WINDOWS": "DEFAULT_QUEUED_WINDOWS", "DEFAULT_INFLIGHT_OPEN": "DEFAULT_INFLIGHT_OPEN",
+    "DEFAULT_STALE_MS": "DEFAULT_STALE_MS",
 }
 PROC = {
     "Q_MAGIC": "offsetof(proc_t, magic)", "Q_VERSION": "offsetof(proc_t, version)",
@@ -53,24 +55,31 @@ COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns
 
 
 @pytest.fixture(scope="module")
-def c_values(tmp_path_factory) -> dict[str, int]:
+def c_values(tmp_path_factory) -> dict[str, int | str]:
     if shutil.which("gcc") is None:
         pytest.skip("gcc is needed to read the header's layout")
     exprs = {**POLICY, **PROC, **MEMORY, **{f"counter:{c}": f"offsetof(proc_t, {c})" for c in COUNTERS},
              "policy_size": "sizeof(policy_t)"}
-    lines = "\n".join(f'    printf("%s %llu\\n", "{name}", (unsigned long long)({expr}));'
-                      for name, expr in exprs.items())
+    printed = [f'    printf("%s %llu\\n", "{name}", (unsigned long long)({expr}));'
+               for name, expr in exprs.items()]
+    printed.append('    printf("DEFAULT_LEDGER %s\\n", DEFAULT_LEDGER);')
+    lines = "\n".join(printed)
     d = tmp_path_factory.mktemp("layout")
     (d / "layout.c").write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\n'
                                 f"int main(void) {{\n{lines}\n    return 0;\n}}\n")
     subprocess.run(["gcc", "-o", str(d / "layout"), str(d / "layout.c")], check=True)
     out = subprocess.run([str(d / "layout")], check=True, capture_output=True, text=True).stdout
-    return {name: int(value) for name, value in (line.split() for line in out.splitlines())}
+    return {name: int(value) if value.isdigit() else value
+            for name, value in (line.split() for line in out.splitlines())}
 
 
 @pytest.mark.parametrize("name", [*POLICY, *PROC, *MEMORY])
 def test_every_offset_and_constant_of_ledger_py_is_the_headers(c_values, name):
     assert getattr(ledger, name) == c_values[name]
+
+
+def test_the_default_ledger_path_is_the_headers(c_values):
+    assert c_values["DEFAULT_LEDGER"] == preload.DEFAULT_LEDGER
 
 
 def test_the_process_counters_lie_where_the_header_puts_them(c_values):

@@ -247,7 +247,7 @@ static int policy_alive(const policy_t *p) {
     if (!p) return 0;
     if (kill(p->controller_pid, 0) != 0 && errno == ESRCH) return 0;
     uint64_t beat = atomic_load(&p->heartbeat_ns);
-    uint64_t stale = (uint64_t)(p->stale_ms ? p->stale_ms : 2000) * 1000000ull;
+    uint64_t stale = (uint64_t)(p->stale_ms ? p->stale_ms : DEFAULT_STALE_MS) * 1000000ull;
     return now_ns() < beat + stale;
 }
 
@@ -314,7 +314,7 @@ typedef struct {
 
 static const char *ledger_prefix(void) {
     const char *path = getenv("GPUSCOPE_SHARE_LEDGER");
-    return path && *path ? path : "/dev/shm/gpuscope-share";
+    return path && *path ? path : DEFAULT_LEDGER;
 }
 
 /* A controller is trusted when it runs as root, as this process's user, or as the user named by
@@ -608,7 +608,7 @@ static inline uint32_t inflight_limit(void) {
     /* only a slice holder is drained at a hand-over, so only its queue is kept short; a tenant beside
      * it has a window per launch, and the ring is what bounds those */
     if (busy_accounting()) return POOL - 1;
-    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : 16);
+    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : DEFAULT_INFLIGHT_OPEN);
     /* running in another tenant's lent turn: that tenant waits for this queue when it takes the turn
      * back, so only one window is queued */
     if (binding && in_lent_turn()) lim = LENT_INFLIGHT;
@@ -767,7 +767,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
 static void adapt(uint64_t idx, float ms) {
     int lent = ring[idx % POOL].lent;
     int *k = lent ? &K_lent : &K;
-    float target = (lent ? LENT_WINDOW_US : policy && policy->window_us ? policy->window_us : 2000) / 1000.0f;
+    float target = (lent ? LENT_WINDOW_US : policy && policy->window_us ? policy->window_us : DEFAULT_WINDOW_US) / 1000.0f;
     if (ms > 2 * target && *k > K_MIN) *k /= 2;
     else if (ms < target / 2 && *k < K_MAX) *k *= 2;
 }

@@ -92,7 +92,7 @@ QUIET_NS = 300_000
 
 #: The accounting window's GPU time and how many windows a slice holder may queue
 #: (``--share.window``, ``--share.queued-windows``: the settings take their defaults from here).
-DEFAULT_WINDOW_US, DEFAULT_QUEUED_WINDOWS = 2000, 2
+DEFAULT_WINDOW_US, DEFAULT_QUEUED_WINDOWS, DEFAULT_INFLIGHT_OPEN, DEFAULT_STALE_MS = 2000, 2, 16, 2000
 
 MODES = {"events": 0, "nvml": 1}
 
@@ -262,8 +262,8 @@ class Policy:
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = DEFAULT_WINDOW_US, inflight_slice: int = DEFAULT_QUEUED_WINDOWS,
-                 inflight_open: int = 16,
-                 stale_ms: int = 2000, access: Access | None = None,
+                 inflight_open: int = DEFAULT_INFLIGHT_OPEN,
+                 stale_ms: int = DEFAULT_STALE_MS, access: Access | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:
             raise ValueError(f"between 1 and {MAX_TENANTS} tenants, not {len(tenants)}")

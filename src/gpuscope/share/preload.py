@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 
-DEFAULT_LEDGER = "/dev/shm/gpuscope-share"
+DEFAULT_LEDGER = "/dev/shm/gpuscope-share"  # _ledger.h has the same (tests/share/test_layout.py)
 
 
 def library_path() -> str | None:
