@@ -359,24 +359,26 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, 
     return rc;
 }
 
+/* After the driver's answer to a free of ``key`` (``n`` bytes, already forgotten): freed, its bytes go
+ * back to the tenant; refused, it is still held and stays counted. */
+static CUresult settle_free(table_t *t, uint64_t key, uint64_t n, CUresult rc) {
+    if (rc == 0) give_back(n);
+    else if (n) remember(t, key, n);
+    return rc;
+}
+
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     free_fn fn = (free_fn)real(M_FREE);
     if (!fn) return MISSING;
     uint64_t n = forget(&pointers, p);
-    CUresult rc = fn(p);
-    if (rc == 0) give_back(n);
-    else if (n) remember(&pointers, p, n);
-    return rc;
+    return settle_free(&pointers, p, n, fn(p));
 }
 
 static CUresult free_async(int i, CUdeviceptr p, CUstream s) {
     free_async_fn fn = (free_async_fn)real(i);
     if (!fn) return MISSING;
     uint64_t n = forget(&pointers, p);
-    CUresult rc = fn(p, s);
-    if (rc == 0) give_back(n);
-    else if (n) remember(&pointers, p, n);
-    return rc;
+    return settle_free(&pointers, p, n, fn(p, s));
 }
 
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return free_async(M_FREE_ASYNC, p, s); }
@@ -396,10 +398,7 @@ EXPORT CUresult cuMemRelease(CUmemHandle h) {
     release_fn fn = (release_fn)real(M_RELEASE);
     if (!fn) return MISSING;
     uint64_t n = forget(&handles, h);
-    CUresult rc = fn(h);
-    if (rc == 0) give_back(n);
-    else if (n) remember(&handles, h, n);
-    return rc;
+    return settle_free(&handles, h, n, fn(h));
 }
 
 /* What a capped tenant (or process) is shown: total = its cap; free = what is left of it (or of the
