@@ -299,6 +299,11 @@ def test_the_next_holder_is_the_one_the_python_scheduler_picks(tmp_path, seed):
         turns = keep(p, tenants, pages, holder=holder, used=used, base_slice_s=1.0, return_s=0.005)
         assert turns.holder == expected
         assert turns.lender == (holder if lends else -1)
+        # and the turn is as long as the Python scheduler makes it: the claimant's when lent
+        wanting = waiting | ({holder} if holder_wants else set())
+        owner = holder if lends else expected
+        quantum_ns = scheduler.quantum(owner, wanting, 1.0) * 1e9
+        assert turns.end - turns.start == pytest.approx(quantum_ns, rel=1e-3)
     finally:
         p.close()
 
