@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -45,7 +44,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, write_json  # noqa: E402
 
 from gpuscope.ops import procs  # noqa: E402
 from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
@@ -262,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"server_path": str(args.server_path), "quick": args.quick, "settings": quick, "parts": parts,
               "failures": failures,
               "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(f"written {args.out}")
     return 1 if failures else 0
 

@@ -22,7 +22,6 @@ client errors), so "exit 0 with every request failed" cannot pass.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import utc_now, write_json  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
@@ -144,7 +144,7 @@ def run_tool(name: str, command: list[str], server: ServerProcess, workdir: Path
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hf_serve_bench import build_model
 
-    report: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "tools": {}}
+    report: dict[str, Any] = {"date": utc_now(), "tools": {}}
     with tempfile.TemporaryDirectory(prefix="client-tools-") as tmp:
         folder = Path(tmp) / "tiny"
         folder.mkdir()
@@ -191,8 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(json.dumps({k: {"ok": v["ok"], "exit": v["exit_code"], "server": v["server"]}
                       for k, v in report["tools"].items()}, indent=1))
     return 0 if report["ok"] else 1

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import math
 import os
 import statistics
@@ -46,7 +44,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, utc_now, write_json  # noqa: E402
 from hf_serve_bench import build_model, pct, prompt_text  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
@@ -236,7 +234,7 @@ def verdict(client_ms: float | None, server_ms: float | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"date": utc_now(),
                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                               "quick": args.quick, "streams": args.streams, "duration_s": args.duration,
                               "rounds": args.rounds, "prompt_chars": args.prompt_chars,
@@ -318,8 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(table(report))
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import multiprocessing
 import os
@@ -46,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hf_serve_bench as hf  # noqa: E402
 import torch  # noqa: E402
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, utc_now, write_json  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args.streams = [int(x) for x in args.streams.split(",")]
     if args.quick:
         args.streams, args.requests_per_stream, args.max_tokens, args.diagnose_s = [1, 4], 1, 8, 2.0
-    report: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"date": utc_now(),
                               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                               "parts": {}}
     failures = []
@@ -303,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     report["failures"] = failures
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = write_json(args.out, report, indent=1)
     folder = Path(args.transcripts) if args.transcripts else out.parent
     for name, case in report["parts"].get("diagnose", {}).items():
         if isinstance(case, dict) and "transcript" in case:

@@ -21,9 +21,7 @@ with defaults.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import http.client
-import json
 import os
 import re
 import shutil
@@ -36,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchlib import logger, percentile  # noqa: E402
+from benchlib import logger, percentile, utc_now, write_json  # noqa: E402
 
 from gpuscope.ops import procs  # noqa: E402
 from gpuscope.util.freeport import free_port  # noqa: E402
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "gpu": gpu_name(body),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "gpus": gpus,
         "scrape_p50_ms": round(statistics.median(scrape_s) * 1e3, 3),
         "scrape_p99_ms": round(percentile(scrape_s, 99) * 1e3, 3),
@@ -198,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "meets_targets": (percentile(scrape_s, 99) * 1e3 <= TARGETS["scrape_p99_ms"]
                           and idle_cpu_pct <= TARGETS["exporter_cpu_pct"]),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json(args.out, result)
     smi = result["nvidia_smi_query_ms"]
     rows = [
         ("GPU", f"{result['gpu']} ({gpus} device(s))"),

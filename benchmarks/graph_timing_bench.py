@@ -34,8 +34,6 @@ The committed H200 results and the commands that made them are listed in benchma
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -46,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
-from benchlib import logger  # noqa: E402
+from benchlib import logger, utc_now, write_json  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from gpuscope.timing import Timer  # noqa: E402
@@ -289,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print("graph_timing_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "date": utc_now(),
               "step": f"{args.layers} blocks x (attn-like matmul, MLP), batch {args.batch}, "
                       f"d {args.dim}, bf16",
               "parts": {}}
@@ -303,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "traceback": traceback.format_exc()}
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
     report["failures"] = failures
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    out = write_json(args.out, report, default=str)
     acc, thr = report["parts"].get("accuracy", {}), report["parts"].get("throughput", {})
     rows = [("GPU", report["gpu"]), ("step", report["step"])]
     for kind in ("attn", "mlp"):

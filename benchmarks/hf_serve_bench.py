@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import itertools
 import json
 import math
@@ -50,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, utc_now, write_json  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerProcess  # noqa: E402
 
@@ -376,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     report: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "date": utc_now(), "device": device,
         "torch": torch.__version__, "transformers": transformers.__version__, "quick": args.quick,
         "model_shape": "quick (2 layers, hidden 64)" if args.quick else "TinyLlama-1.1B (random weights)",
         "load": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 0,
@@ -417,9 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for server in servers.values():
                 server.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(table(report))
     return 1 if report["failures"] else 0
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # exporter_bench's and tenancy_bench's helpers
 
 import torch
-from benchlib import logger, percentile, rnd
+from benchlib import logger, percentile, rnd, utc_now, write_json
 from exporter_bench import Scraper, free_port, sample_value, start_exporter, wait_ready
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -772,9 +771,7 @@ def table(report: dict) -> str:
 
 
 def write(report: dict) -> None:
-    out = Path(report["out"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_json(report["out"], report, default=str)
 
 
 def start_watchdog(report: dict, seconds: float) -> threading.Timer:
@@ -867,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_skip = {"skipped": skip or "needs CUDA devices (stand-ins are in-process)"} \
         if skip or devices[-1].type != "cuda" else None
     report: dict[str, Any] = {"gpu": None, "gpu_count": cuda_count,
-                              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                              "date": utc_now(),
                               "torch": torch.__version__, "quick": args.quick, "out": args.out,
                               "parts": {}, "targets": TARGETS}
     watchdog = start_watchdog(report, args.deadline)

@@ -25,7 +25,6 @@ Absolute times depend on the machine; the shape (flat vs growing with GPUs) is t
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import http.client
 import json
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from benchlib import logger, percentile  # noqa: E402
+from benchlib import logger, percentile, utc_now, write_json  # noqa: E402
 from prometheus_client.exposition import choose_encoder  # noqa: E402
 
 from gpuscope.nvml.config import COLLECTORS, Config  # noqa: E402
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     first, last = results[0], results[-1]
     report = {
         "what": "scrape latency vs GPU count, exporter on the fake NVML in-process, HTTP on 127.0.0.1",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), Python {platform.python_version()}",
         "accept": PROMETHEUS_ACCEPT, "rounds": args.rounds, "scrapes_per_round": args.scrapes,
         "gil_switch_interval_s": args.switch_interval,
@@ -196,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_p99_ms": TARGET_P99_MS,
         "cached_meets_target_at_every_count": all(r["cached"]["p99_ms"] <= TARGET_P99_MS for r in results),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json(args.out, report)
     plot(report, out.with_suffix(".png"))
     print(f"{'GPUs':>5}  {'bytes':>8}  {'cached p50/p99 ms':>18}  {'per-scrape p50/p99 ms':>22}  "
           "renderer CPU %")

@@ -19,9 +19,6 @@ to ``off``, and the timer's own view (sampling ratio, overhead estimate, drops).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tenancy_bench's harness
 
 import torch
+from benchlib import logger, today, write_json
+from benchlib import quartiles as quartiles_of
 from prometheus_client import CollectorRegistry
 from tenancy_bench import Harness, Size
 
@@ -37,6 +36,8 @@ from gpuscope.contract import catalogue as cat
 from gpuscope.server.config import ModelSpec
 from gpuscope.server.model import build_model
 from gpuscope.server.step_timing import build_timer, instrument_model
+
+progress = logger(None, sys.stdout)  # [HH:MM:SS] lines, on stdout with the report
 
 MODES = ("off", "budget", "all")
 TIMER_GAUGES = (cat.TIMER_SAMPLING_RATIO.name, cat.TIMER_OVERHEAD_RATIO.name)
@@ -75,10 +76,9 @@ def one_run(model, spec: ModelSpec, mode: str, batch: int, warm_s: float, window
 
 
 def quartiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    if len(ordered) < 2:
-        return {"median": ordered[0], "q1": ordered[0], "q3": ordered[0]}
-    q1, median, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    if len(values) < 2:
+        return {"median": values[0], "q1": values[0], "q3": values[0]}
+    q1, median, q3 = quartiles_of(values)
     return {"median": median, "q1": q1, "q3": q3}
 
 
@@ -107,7 +107,7 @@ def main() -> int:
         for batch in batches:
             for mode in order:
                 runs[str(batch)][mode].append(one_run(model, spec, mode, batch, args.warm, args.window))
-        print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1}/{args.rounds} done", flush=True)
+        progress(f"round {round_index + 1}/{args.rounds} done")
 
     summary: dict[str, dict] = {}
     for batch, by_mode in runs.items():
@@ -117,12 +117,12 @@ def main() -> int:
             loss = [100.0 * (1 - r["tok_s"] / b) for r, b in zip(rows, base, strict=True)]
             summary[batch][mode] = {"tok_s": quartiles([r["tok_s"] for r in rows]),
                                     "loss_pct_vs_off": quartiles(loss)}
-    report = {"benchmark": "server_timing_bench", "date": dt.date.today().isoformat(), "gpu": gpu,
+    report = {"benchmark": "server_timing_bench", "date": today(), "gpu": gpu,
               "torch": torch.__version__, "model": vars(spec), "rounds": args.rounds,
               "window_s": args.window, "warm_s": args.warm, "wall_s": round(time.monotonic() - started, 1),
               "summary": summary, "runs": runs}
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
     print(f"\nengine in-process, {gpu}: tokens/s loss vs --timing off (median [q1, q3] of paired rounds)")
     for batch, by_mode in summary.items():
         for mode in MODES[1:]:

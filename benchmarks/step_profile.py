@@ -20,8 +20,6 @@ then profiles PyTorch's default choice with new spans with ``torch.profiler`` an
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
+from benchlib import today, write_json
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpuscope.server.config import ModelSpec
@@ -132,12 +131,12 @@ def main() -> int:
             profile_text = prof.key_averages().table(sort_by="cpu_time_total", row_limit=18)
             print(profile_text)
 
-    report = {"benchmark": "step_profile", "date": dt.date.today().isoformat(),
+    report = {"benchmark": "step_profile", "date": today(),
               "gpu": gpu,
               "torch": torch.__version__, "model": vars(args), "steps_per_case": args.steps,
               "cases": results, "profile_top_ops_rows1_new_spans": profile_text}
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
     return 0
 
 

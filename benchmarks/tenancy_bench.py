@@ -29,7 +29,6 @@ Imports only torch, prometheus_client, the standard library and gpuscope (from
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import random
 import statistics
@@ -41,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch
+from benchlib import utc_now, write_json
 
 from gpuscope.server.config import ModelSpec, parse_tenants
 from gpuscope.server.engine import Done, Engine, Failed, Request
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     hi_alone, hi_flood, hi_fcfs = (phases[n]["p99_s"] for n in ("alone", "flood_share", "flood_fcfs"))
     result = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "share_error_points": round(shares["share_error_points"], 3),
         "hi_prio_p99_ratio": round(hi_flood / hi_alone, 3),
         "fcfs_hi_prio_p99_ratio": round(hi_fcfs / hi_alone, 3),
@@ -361,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.out
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out, result)
     d = result["detail"]
     print(json.dumps(result, indent=2))
     print(f"\ntenancy ({args.size}, {result['gpu']}, wall {d['wall_s']} s)")

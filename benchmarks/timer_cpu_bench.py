@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import logger, rnd
+from benchlib import logger, rnd, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = {  # name -> (C hot path, recycler, the resolver's C loop)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 for path, figures in paths.items() if path != "python"}
     print("python / C (total per region):", json.dumps(report.get("python_over_c", {})))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.out, report, indent=1)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import random
@@ -35,8 +34,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
 import torch
+from benchlib import logger, today
 
 from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import CudartCtypesRoute
@@ -56,8 +55,7 @@ class Block(torch.nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+progress = logger(None, sys.stdout)  # [HH:MM:SS] lines, on stdout with the report
 
 
 def quartiles(values: list[float]) -> list[float]:
@@ -446,7 +444,7 @@ def main() -> int:
     out: dict = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "none (CPU)",
         "hot_path": "C" if hot.native_available() else "Python (C extension not built)",
-        "date": datetime.date.today().isoformat(),
+        "date": today(),
         "torch": torch.__version__,
         "method": "medians of interleaved paired rounds (base, config) with quartiles; docs/design.md",
     }

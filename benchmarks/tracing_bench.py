@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import importlib
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -54,7 +52,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]  # benchmarks/: run through runpy too
-from benchlib import logger  # noqa: E402
+from benchlib import logger, utc_now, write_json  # noqa: E402
+from benchlib import quartiles as quartiles_of  # noqa: E402
 
 from gpuscope.loadtest.serverproc import ServerError, ServerProcess  # noqa: E402
 from gpuscope.server.otlp_sink import OtlpSink  # noqa: E402
@@ -84,11 +83,10 @@ log = logger("tracing_bench")
 
 
 def quartiles(values: list[float]) -> dict:
-    values = sorted(values)
     if len(values) < 2:
         return {"median": values[0] if values else None, "q1": None, "q3": None, "n": len(values)}
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return {"median": median, "q1": q1, "q3": q3, "n": len(values), "min": values[0], "max": values[-1]}
+    q1, median, q3 = quartiles_of(values)
+    return {"median": median, "q1": q1, "q3": q3, "n": len(values), "min": min(values), "max": max(values)}
 
 
 def thread_cpu(native_id: int) -> float:
@@ -386,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.settle is None:
         args.settle = (args.export_delay_ms if args.export_delay_ms is not None else 5000) / 1000 + 1.5
     report = {
-        "benchmark": "tracing_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "tracing_bench", "date": utc_now(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__,
                  "gpu": torch.cuda.get_device_name(0) if gpu else None,
@@ -416,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         s = report["served"]
         log(f"served: CPU per request +{s['cpu_us_per_request']['extra']['median']:.0f} µs (median of "
             f"pairs), tokens/s on/off {s['tokens_per_s']['ratio_on_off']['median']:.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(f"written {args.out}")
     return 0
 
