@@ -598,9 +598,9 @@ def _pairs_and_llm(args: argparse.Namespace, out: dict, alone: float, phases: se
               f"{k['kernel_fraction']:.3f}", flush=True)
     except RuntimeError as e:  # the profiler is a reference, not the measurement: go on without it
         print(f"llm kernels alone: not measured ({str(e)[-300:]})", flush=True)
-    # The host's speed drifts between runs (the decode loop alone: 3.8 to 9.5 ms a step on different
-    # hosts, and by a third within one run), so each variant is compared with the loop alone in the
-    # same round, and the rounds interleave.
+    # The host's speed drifts between runs and within one (docs/share.md, "What it costs and what it
+    # achieves"), so each variant is compared with the loop alone in the same round, and the rounds
+    # interleave.
     out["llm"]["rounds"] = []
     for rnd in range(args.llm_rounds):
         alone_r = llm_run(None, args.llm_seconds, args.port, alone, hog=False)

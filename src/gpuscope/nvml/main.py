@@ -19,7 +19,7 @@ log = logging.getLogger("gpuscope.exporter")
 #: How long a thread may hold the GIL while another waits for it (Python's default is 5 ms). The
 #: background renderer holds it for tens of ms on a host with many GPUs; a scrape arriving meanwhile
 #: would wait up to the whole default interval, so the exporter hands the GIL over ten times sooner
-#: (scrape p99 at 64 fake GPUs: 4.7 ms at the default, 1.6 ms at 0.5 ms; benchmarks/scrape_bench.py).
+#: (docs/exporter.md gives the scrape p99 at 64 fake GPUs either way, from benchmarks/scrape_bench.py).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
