@@ -11,10 +11,10 @@ Runs ``gpuscope exporter`` as a subprocess on real NVML (default settings, 1 s s
 
 Needs only the standard library, pynvml and prometheus_client (gpuscope is imported from
 ``src/`` by path). Without a GPU it still runs and reports zero devices. Writes
-``--out`` (default ``benchmarks/results/exporter-h200.json``) and prints a table last. About 75 s
-with defaults.
+``--out`` (required: benchmarks/README.md lists the current results, one per set of exporter flags)
+and prints a table last. About 75 s with defaults.
 
-    python benchmarks/exporter_bench.py                     # on the GPU host
+    python benchmarks/exporter_bench.py --out benchmarks/results/exporter-h200-live-template.json   # GPU host
     python benchmarks/exporter_bench.py --scrapes 20 --scrape-window 2 --cpu-window 2 --out /tmp/x.json
 """
 
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-window", type=float, default=30.0, help="seconds of idle-phase CPU measurement")
     p.add_argument("--interval", default="1s", help="exporter --sampling.interval")
     p.add_argument("--exporter-arg", action="append", default=[], help="extra exporter flag (repeatable)")
-    p.add_argument("--out", default=os.path.join(str(ROOT / "benchmarks/results"),
-                                                 "exporter-h200.json"))
+    p.add_argument("--out", required=True, help="JSON path")
     args = p.parse_args(argv)
 
     port = free_port()

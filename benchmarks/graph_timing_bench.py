@@ -22,8 +22,9 @@ d 1024, bf16; 2 regions per block, timed with ``instrument()``), captured with
    last one's end. Where graph and eager region times differ, this says whether the kernels or
    the gaps between them did.
 
-Also checks that replay outputs equal eager outputs. Writes ``--out`` (JSON), progress on stderr,
-a table last; exit 1 (the failing part named) if a part fails.
+Also checks that replay outputs equal eager outputs. Writes ``--out`` (JSON; default the current
+H200 result, ``benchmarks/results/graph-timing-h200-2026-12-02-after-data-model.json``), progress
+on stderr, a table last; exit 1 (the failing part named) if a part fails.
 
     python benchmarks/graph_timing_bench.py --out /tmp/graph-timing.json   # ~2 min
     python benchmarks/graph_timing_bench.py --parts accuracy,kernels --out /tmp/graph-kernels.json
@@ -41,6 +42,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The file benchmarks/README.md lists as this script's current result: a run without ``--out``
+#: replaces it.
+CURRENT_RESULT = "graph-timing-h200-2026-12-02-after-data-model.json"
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
@@ -278,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--replays-per-round", type=int, default=2000)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/graph-timing.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results" / CURRENT_RESULT),
+                   help="JSON path (default: the current H200 result, as benchmarks/README.md lists it)")
     args = p.parse_args(argv)
     parts = [name for name in args.parts.split(",") if name]
     if not parts or set(parts) - set(PARTS):

@@ -21,7 +21,8 @@ naming it on stderr, in the table and under ``failures``:
    carries the per-module regions (``op="model.layers.0.self_attn"``...).
 
 Needs only torch, transformers, tokenizers, aiohttp, prometheus-client, nvidia-ml-py and pyyaml
-(gpuscope comes from ``src/`` by path). Writes ``--out``, progress on stderr, a table last.
+(gpuscope comes from ``src/`` by path). Writes ``--out`` (default the current H200 result,
+``benchmarks/results/hf-serve-h200.json``), progress on stderr, a table last.
 
     python benchmarks/hf_serve_bench.py --out benchmarks/results/hf-serve-h200.json   # GPU host, ~4 min
     python benchmarks/hf_serve_bench.py --quick --out /tmp/hf.json                     # CPU smoke
@@ -336,7 +337,7 @@ def table(report: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, short loads: a CPU smoke run")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/hf-serve.json"), help="JSON path")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/hf-serve-h200.json"), help="JSON path")
     p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated subset of " + ",".join(PARTS) + " (model always runs)")
     p.add_argument("--streams", help="concurrency levels (1,8,32; quick 1,4)")

@@ -26,11 +26,10 @@ and a part that cannot run here says ``{"skipped": reason}``:
 Imports only the standard library, torch, pynvml (through the exporter), prometheus_client and gpuscope
 (from ``src/`` by path). Without two CUDA devices the GPU parts are skipped with the reason;
 ``--cpu-stand-in 2`` runs them on CPU stand-ins instead (a code-path check: the numbers mean nothing).
-Writes ``--out`` (default ``benchmarks/results/multi-gpu.json``), progress on stderr, a table last.
-About 4 min with defaults on 2×H200 (``--deadline`` stops it, writing what it has, at 420 s); exit
-status 1 when
-a part, or a section of one, failed or could not measure what it exists to measure (each is
-named on stderr, in the table and under ``failures`` in the JSON).
+Writes ``--out`` (default ``benchmarks/results/multi-gpu-h200.json``, the current result), progress
+on stderr, a table last. About 4 min with defaults on 2×H200 (``--deadline`` stops it, writing what
+it has, at 420 s); exit status 1 when a part, or a section of one, failed or could not measure what
+it exists to measure (each is named on stderr, in the table and under ``failures`` in the JSON).
 
     python benchmarks/multi_gpu_bench.py                               # on the GPU host
     python benchmarks/multi_gpu_bench.py --quick --out /tmp/x.json     # CPU smoke, ~20 s
@@ -802,7 +801,7 @@ def start_watchdog(report: dict, seconds: float) -> threading.Timer:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (~20 s): a smoke test")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/multi-gpu.json"), help="JSON path")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/multi-gpu-h200.json"), help="JSON path")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     p.add_argument("--gpus", type=int, default=0, help="CUDA devices for the timer and server parts (0: all)")
     p.add_argument("--cpu-stand-in", type=int, default=0, metavar="N",

@@ -17,8 +17,8 @@ Also reports the background renderer's CPU per second (its cost moved off the sc
 process hands the GIL over as ``gpuscope exporter`` does (``--switch-interval`` to compare).
 Absolute times depend on the machine; the shape (flat vs growing with GPUs) is the result.
 
-    python benchmarks/scrape_bench.py --out benchmarks/results/scrape-cpu.json
-    python benchmarks/scrape_bench.py --gpus 1,64 --rounds 2 --scrapes 20     # quick
+    python benchmarks/scrape_bench.py --out benchmarks/results/scrape-h200-host.json
+    python benchmarks/scrape_bench.py --gpus 1,64 --rounds 2 --scrapes 20 --out /tmp/scrape.json  # quick
     python benchmarks/scrape_bench.py --replot benchmarks/results/scrape-h200-host.json
 """
 
@@ -166,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scrapes", type=int, default=50, help="scrapes per server per round")
     p.add_argument("--switch-interval", type=float, default=GIL_SWITCH_INTERVAL_S,
                    help=f"sys.setswitchinterval for the run (gpuscope exporter's: {GIL_SWITCH_INTERVAL_S})")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scrape-cpu.json"),
-                   help="JSON path (the plot goes beside it, .png)")
+    p.add_argument("--out", help="JSON path, the plot beside it (.png); required unless --replot")
     p.add_argument("--replot", metavar="JSON", help="only draw the plot of an earlier run's JSON")
     args = p.parse_args(argv)
+    if not args.replot and not args.out:
+        p.error("--out is required (benchmarks/README.md lists the current results)")
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return 0
