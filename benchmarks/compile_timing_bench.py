@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, write_json  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -317,7 +317,7 @@ def main() -> int:
                 traceback.print_exc()
                 doc["results"].append({"workload": name, "mode": mode, "error": repr(exc)[:400]})
             log(json.dumps(doc["results"][-1])[:600])
-            Path(args.out).write_text(json.dumps(doc, indent=1))
+            write_json(args.out, doc, indent=1)
             torch._dynamo.reset()
     print(table(doc["results"]))
     return 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import random
 import re
@@ -38,6 +37,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch
+from benchlib import write_json
 from timing_bench import Block, Config, progress
 
 from gpuscope.timing import hot
@@ -175,8 +175,7 @@ def main() -> int:
         bs, seq = WORKLOADS[label]
         out["workloads"][label] = workload(bs, seq, args.blocks, args.block, names)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     print(f"\nwrote {args.out}\n")
     print(f"{'config':32s} {'loss% L':>8s} {'loss% S':>8s} {'ratio L':>8s} {'ratio S':>8s} {'µs/reg L':>9s} "
           f"{'µs/reg S':>9s}")

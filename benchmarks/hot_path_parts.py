@@ -9,7 +9,6 @@ import argparse
 import collections
 import contextvars
 import ctypes
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch
+from benchlib import write_json
 
 from gpuscope.timing import Timer
 from gpuscope.timing.routes import CudartCtypesRoute, _loaded_libcudart
@@ -91,8 +91,7 @@ def main() -> int:
 
     out["gpuscope_sequence_per_region"] = per_call_us(sequence_pass, n=1000, reps=3) / len(ops)
     timer.close()
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     for name, us in out.items():
         print(f"{name:32s} {us:8.3f} us")
     return 0

@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch
+from benchlib import write_json
 from hot_path_bench import paired_rounds, recycler_us_per_sample, transformer
 from timing_bench import Config
 
@@ -173,8 +173,7 @@ def main() -> int:
                 row["recycler_us_per_sample"] = recycler_us_per_sample(timer)
         print(f"{name:36s} cpu/region {row['cpu_us_region']:6.2f} µs  loss {row['loss_pct']:6.2f}%  "
               f"resolver µs/sample {row.get('resolver_us_per_sample', 0):5.2f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import random
 import statistics
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing_bench, 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import torch
+from benchlib import write_json
 from timing_bench import Block, progress
 
 from gpuscope.timing import Timer, hot
@@ -168,8 +168,7 @@ def main() -> int:
     progress("cost: window off / default / every sampled pass")
     out["cost"] = cost(args.rounds, iters=200)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     print(f"\nwrote {args.out}\n")
     for name, row in out["separation"].items():
         print(f"{name:12s} busy ratio {row['busy_ratio_median']:.3f}  "

@@ -37,6 +37,8 @@ from typing import Any
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
+from benchlib import write_json  # noqa: E402
+
 from gpuscope.util.freeport import free_ports  # noqa: E402
 
 TOKEN = "bench-profile-token-0123456789"
@@ -405,8 +407,7 @@ def main() -> int:
         line.strip()[line.index("{") :] for line in lines if '"event":"profile_captured"' in line
     ]
     summary["warm_up_log"] = [line.strip() for line in lines if "torch.profiler warm" in line]
-    with open(os.path.join(args.out, "profile-capture-summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(args.out, "profile-capture-summary.json"), summary, indent=1)
     for label in ("baseline", "fault"):
         s = summary[label]
         per_step = s["kernels"] / max(1, s["steps_captured"])

@@ -38,6 +38,8 @@ import tempfile
 import time
 import urllib.request
 
+from benchlib import write_json
+
 LEDGER = "/dev/shm/gpuscope-share-bench"
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -484,16 +486,14 @@ def main_bench(args: argparse.Namespace) -> dict:
     with mps_daemon(args.mps) as mps:
         out = _bench(args, mps)
     if mps is not None:  # out["mps"] is this dict: saved again with what was seen as the daemon stopped
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
     return out
 
 
 def _bench(args: argparse.Namespace, mps: dict | None) -> dict:
 
     def save() -> None:  # after every phase: a later failure keeps what was measured
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
 
     out: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,

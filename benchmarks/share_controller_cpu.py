@@ -35,6 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from benchlib import write_json  # noqa: E402
 from share_bench import Controller, _helper_cpu_s, _helper_wakeups, collect, pct, sleep_until  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
@@ -162,9 +163,8 @@ def main() -> None:
                           "wake-ups/s); "
                           f"{extra}",
                           flush=True)
-                    with open(args.out, "w") as f:
-                        json.dump({"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
-                                   "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+                    write_json(args.out, {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename,
+                                          "cpus": os.cpu_count(), "rows": rows}, indent=1)
     for scenario in args.scenarios.split(","):
         for flags in variants:
             mine = [r for r in rows if r["scenario"] == scenario and r["flags"] == flags]

@@ -23,7 +23,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, write_json  # noqa: E402
 from share_bench import Controller, _lib, collect, rate, sleep_until  # noqa: E402
 from share_memory_bench import metric  # noqa: E402
 
@@ -115,8 +115,7 @@ def main() -> None:
            "hook_errors": {n: r["stats"]["hook_errors"] for n, r in results.items()},
            "controller": {k: v for k, v in controller.items() if k != "metrics"},
            "controller_metrics": [m for m in controller["metrics"] if "policy" in m or "target" in m]}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "series"}, indent=1))
 
 

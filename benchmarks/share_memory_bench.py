@@ -31,7 +31,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import logger, percentile, rnd  # noqa: E402
+from benchlib import logger, percentile, rnd, write_json  # noqa: E402
 from share_bench import ROOT, Controller, _lib  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-memory-bench"
@@ -260,8 +260,7 @@ def main_bench(args: argparse.Namespace) -> dict:
     out: dict = {"shares": SHARES, "date": time.strftime("%Y-%m-%d")}
 
     def save() -> None:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
 
     controller = Controller(SHARES, "events", args.port, "--share.watch-interval", "0.5s", ledger=LEDGER)
     try:

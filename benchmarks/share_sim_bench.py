@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
-from benchlib import logger, rnd  # noqa: E402
+from benchlib import logger, rnd, write_json  # noqa: E402
 
 log = logger("share-sim")
 MIXES = {
@@ -97,8 +97,7 @@ def main() -> None:
         entry.update(tenants=entry["drain"]["tenants"], sum_managed=entry["drain"]["sum"],
                      sum_unmanaged=entry["unmanaged"]["sum"])
         out["mixes"].append(entry)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
     print(json.dumps([{k: m[k] for k in ("name", "sum_managed", "sum_unmanaged")} | {
         "fractions": [t["fraction"] for t in m["tenants"]]} for m in out["mixes"]], indent=1))
 

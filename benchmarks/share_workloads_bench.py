@@ -35,7 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchlib import logger, percentile, rnd  # noqa: E402
+from benchlib import logger, percentile, rnd, write_json  # noqa: E402
 from share_bench import LEDGER, Controller, _lib, rate, sleep_until  # noqa: E402
 
 log = logger("share-workloads")
@@ -355,8 +355,7 @@ def main() -> None:
     out: dict = {"date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "alone": {}, "mixes": []}
 
     def save() -> None:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out, indent=1)
 
     hogs = [h for h in args.hogs.split(",") if h]
     needed = sorted({w for tenants in mixes.values() for w, _ in tenants} | set(hogs))

@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import torch
-from benchlib import logger, today
+from benchlib import logger, today, write_json
 
 from gpuscope.timing import Timer, hot
 from gpuscope.timing.routes import CudartCtypesRoute
@@ -453,8 +453,7 @@ def main() -> int:
             print("--accuracy-only needs a CUDA GPU", file=sys.stderr)
             return 2
         out["accuracy"] = accuracy(30, 300)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1, default=float)
+        write_json(args.out, out, indent=1, default=float)
         print(json.dumps(out["accuracy"], indent=1))
         return 0
     progress("idle microbenchmark")
@@ -501,8 +500,7 @@ def main() -> int:
         out["accuracy_pct_ms_kernel"] = acc["accuracy_pct_ms_kernel"]
         out["accuracy_us_short_region"] = acc["accuracy_us_short_region"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1, default=float)
+    write_json(args.out, out, indent=1, default=float)
     print(f"\nwrote {args.out}\n")
     print(f"{'':28s} {'large':>10s} {'small':>10s}")
     for key in ("tps_loss_pct_raw_records", "tps_loss_pct_default", "tps_loss_pct_full",
