@@ -1,6 +1,6 @@
 /* The timer's hot path in C: the same steps as hot.py's PyHotPath and PySequenceBase, without the
- * Python frames, the ctypes argument conversion and the NamedTuple constructor that made a region
- * cost about 1.5x two raw event records in context (docs/design.md, "The hot path in C").
+ * Python frames, the ctypes argument conversion and the NamedTuple constructor that kept a region
+ * well above the cost of two raw event records in context (docs/design.md, "The hot path in C").
  *
  * It links nothing from CUDA: the route hands over the address of cudaEventRecord in the libcudart
  * torch already loaded (routes.py), so a CPU-only machine builds and tests this file with the host
@@ -272,8 +272,8 @@ static PyTypeObject BucketHistogramType = {
 
 /* The sampling fields are Python objects (T_OBJECT_EX members) rather than C integers: the hot path's
  * Python code reads and writes them on every region, and CPython (3.11+) specialises attribute access
- * for object members as for a __slots__ attribute but not for integer members, which cost about
- * 30 ns more per ``op.entered += 1``. */
+ * for object members as for a __slots__ attribute but not for integer members, which cost more per
+ * ``op.entered += 1`` (docs/design.md, "The op state and histograms in C"). */
 typedef struct {
     PyObject_HEAD
     PyObject *name, *owner, *period, *countdown, *entered, *always, *fixed;
@@ -407,10 +407,10 @@ static PyTypeObject OpStateType = {
  * Why a thread outside Python: the resolver, waking every 50 ms, kept hundreds of events in flight,
  * and waking it more often cost more GIL than it saved (docs/design.md). This thread polls
  * without the GIL (every hot.RECYCLE_INTERVAL_S), so only the events of the last interval are in
- * flight, and the inference thread's free list hands back the ones it recorded last. Polling every
- * millisecond cost the launch-bound workload about a point of throughput more than every 10 ms did,
- * with no GIL involved: what is left to compete with the inference thread is this thread's wake-ups
- * and its CUDA calls on events the inference thread has just recorded.
+ * flight, and the inference thread's free list hands back the ones it recorded last. Polling much
+ * more often cost the launch-bound workload throughput (docs/design.md, "The hot path in C", the
+ * recycler), with no GIL involved: what is left to compete with the inference thread is this
+ * thread's wake-ups and its CUDA calls on events the inference thread has just recorded.
  *
  * Three stages, each index written by one side only:
  *   tail  the hot path (GIL) wrote pairs[.. tail)

@@ -28,9 +28,10 @@ from gpuscope.timing.core import TimerCore
 
 ADAPT_EVERY_S = 1.0
 MIN_SAMPLING_RATIO = 1 / 4096
-#: Records cost about 3× more inside a forward pass than in an idle loop; the in-context factor
-#: applied to the idle cost of an unsampled region is capped here (a "record" on the host route
-#: is a clock read, and the raw ratio means nothing there).
+#: Records cost several times more inside a forward pass than in an idle loop (docs/design.md,
+#: "Inside a real forward pass"); the in-context factor applied to the idle cost of an unsampled
+#: region is capped here (a "record" on the host route is a clock read, and the raw ratio means
+#: nothing there).
 MAX_CONTEXT_FACTOR = 4.0
 #: The period moves at most this factor per decision, so one noisy window cannot swing the rate.
 MAX_STEP = 4

@@ -1,12 +1,12 @@
 """Launch-bound or GPU-bound: how much of a region's GPU time its kernels keep the GPU busy.
 
 **What region time means.** A region's time (``gpuscope_region_gpu_seconds``) is the GPU timeline
-between its two event records: everything the stream did between them, *including the time it
-sat idle waiting for the CPU to launch the next kernel*. On the H200 a 1 µs kernel timed back to
-back reads about 11 µs per region with an idle queue and about 2 µs with a full one
-(docs/design.md). So a region can be long because its kernels are slow (GPU-bound: faster
-kernels help) or because the CPU feeds them slowly (launch-bound: CUDA graphs, fewer and larger
-kernels, or a faster host help). Region time alone cannot say which.
+between its two event records: everything the stream did between them, *including the time it sat
+idle waiting for the CPU to launch the next kernel*. A tiny kernel timed back to back reads several
+times longer per region with an idle queue than with a full one (docs/design.md, "What region time
+means, and the kernel busy ratio"). So a region can be long because its kernels are slow (GPU-bound:
+faster kernels help) or because the CPU feeds them slowly (launch-bound: CUDA graphs, fewer and
+larger kernels, or a faster host help). Region time alone cannot say which.
 
 **The busy ratio** says it: the kernels' own execution time inside the region, from CUPTI's
 activity records, over the region's usual time (the mean of its ordinary samples since the last

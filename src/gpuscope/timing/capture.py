@@ -1,9 +1,10 @@
 """Knowing, at no cost per region, whether a CUDA graph is being captured.
 
-Asking CUDA (``torch.cuda.is_current_stream_capturing()``) on every region cost
-more than the event records themselves on the H200 (docs/design.md), so
-the timer keeps a process-wide count of captures in progress, maintained by
-wrapping ``torch.cuda.CUDAGraph.capture_begin``/``capture_end`` (which
+Asking CUDA (``torch.cuda.is_current_stream_capturing()``) on every region would
+put one more torch call on every region's hot path (its cost: docs/design.md,
+"CPU cost of one call"), so the timer keeps a process-wide count of captures in
+progress, maintained by wrapping
+``torch.cuda.CUDAGraph.capture_begin``/``capture_end`` (which
 ``torch.cuda.graph`` and ``make_graphed_callables`` use). Only while a capture
 is in progress does the hot path ask CUDA which stream is capturing. A capture
 started outside torch is not seen here; an event recorded into it then fails to

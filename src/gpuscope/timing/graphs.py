@@ -16,10 +16,10 @@ before its last replay was read, so each sample's start and end come from the sa
 when replays are queued back to back and when several graphs (one per batch size) share a timer.
 When no copy is free the replay runs untimed and a ``graph_busy`` drop is counted.
 
-Why sampled: an event node costs about 2.3 µs of GPU time on the H200 (48 nodes made a 242 µs
-replay 354 µs), so timing every replay would cost that much. At capture the GPU time of a timed
-and an untimed replay are measured, and the period is the smallest that keeps the difference
-within the timer's budget (a timer with a fixed ``sample_rate`` uses that instead).
+Why sampled: every event node adds GPU time to the replay (docs/design.md, "CUDA graphs", gives the
+H200's figure), so timing every replay would lengthen every replay by that much. At capture the GPU
+time of a timed and an untimed replay are measured, and the period is the smallest that keeps the
+difference within the timer's budget (a timer with a fixed ``sample_rate`` uses that instead).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Two implementations of the same steps, chosen per timer (``use_native``):
 
 - ``_hotpath.c``, built by ``pip install`` where a C compiler and Python's headers are present.
   It links nothing from CUDA: the ``cudart-ctypes`` route hands it the address of
-  ``cudaEventRecord`` in the libcudart torch already loaded, and it calls that directly. On the
-  H200 this took a fully timed forward from about 1.5× the cost of two raw records per region to
-  the figures in docs/design.md ("The hot path in C").
+  ``cudaEventRecord`` in the libcudart torch already loaded, and it calls that directly, without
+  the Python frames and ctypes conversions that kept a fully timed forward well above the cost of
+  two raw records per region (docs/design.md, "The hot path in C").
 - ``PyHotPath`` and ``PySequenceBase`` below: the fallback when the extension is not built (or
   ``GPUSCOPE_TIMING_NATIVE=0``), and the readable statement of what the C code does.
 
@@ -44,9 +44,9 @@ NATIVE_ENV = "GPUSCOPE_TIMING_NATIVE"
 #: Set to 0 to leave plain pairs to the resolver's loop even where the recycler could run.
 RECYCLER_ENV = "GPUSCOPE_TIMING_RECYCLER"
 #: How often the recycler thread looks for finished pairs while any are queued (it backs off when
-#: idle). Polling every 1 ms cost the launch-bound workload 1.25 points of throughput more than
-#: every 10 ms on the H200, in four paired runs out of which three agreed (docs/design.md); at
-#: 10 ms the events in flight still stay in the tens.
+#: idle). Polling more often cost the launch-bound workload throughput even without the GIL: the
+#: thread's wake-ups and CUDA calls compete with the inference thread (docs/design.md, "The hot path
+#: in C", the recycler); at this interval the events in flight still stay in the tens.
 RECYCLE_INTERVAL_S = 0.01
 #: Measure the in-context cost of every Nth sampled pair (two clock reads each).
 MEASURE_EVERY = 16

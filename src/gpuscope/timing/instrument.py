@@ -4,9 +4,9 @@ Sampling is decided once per forward pass, by a wrapper on the model's own
 ``forward``. Only a sampled pass puts the per-module wrappers in place (as
 instance attributes, set in ``module.__dict__`` directly) and takes them out
 after, so an unsampled pass costs one Python call, not one per module.
-Per-module wrappers replace ``forward`` rather than hook it: empty forward hooks
-on 24 modules cost 160–410 µs per forward (3–7%) on the H200 (docs/design.md),
-because a module with hooks leaves torch's fast call path.
+Per-module wrappers replace ``forward`` rather than hook it: even empty forward
+hooks cost main-thread CPU on every forward (docs/design.md, "Inside a real
+forward pass"), because a module with hooks leaves torch's fast call path.
 
 The wrapper also measures what timing costs where it matters, inside the
 program: the CPU time of sampled passes against unsampled ones (an online

@@ -1,15 +1,16 @@
 """The resolver thread: turns finished event pairs into histogram samples, calibrates each
 device's baseline, and asks the budget controller (``budget.py``) to adapt the sampling rate.
 
-It wakes every ``resolve_interval`` (tens of ms): a thread waking every 0.5 ms cost the
-inference thread up to 18% through the GIL on the H200, one waking every 50 ms at most 1%
-(docs/design.md). It never blocks on the GPU: completion is tested with non-blocking queries,
-one per stream per wake-up, since events on one stream complete in order. Every CUDA call it
-makes runs with the events' device current (``routes.on_device``): the resolver thread starts
-on device 0 and serves all devices. Where the C hot path runs a recycler (``hot.py``), plain pairs
-were already read by its thread and ``drain`` only collects them into histograms; otherwise, where
-the C extension is built, they go through its loop (``hot.resolve_loop``), which asks CUDA with the
-GIL released. Graph replays and pairs with a callback always take the Python loop below.
+It wakes every ``resolve_interval`` (tens of ms): a thread waking every fraction of a millisecond
+took a large share of the inference thread's throughput through the GIL, one waking this seldom next
+to none (docs/design.md, "Inside a real forward pass"). It never blocks on the GPU: completion is
+tested with non-blocking queries, one per stream per wake-up, since events on one stream complete in
+order. Every CUDA call it makes runs with the events' device current (``routes.on_device``): the
+resolver thread starts on device 0 and serves all devices. Where the C hot path runs a recycler
+(``hot.py``), plain pairs were already read by its thread and ``drain`` only collects them into
+histograms; otherwise, where the C extension is built, they go through its loop
+(``hot.resolve_loop``), which asks CUDA with the GIL released. Graph replays and pairs with a
+callback always take the Python loop below.
 """
 
 from __future__ import annotations
@@ -302,10 +303,11 @@ class Resolver:
     def _calibrate(self, device: int) -> None:
         """Median elapsed time of an empty pair recorded behind queued work (a busy stream).
 
-        With an idle GPU an empty pair measures the CPU's submit gap (~11 µs on the H200) rather
-        than the GPU's own cost (~1.3 µs), so each pair waits behind a short sleep kernel on a
-        private stream of ``device``. The first calibration also measures what a record costs on
-        an idle thread (the budget controller scales unsampled regions' cost with it).
+        With an idle GPU an empty pair measures the CPU's submit gap, several times the GPU's own
+        cost (docs/design.md, "CPU cost of one call"), rather than that cost, so each pair waits
+        behind a short sleep kernel on a private stream of ``device``. The first calibration also
+        measures what a record costs on an idle thread (the budget controller scales unsampled
+        regions' cost with it).
         """
         core, route = self.core, self.core.route
         try:

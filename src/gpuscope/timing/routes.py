@@ -5,12 +5,12 @@ the cheapest route that works (``pick_route``):
 
 =================  ==========================================================
 ``cudart-ctypes``  ``cudaEventRecord`` through ctypes on the libcudart torch
-                   already loaded: 1.7 µs a record on the H200 (docs/design.md), the
-                   cheapest measured. Records go through ``PyDLL`` so the call
+                   already loaded: the cheapest record measured (docs/design.md,
+                   "CPU cost of one call"). Records go through ``PyDLL`` so the call
                    keeps the GIL: releasing and re-taking it costs more than
                    the record and invites the resolver thread in mid-forward.
-``cuda-bindings``  NVIDIA's ``cuda.bindings.runtime``: 1.9 µs a record.
-``torch``          ``torch.cuda.Event``: 7–11 µs a record; the fallback.
+``cuda-bindings``  NVIDIA's ``cuda.bindings.runtime``: a little dearer a record.
+``torch``          ``torch.cuda.Event``: several times dearer a record; the fallback.
 ``host``           ``perf_counter_ns`` stamps for CPU-only machines, where torch
                    runs ops synchronously so wall time is the op's time.
 =================  ==========================================================
@@ -329,7 +329,8 @@ class CudaBindingsRoute(_TorchCurrent):
 
 
 class TorchRoute(_TorchCurrent):
-    """``torch.cuda.Event``: always available with CUDA torch, about 4× dearer per record."""
+    """``torch.cuda.Event``: always available with CUDA torch, several times dearer per record
+    (docs/design.md, "Inside a real forward pass")."""
 
     name = "torch"
 
