@@ -92,7 +92,8 @@ class Collector(ABC):
 @register_collector("device", default=True,
                     help="utilization, memory, clocks, temperatures, power, P-state, PCIe replays, ECC")
 class DeviceCollector(Collector):
-    """Cheap per-GPU readings (1–9 µs each on the H200), every fast interval.
+    """Cheap per-GPU readings, every fast interval (what each call costs: docs/design.md, "NVML and
+    nvidia-smi").
 
     Exposes, for example::
 
@@ -206,7 +207,8 @@ class ClockEventCollector(Collector):
 @register_collector("energy", default=True,
                     help="total energy counter (3.4 ms per call: slow cadence)")
 class EnergyCollector(Collector):
-    """Total energy since the driver loaded (3.4 ms a call on the H200: slow cadence)::
+    """Total energy since the driver loaded, on the slow cadence: the call is one of NVML's slowest
+    (docs/design.md, "NVML and nvidia-smi")::
 
         gpuscope_gpu_energy_joules_total{gpu="0"} 1.2e+06
     """

@@ -17,8 +17,8 @@ from gpuscope.util.settings import LogLevel, SettingsParser, parser_for, setting
 PROG = "gpuscope exporter"
 
 #: Collector toggles and their defaults, from the collectors' own registrations. Opt-in ones cost
-#: more (PCIe: 2 × 20 ms per GPU per round) or expose PIDs and container ids, which not every
-#: operator wants on /metrics.
+#: more (PCIe throughput: two of NVML's slowest calls per GPU per round, docs/design.md "NVML and
+#: nvidia-smi") or expose PIDs and container ids, which not every operator wants on /metrics.
 COLLECTORS: dict[str, tuple[bool, str]] = {name: (r.default, r.help) for name, r in registered().items()}
 
 

@@ -8,13 +8,14 @@ what changes between rounds is rendered per scrape: the age of the values served
 (``gpuscope_exporter_staleness_seconds``, which grows until the next render), one series per
 collector whatever the number of GPUs.
 
-The rendering cost does not go away, it leaves the scrape path: on a host with 64 GPUs a full
-render takes tens of milliseconds of CPU, paid once or twice per sampling interval in the
-background instead of inside every scrape (``benchmarks/scrape_bench.py`` measures both).
+The rendering cost does not go away, it leaves the scrape path: a full render grows with the
+number of GPUs, and is paid once or twice per sampling interval in the background instead of
+inside every scrape (``benchmarks/scrape_bench.py`` measures both; docs/exporter.md, "Cost").
 
-The live part is not rendered by prometheus_client on every scrape either (about 0.1 ms for a few
-series, a third of a cached scrape): ``LiveTemplate`` learns, once per content type and set of
-series, what the encoder writes around each sample value, and a scrape fills in the values.
+The live part is not rendered by prometheus_client on every scrape either (for a few series its
+per-call work was a large share of a cached scrape: docs/exporter.md, "Cost"): ``LiveTemplate``
+learns, once per content type and set of series, what the encoder writes around each sample value,
+and a scrape fills in the values.
 
 Bodies are cached per negotiated content type (Prometheus text 0.0.4, OpenMetrics 1.0.0, ...):
 the first scrape asking for a format renders it once, and from then on it is kept current in the

@@ -1,8 +1,9 @@
 """One thread per collector: a round every interval, each device on its own lane with a timeout.
 
-A slow collector (energy, 3.4 ms a call) never delays a fast one because each has its own
-thread; a wedged call never delays the other devices because each device runs on its own
-lane and the sampler stops waiting after ``--nvml.call-timeout``.
+A slow collector (energy, one of NVML's slowest calls: docs/design.md, "NVML and nvidia-smi") never
+delays a fast one because each has its own thread; a wedged call never delays the other devices
+because each device runs on its own lane and the sampler stops waiting after
+``--nvml.call-timeout``.
 """
 
 from __future__ import annotations
