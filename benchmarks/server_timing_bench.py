@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What does ``gpuscope serve --timing`` cost the engine itself, without HTTP? Paired, interleaved rounds.
 
-The HTTP comparison (``compare-h200.md``) read the default budget at −7.7% tok/s against
-``--timing off`` from two repetitions whose pairs disagreed (+0.6%, −14.8%). This runs the server's
+The HTTP comparison (``compare-h200.md``; README.md, "Load tests and comparisons", gives its
+figures) read the default budget several percent below ``--timing off`` from two repetitions whose
+pairs disagreed. This runs the server's
 real engine, scheduler, model and timer in-process on a saturating closed loop, and per round runs
 ``off``, ``budget`` and ``all`` back to back (order rotated each round), so each round gives a paired
 ratio to ``off``. If the engine alone shows ~0 for the budget while HTTP shows several percent, the

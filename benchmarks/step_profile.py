@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Why is a decode step with one row slower than one with 32? Time the server's model step by step.
 
-``gpuscope serve`` on the H200 took ~70 ms per decode step with 1-3 rows and 6.6 ms with 32
-(docs/server.md, *Attention*). This times the same model, cache and sampling as the engine's ``_step``
-(tensors built from lists, forward, ``sample``, ``.tolist()``), with
+``gpuscope serve`` on the H200 took many times longer per decode step with a few rows than with 32
+(docs/server.md, "How it works", *Attention*, gives the figures). This times the same model, cache
+and sampling as the engine's ``_step`` (tensors built from lists, forward, ``sample``,
+``.tolist()``), with
 
 - rows 1, 2 and 32;
 - attention spans that grow by one each step (as in serving: every step a shape never seen), the

@@ -238,11 +238,12 @@ def pick_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
 def avoid_per_shape_attention_plans() -> None:
     """Take cuDNN attention out of PyTorch's choice, for the whole process.
 
-    cuDNN attention (PyTorch's first choice on Hopper) builds an execution plan for every new shape:
-    ~60 ms a decode step on the H200, and serving makes a new shape nearly every step (the span grows
-    by one, the row count changes). Without it PyTorch takes memory-efficient attention (flash takes
-    no mask), which plans nothing and runs within 7% of a cached cuDNN plan
-    (benchmarks/results/step-profile-h200.json). The switch is process-wide because PyTorch's SDPA
+    cuDNN attention (PyTorch's first choice on Hopper) builds an execution plan for every new shape,
+    which makes a decode step many times slower, and serving makes a new shape nearly every step
+    (the span grows by one, the row count changes). Without it PyTorch takes memory-efficient
+    attention (flash takes no mask), which plans nothing and runs close to a cached cuDNN plan
+    (docs/server.md, "How it works", gives the H200's figures from
+    benchmarks/results/step-profile-h200.json). The switch is process-wide because PyTorch's SDPA
     switches are: a per-forward ``sdpa_kernel`` context would race between engines on several GPUs.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)

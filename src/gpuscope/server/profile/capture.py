@@ -241,9 +241,9 @@ class ProfileCapture:
 
     def warm_up(self) -> None:
         """Before the engine reports ready: start and stop torch.profiler once where kernel captures
-        can run. Its first use in a process sets up Kineto and CUPTI: 4.5 s of engine stall in the
-        first capture on the H200, against 0.06 s in the next (docs/server.md, "Kernel profiles on an
-        alert"). Never raises."""
+        can run. Its first use in a process sets up Kineto and CUPTI, which stalls the engine far
+        longer in the first capture than in the ones after (docs/server.md, "Kernel profiles on an
+        alert", gives the H200's figures). Never raises."""
         if not kernels_available(self.device):
             return
         t0 = time.perf_counter()
