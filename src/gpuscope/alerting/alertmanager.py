@@ -7,9 +7,10 @@
 - Grouping: per alert name, and per GPU for exporter alerts or per instance for server alerts.
   Prometheus re-sends a resolved alert for 15 minutes, which keeps its group alive, and an alert
   that joins a live group waits for the group's next ``group_interval`` (5 m in production) instead
-  of ``group_wait``: measured under load, a starvation alert reached the receiver 29 s after it
-  fired because a leak had resolved on the same instance minutes before. A different problem must
-  not inherit that delay; the same alert coming back within 15 minutes still does (flapping).
+  of ``group_wait``: in a drill under load a starvation alert reached the receiver long after it
+  fired because a leak had resolved on the same instance minutes before (docs/loadtest.md, "Alerts
+  proven under load"). A different problem must not inherit that delay; the same alert coming back
+  within 15 minutes still does (flapping).
 - ``group_wait`` is at least two rule evaluation intervals, so a composite evaluated in another rule
   group still arrives before its components' group is first sent, and inhibits them.
 - Inhibition: the composite silences its component alerts on the same instance; a critical alert

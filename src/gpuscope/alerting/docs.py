@@ -82,7 +82,9 @@ stale files and re-run every promtool test against the new rules.
   pace; `python -m tests.alerts.leak_envelope` prints which linear leaks still page 5 minutes ahead.
 - Targets: `Selectors.server_desired` / `exporter_desired` name the kube-state-metrics series of
   your server Deployment and exporter DaemonSet (a scale-down there is not a missing target);
-  `target_start_grace` is how long a start may take before "no target at all" can go pending.
+  `target_start_grace` is how long a start may take before "no target at all" can go pending (5
+  minutes in production: when it was set, 2026-12-02, a start took about 30 s on one host and 60–90 s
+  in a fleet, against the rule's 2-minute `for`).
 - Starvation too eager: lengthen `starvation` (the queue must stay non-empty that long) or lower
   `underserved_share_fraction`.
 - vLLM: `kv_cache_full_ratio` (how full the KV cache must be while preempting). A vLLM job named

@@ -190,9 +190,9 @@ class Windows:
     share_flag_for: int = 60
     scrape_down_for: int = 2 * 60
     target_missing: int = 15 * 60           # fewer targets than this long ago: one left discovery
-    #: "No target at all" waits until the rules have run this long (a start takes 30 s on one host,
-    #: 60-90 s in a fleet, against the 2-minute for): no pending state while targets come up. A start
-    #: is not faster in the test profile, so it keeps two minutes there.
+    #: "No target at all" waits until the rules have run this long (longer than a start takes on one
+    #: host or in a fleet, and than the 2-minute for; docs/alerts.md, "How to tune"): no pending state
+    #: while targets come up. A start is not faster in the test profile, so it keeps two minutes there.
     target_start_grace: int = field(default=5 * 60, metadata={"test_min_s": 120})
     gpus_missing: int = 24 * 3600           # fewer GPUs than the exporter saw within this window
     exporter_stale_for: int = 2 * 60

@@ -29,11 +29,12 @@ class Limits:
     idle_cpu: float = 0.40
     idle_gpu: float = 0.40
     #: A core, or one thread, at least this busy (share of one core) is saturated: a Python thread
-    #: feeding a GPU kernel by kernel runs at 95-100%; 90% leaves room for the sampling's rounding.
+    #: feeding a GPU kernel by kernel runs at nearly a full core; the margin leaves room for the
+    #: sampling's rounding (docs/diagnose.md, "Why these numbers").
     saturated_core: float = 0.90
     #: A GPU kept busy less than this while the thread feeding it is saturated waits on the host: a
-    #: GPU-bound loop keeps it 90-100% busy even with a Python thread at 100% (the thread then spins in
-    #: a synchronisation); a launch-bound one far less (batch-1 ResNet-18 back to back: about 40%).
+    #: GPU-bound loop keeps it nearly always busy even with a Python thread at 100% (the thread then
+    #: spins in a synchronisation); a launch-bound one far less (docs/diagnose.md, "Why these numbers").
     starved_gpu: float = 0.60
     #: A child process using at least this share of a core is an active worker; a resource tracker,
     #: a fork server or an idle worker between epochs uses none.

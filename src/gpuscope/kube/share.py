@@ -138,7 +138,7 @@ def controller_daemonset(d: Deployment) -> dict:
         "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                 {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"}],
         # A full core as the limit: hand-overs are due every slice (30 ms), and a CFS quota nearly used up
-        # would delay them; the controller uses well under 1% of a core.
+        # would delay them; the controller itself uses a small fraction of it (docs/share.md).
         **_hardened([{"name": deploy.VOLUME, "mountPath": deploy.NODE_DIR},
                      {"name": "policy", "mountPath": policy_dir, "readOnly": True}],
                     cpu=("50m", "1"), memory=("64Mi", "256Mi")),
