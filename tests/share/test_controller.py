@@ -24,7 +24,10 @@ from tests.share.fakecuda import child_env, running_controller
 LOOP = """
 import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
-end = time.time() + float(sys.argv[1])
+start = float(sys.argv[3])  # tenants compared start together, however late each process came up
+while time.time() < start:
+    time.sleep(0.001)
+end = max(start, time.time()) + float(sys.argv[1])
 n = 0
 light = sys.argv[2] == 'light'  # 5 µs kernels 2 ms apart: a latency-bound tenant
 while time.time() < end:
@@ -38,10 +41,12 @@ while time.time() < end:
 """
 
 
-def tenant(fake, tmp_path, name: str, ledger: str, seconds: float, how: str = "busy") -> subprocess.Popen:
+def tenant(fake, tmp_path, name: str, ledger: str, seconds: float, how: str = "busy",
+           start_at: float = 0.0) -> subprocess.Popen:
+    """A tenant process launching for ``seconds`` from ``start_at`` (``time.time()``; 0: at once)."""
     env = child_env(fake, tmp_path / f"log-{name}", tenant=name, ledger=ledger)
     env["FAKE_CUDA_LOG"] = os.devnull
-    return subprocess.Popen([sys.executable, "-c", LOOP, str(seconds), how], env=env,
+    return subprocess.Popen([sys.executable, "-c", LOOP, str(seconds), how, str(start_at)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -80,7 +85,11 @@ def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller)
 
 
 def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, controller):
-    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0) for name in "ab"]
+    # both run over the same two seconds: one that came up late on a busy machine would otherwise find
+    # the other alone on the GPU (shares do not bind) and compare less time at its share
+    start_at = time.time() + 1.0
+    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0, start_at=start_at)
+             for name in "ab"]
     try:
         seen = {}
         wait_for(lambda: all(p.pid in controller.procs for p in procs), what="both tenants")
