@@ -120,17 +120,19 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
     tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
     with running(str(tmp_path / "ledger"), tenants) as c:
         started = time.monotonic()
-        hog = tenant(fake_cuda, tmp_path, "batch", c.policy.prefix, 2.5)
-        online = tenant(fake_cuda, tmp_path, "online", c.policy.prefix, 2.5, "light")
+        hog = tenant(fake_cuda, tmp_path, "batch", c.policy.prefix, 3.5)
+        online = tenant(fake_cuda, tmp_path, "online", c.policy.prefix, 3.5, "light")
         try:
             wait_for(lambda: c.stats.binding and c.beside == {1}, what="online to run beside the holder")
             assert c.policy.beside_mask == 0b10  # it launches untimed
             assert c.policy.gate & 0b11 == 0b11  # the holder and the tenant beside it both launch
-            # a probe pauses the holder and measures the busy fraction of the tenant beside it
-            wait_for(lambda: 1 in c.prober.busy_ratio, what="a probe's busy fraction")
+            # a probe pauses the holder and measures the busy fraction of the tenant beside it (a 20 ms
+            # probe on a busy machine may see none of its launches, 2 ms apart when sleeps keep time:
+            # probes come every second, and their running estimate takes the next one that does)
+            wait_for(lambda: c.prober.busy_ratio.get(1, 0.0) > 0, what="a probe's busy fraction")
             assert c.stats.probes >= 1 and c.policy.busy_mask == 0  # the probe is over
             # 5 µs kernels about 2 ms apart (sleeps overshoot on a busy machine): about 0.25% busy
-            assert 0 < c.prober.busy_ratio[1] < 0.01
+            assert c.prober.busy_ratio[1] < 0.01
             for p in (hog, online):
                 _, err = p.communicate(timeout=30)
                 assert p.returncode == 0 and err == ""
