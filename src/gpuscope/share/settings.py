@@ -11,7 +11,7 @@ from gpuscope.share.access import Rule, parse_allow
 from gpuscope.share.ledger import DEFAULT_QUEUED_WINDOWS, DEFAULT_WINDOW_US, TenantPolicy
 from gpuscope.share.policy import parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER
-from gpuscope.util.bounded_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
+from gpuscope.util.bounded_http import max_connections_setting, read_timeout_setting
 from gpuscope.util.flags import listen_address, parse_duration
 from gpuscope.util.settings import setting
 
@@ -101,9 +101,5 @@ class ShareSettings:
         "user only)", parse=parse_allow)
     listen: str = setting("--web.listen-address", f"{LOCAL_HOST}:{SHARE_PORT}", "HOST:PORT for /metrics",
                           parse=listen_address, metavar="HOST:PORT")
-    max_connections: int = setting(
-        "--web.max-connections", DEFAULT_MAX_CONNECTIONS, "most HTTP connections at once: at the limit "
-        "the one waiting longest for a request is closed, or with all busy the new one gets a 503")
-    read_timeout: float = setting(
-        "--web.read-timeout", DEFAULT_READ_TIMEOUT, "a connection must deliver each whole request "
-        "within this (idle keep-alive time included), else it is closed", parse=parse_duration)
+    max_connections: int = max_connections_setting()
+    read_timeout: float = read_timeout_setting()
