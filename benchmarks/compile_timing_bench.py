@@ -257,6 +257,9 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
         result["graphs_checked"] = inst.compiled.graphs_checked
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
         result["stray_marks"] = inst.compiled.stray_marks
+        # the markers' path: one C call from the emitted code (RegionMarks, called directly) or not
+        result["markers"] = {"kind": type(inst.compiled.marks).__name__,
+                             "called_directly": fusion.calls_directly()}
         result["fusion_analysis_failures"] = fusion.analysis_failures[0]
     inst.remove()
     timer.close()

@@ -6,13 +6,17 @@ Compiling is slow on CI's two cores, so the compile tests are few and their mode
 from __future__ import annotations
 
 import shutil
+import threading
+from unittest import mock
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from gpuscope.timing import fusion
+from gpuscope.timing import capture, fusion, hot
 from gpuscope.timing.fusion import Kernel, merge_groups
+from gpuscope.timing.routes import HostRoute
+from tests.timing.conftest import prepared, require_native
 
 # --- merge rules (positions chosen by hand) ----------------------------------------------------
 
@@ -45,6 +49,112 @@ def test_glue_inside_a_span_is_charged_to_it_and_nested_regions_stay_apart():
 
 def test_a_region_missing_a_marker_merges_the_whole_graph():
     assert merge_groups({0: 0}, {0: 2, 1: 5}, [Kernel(1, frozenset({0}))]) == [[0, 1]]
+
+
+# --- the markers (C and Python), without a compiled model ---------------------------------------
+
+
+def counts(timer) -> dict[str, int]:
+    assert timer.flush(5)
+    return {op.name: sum(h.count for h in op.hists.values()) for op in timer.core.ops()}
+
+
+def test_markers_time_their_regions_on_the_timed_pass_s_thread_only(make_timer):
+    timer = prepared(make_timer(sample_rate=1.0))
+    core = timer.core
+    a, b = core.op_state("a"), core.op_state("b")
+    marks = hot.region_marks(core, 2, lambda index, is_end: pytest.fail("no capture here"))
+    marks.actions = [(0, a), (0, a), (1, b), (1, b)]
+    marks.mark(0, 0)  # no timed pass: ignored
+    marks.mark(0, 1)
+    marks.arm()
+    assert marks.armed
+    for index, is_end in ((0, 0), (1, 0), (1, 1), (0, 1)):  # b nested in a
+        marks.mark(index, is_end)
+    other = threading.Thread(target=marks.mark, args=(0, 0))
+    other.start()
+    other.join()
+    marks.disarm()
+    marks.mark(1, 0)
+    assert not marks.armed
+    assert marks.stray_marks == 4 and marks.eager_marks == 4
+    assert counts(timer) == {"a": 1, "b": 1}
+
+
+def test_a_merged_group_runs_from_its_first_start_to_its_last_end(make_timer):
+    timer = prepared(make_timer(sample_rate=1.0))
+    ab = timer.core.op_state("a+b")
+    marks = hot.region_marks(timer.core, 2, None)
+    marks.actions = [(0, ab), None, None, (0, ab)]  # what CompiledRegions sets for a merged a, b
+    marks.arm()
+    for index, is_end in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        marks.mark(index, is_end)
+    marks.disarm()
+    assert counts(timer) == {"a+b": 1}
+
+
+def test_a_start_that_never_ends_gives_its_event_back(make_timer):
+    timer = prepared(make_timer(sample_rate=1.0))
+    core = timer.core
+    pool = core.pools[core.current_device()]
+    size = len(pool)
+    marks = hot.region_marks(core, 1, None)
+    marks.actions = [(0, core.op_state("a")), (0, core.op_state("a"))]
+    marks.arm()
+    marks.mark(0, 0)
+    marks.mark(0, 0)  # started again (the first start's event comes back)
+    assert len(pool) == size - 1
+    marks.disarm()  # the pass ended half-way: its open start comes back
+    assert len(pool) == size
+    marks.arm()
+    marks.mark(0, 0)
+    marks.arm()  # a new pass: the same
+    assert len(pool) == size
+    marks.disarm()
+    assert counts(timer) == {"a": 0}
+
+
+class CapturingRoute(HostRoute):
+    def is_capturing(self) -> bool:
+        return True
+
+
+def test_a_marker_met_during_a_graph_capture_goes_to_the_capture_handler(make_timer):
+    timer = make_timer(sample_rate=1.0, route=CapturingRoute())
+    met: list[tuple[int, int]] = []
+    marks = hot.region_marks(timer.core, 1, lambda index, is_end: met.append((index, is_end)))
+    marks.actions = [(0, timer.core.op_state("a")), (0, timer.core.op_state("a"))]
+    marks.arm()
+    capture.in_progress[0] += 1
+    try:
+        marks.mark(0, 0)
+        marks.mark(0, 1)
+    finally:
+        capture.in_progress[0] -= 1
+    marks.disarm()
+    assert met == [(0, 0), (0, 1)] and marks.eager_marks == 0
+    assert counts(timer) == {"a": 0}
+
+
+def test_the_mark_table_runs_a_slot_s_markers_in_c_and_never_raises(make_timer):
+    require_native()
+    timer = prepared(make_timer(sample_rate=1.0, native=True))
+    core = timer.core
+    marks = hot.region_marks(core, 2, None)
+    marks.actions = [(0, core.op_state("a")), (0, core.op_state("a")), (1, "not an op"), (1, "not an op")]
+    fallback_calls: list[int] = []
+    entries = [None, ("regions", 0, marks), ("regions", 1, marks), ("regions", 0, object())]
+    table = hot.mark_table(entries, lambda x, slot: fallback_calls.append(slot))
+    x = torch.zeros(1)
+    marks.arm()
+    for slot in (0, 1, 2, 3, 99, 6, 7):  # region 0: no entry; region 1: a; region 3: not C markers
+        assert table(x, slot) is None
+    table(x, 4)
+    table(x, 5)  # "not an op": end() raises TypeError, counted as an error, never raised here
+    marks.disarm()
+    assert fallback_calls == [6, 7]
+    assert core.dropped["error"] == 1
+    assert counts(timer)["a"] == 1
 
 
 # --- compiled models on CPU --------------------------------------------------------------------
@@ -148,16 +258,23 @@ def test_regions_fused_by_inductor_are_reported_merged_and_never_apart(make_time
         graphs.append(found)
 
     fusion.add_listener(listen)
+    codes: list[str] = []
+    from torch._inductor.graph import GraphLowering
+
     try:
         model = Fusing().eval()
         compiled = torch.compile(model)
         inst = timer.instrument(compiled, include=("a", "b"))
-        with torch.no_grad():
+        with torch.no_grad(), mock.patch.object(GraphLowering, "save_output_code", codes.append):
             for _ in range(3):
                 compiled(torch.randn(4, 16))
     finally:
         fusion.remove_listener(listen)
     assert not counters["graph_break"]
+    # the markers call the timer's callable directly: no op dispatch from the emitted code
+    code = "\n".join(codes)
+    assert f"torch.ops.gpuscope.{fusion.DIRECT_ATTR}(" in code
+    assert "torch.ops.gpuscope.region_mark.default(" not in code
     assert graphs, "the timed graph was not analysed"
     starts, ends, kernels = graphs[-1]
     groups = merge_groups(starts, ends, kernels)

@@ -1510,6 +1510,272 @@ static PyTypeObject SplitForwardType = {
 };
 
 /* ------------------------------------------------------------------------------------------------ */
+/* RegionMarks and MarkTable: the region markers of compiled models (compiled.py). Inductor's Python */
+/* wrapper code calls the MarkTable directly at each marker (fusion.py rewrites the line it emits    */
+/* for the marker op), so a marker costs one C call: no op dispatch, no Python frame.                */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *hot;        /* the core's C HotPath */
+    PyObject *actions;    /* list, two per region (start, end): None, or (group, op) */
+    PyObject *tokens;     /* list, one per region: the open start token of the group it roots, or None */
+    PyObject *captured;   /* captured(index, is_end): a marker met while a CUDA graph is captured */
+    unsigned long owner;  /* the thread whose pass is timed; 0 while none is */
+    long long eager_marks, stray_marks;
+} RegionMarks;
+
+static PyTypeObject RegionMarksType;
+
+/* A start token that will never be ended: its event goes back to its free list (0, or -1). */
+static int drop_token(HotPath *h, PyObject *token) {
+    if (!PyTuple_CheckExact(token) || PyTuple_GET_SIZE(token) != 3) return 0;
+    PyObject *free = free_list(h, PyTuple_GET_ITEM(token, 1));
+    if (free == NULL) return -1;
+    int rc = PyList_Append(free, PyTuple_GET_ITEM(token, 0));
+    Py_DECREF(free);
+    return rc;
+}
+
+/* Set tokens[group] to ``token`` (a new reference, stolen), giving back a start left open there. */
+static int put_token(RegionMarks *m, Py_ssize_t group, PyObject *token) {
+    PyObject *old = PyList_GET_ITEM(m->tokens, group);
+    PyList_SET_ITEM(m->tokens, group, token);
+    int rc = is_none(old) ? 0 : drop_token((HotPath *)m->hot, old);
+    Py_XDECREF(old);
+    return rc;
+}
+
+/* One marker: what regions.mark(index, is_end) does. 0, or -1 with a Python error. */
+static int marks_mark(RegionMarks *m, Py_ssize_t index, int is_end) {
+    if (m->hot == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RegionMarks: not initialised");
+        return -1;
+    }
+    if (PyThread_get_thread_ident() != m->owner) {
+        m->stray_marks++;
+        return 0;
+    }
+    HotPath *h = (HotPath *)m->hot;
+    int cap = capturing(h);
+    if (cap != 0) {
+        if (cap < 0) return -1;
+        PyObject *rc = PyObject_CallFunction(m->captured, "ni", index, is_end);
+        Py_XDECREF(rc);
+        return rc == NULL ? -1 : 0;
+    }
+    m->eager_marks++;
+    Py_ssize_t at = 2 * index + is_end;
+    if (at < 0 || at >= PyList_GET_SIZE(m->actions)) return 0;
+    PyObject *action = PyList_GET_ITEM(m->actions, at);
+    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 2) return 0;  /* inside a merged group */
+    Py_ssize_t group = PyLong_AsSsize_t(PyTuple_GET_ITEM(action, 0));
+    if (group == -1 && PyErr_Occurred()) return -1;
+    if (group < 0 || group >= PyList_GET_SIZE(m->tokens)) return 0;
+    if (!is_end) {
+        PyObject *token = HotPath_record_start(h, NULL);
+        return token == NULL ? -1 : put_token(m, group, token);
+    }
+    PyObject *token = PyList_GET_ITEM(m->tokens, group);
+    if (is_none(token)) return 0;
+    Py_INCREF(token);
+    Py_INCREF(action);  /* the op stays alive while end() may run Python */
+    int rc = put_token(m, group, Py_NewRef(Py_None));
+    if (rc == 0) {
+        PyObject *end_args[3] = {PyTuple_GET_ITEM(action, 1), token, Py_None};
+        PyObject *ended = HotPath_end(h, end_args, 3);
+        rc = ended == NULL ? -1 : 0;
+        Py_XDECREF(ended);
+    }
+    Py_DECREF(action);
+    Py_DECREF(token);
+    return rc;
+}
+
+static PyObject *RegionMarks_mark(RegionMarks *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mark(index, is_end)");
+        return NULL;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(args[0]);
+    int is_end = PyObject_IsTrue(args[1]);
+    if ((index == -1 && PyErr_Occurred()) || is_end < 0) return NULL;
+    return marks_mark(m, index, is_end) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* Starts left open by the last pass give their events back (a pass that raised half-way). */
+static int clear_tokens(RegionMarks *m) {
+    int rc = 0;
+    if (m->tokens == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RegionMarks: not initialised");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(m->tokens); i++)
+        if (!is_none(PyList_GET_ITEM(m->tokens, i)) && put_token(m, i, Py_NewRef(Py_None)) < 0) rc = -1;
+    return rc;
+}
+
+static PyObject *RegionMarks_arm(RegionMarks *m, PyObject *Py_UNUSED(ignored)) {
+    m->owner = PyThread_get_thread_ident();
+    m->eager_marks = 0;
+    return clear_tokens(m) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static PyObject *RegionMarks_disarm(RegionMarks *m, PyObject *Py_UNUSED(ignored)) {
+    m->owner = 0;
+    return clear_tokens(m) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+static int RegionMarks_init(RegionMarks *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"hot", "regions", "captured", NULL};
+    PyObject *hot_path, *captured;
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!nO", kwlist, &HotPathType, &hot_path, &n, &captured))
+        return -1;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "RegionMarks: regions must be >= 0");
+        return -1;
+    }
+    PyObject *actions = PyList_New(2 * n), *tokens = PyList_New(n);
+    if (actions == NULL || tokens == NULL) {
+        Py_XDECREF(actions);
+        Py_XDECREF(tokens);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < 2 * n; i++) PyList_SET_ITEM(actions, i, Py_NewRef(Py_None));
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(tokens, i, Py_NewRef(Py_None));
+    Py_XSETREF(m->hot, Py_NewRef(hot_path));
+    Py_XSETREF(m->actions, actions);
+    Py_XSETREF(m->tokens, tokens);
+    Py_XSETREF(m->captured, Py_NewRef(captured));
+    m->owner = 0;
+    return 0;
+}
+
+static int RegionMarks_set_actions(RegionMarks *m, PyObject *value, void *Py_UNUSED(closure)) {
+    if (value == NULL || !PyList_CheckExact(value) || PyList_GET_SIZE(value) != 2 * PyList_GET_SIZE(m->tokens)) {
+        PyErr_SetString(PyExc_TypeError, "actions: a list of two entries per region");
+        return -1;
+    }
+    Py_XSETREF(m->actions, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *RegionMarks_get_actions(RegionMarks *m, void *Py_UNUSED(closure)) {
+    return Py_NewRef(m->actions);
+}
+
+static PyObject *RegionMarks_get_armed(RegionMarks *m, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(m->owner != 0);
+}
+
+#define REGION_MARKS_OBJECTS(X) X(hot) X(actions) X(tokens) X(captured)
+GC_FUNCTIONS(RegionMarks, REGION_MARKS_OBJECTS)
+
+static PyMethodDef RegionMarks_methods[] = {
+    {"mark", (PyCFunction)(void (*)(void))RegionMarks_mark, METH_FASTCALL,
+     "mark(index, is_end): a marker of region ``index`` ran (its start, or its end)"},
+    {"arm", (PyCFunction)RegionMarks_arm, METH_NOARGS,
+     "a timed pass begins on this thread: its markers record, other threads' are stray"},
+    {"disarm", (PyCFunction)RegionMarks_disarm, METH_NOARGS, "the timed pass is over"},
+    {NULL}};
+
+static PyMemberDef RegionMarks_members[] = {
+    {"eager_marks", T_LONGLONG, offsetof(RegionMarks, eager_marks), 0,
+     "markers of the armed pass that ran from Python (not captured into a CUDA graph)"},
+    {"stray_marks", T_LONGLONG, offsetof(RegionMarks, stray_marks), 0,
+     "markers reached from a thread whose pass is not timed (ignored)"},
+    {NULL}};
+
+static PyGetSetDef RegionMarks_getset[] = {
+    {"actions", (getter)RegionMarks_get_actions, (setter)RegionMarks_set_actions,
+     "two per region (start, end): None (inside a merged group) or (group, op)", NULL},
+    {"armed", (getter)RegionMarks_get_armed, NULL, "whether a timed pass is running", NULL},
+    {NULL}};
+
+static PyTypeObject RegionMarksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.RegionMarks",
+    .tp_doc = "RegionMarks(hot, regions, captured): the markers of one compiled model (C version of "
+              "hot.PyRegionMarks).",
+    .tp_basicsize = sizeof(RegionMarks),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)RegionMarks_init,
+    .tp_traverse = (traverseproc)RegionMarks_traverse,
+    .tp_clear = (inquiry)RegionMarks_clear,
+    .tp_dealloc = (destructor)RegionMarks_dealloc,
+    .tp_methods = RegionMarks_methods,
+    .tp_members = RegionMarks_members,
+    .tp_getset = RegionMarks_getset,
+};
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *entries;   /* compiled.py's region table: region id -> (regions, index, marks) or None */
+    PyObject *fallback;  /* fallback(x, slot): a marker whose marks are not a RegionMarks */
+} MarkTable;
+
+/* table(x, slot): the marker ``slot`` (2 x region id, + 1 for the region's end) ran. Never raises:
+ * a failure is counted as an ``error`` drop, as every failure on the hot path is. */
+static PyObject *MarkTable_vectorcall(MarkTable *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "region_mark(x, slot)");
+        return NULL;
+    }
+    if (t->entries == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "MarkTable: not initialised");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[1]);
+    if (slot == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t region = slot >> 1;
+    if (slot < 0 || region >= PyList_GET_SIZE(t->entries)) Py_RETURN_NONE;
+    PyObject *entry = PyList_GET_ITEM(t->entries, region);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) Py_RETURN_NONE;
+    PyObject *marks = PyTuple_GET_ITEM(entry, 2);
+    if (Py_TYPE(marks) != &RegionMarksType) return PyObject_Vectorcall(t->fallback, args, 2, NULL);
+    Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    Py_INCREF(marks);  /* the entry may be removed while the marker runs Python */
+    if (marks_mark((RegionMarks *)marks, index, (int)(slot & 1)) < 0) {
+        PyErr_Clear();  /* observability never breaks the observed program */
+        if (bump(((HotPath *)((RegionMarks *)marks)->hot)->dropped, s_error) < 0) PyErr_Clear();
+    }
+    Py_DECREF(marks);
+    Py_RETURN_NONE;
+}
+
+static int MarkTable_init(MarkTable *t, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"entries", "fallback", NULL};
+    PyObject *entries, *fallback;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O", kwlist, &PyList_Type, &entries, &fallback)) return -1;
+    Py_XSETREF(t->entries, Py_NewRef(entries));
+    Py_XSETREF(t->fallback, Py_NewRef(fallback));
+    t->vectorcall = (vectorcallfunc)MarkTable_vectorcall;
+    return 0;
+}
+
+#define MARK_TABLE_OBJECTS(X) X(entries) X(fallback)
+GC_FUNCTIONS(MarkTable, MARK_TABLE_OBJECTS)
+
+static PyTypeObject MarkTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpuscope.timing._hotpath.MarkTable",
+    .tp_doc = "MarkTable(entries, fallback): table(x, slot) runs the region marker ``slot``.",
+    .tp_basicsize = sizeof(MarkTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(MarkTable, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)MarkTable_init,
+    .tp_traverse = (traverseproc)MarkTable_traverse,
+    .tp_clear = (inquiry)MarkTable_clear,
+    .tp_dealloc = (destructor)MarkTable_dealloc,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
 /* Resolve: the resolver's inner loop for plain pairs (resolver.py's _resolve does the rest)        */
 
 typedef struct {
@@ -1682,7 +1948,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     if ((one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&BucketHistogramType) < 0 || PyType_Ready(&OpStateType) < 0 || PyType_Ready(&HotPathType) < 0 ||
         PyType_Ready(&SequenceBaseType) < 0 || PyType_Ready(&ResolveType) < 0 || PyType_Ready(&ExactForwardType) < 0 ||
-        PyType_Ready(&SplitForwardType) < 0)
+        PyType_Ready(&SplitForwardType) < 0 ||
+        PyType_Ready(&RegionMarksType) < 0 || PyType_Ready(&MarkTableType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&hotpath_module);
     if (m == NULL) return NULL;
@@ -1692,7 +1959,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
         PyModule_AddObject(m, "SequenceBase", Py_NewRef(&SequenceBaseType)) < 0 ||
         PyModule_AddObject(m, "Resolve", Py_NewRef(&ResolveType)) < 0 ||
         PyModule_AddObject(m, "ExactForward", Py_NewRef(&ExactForwardType)) < 0 ||
-        PyModule_AddObject(m, "SplitForward", Py_NewRef(&SplitForwardType)) < 0) {
+        PyModule_AddObject(m, "SplitForward", Py_NewRef(&SplitForwardType)) < 0 ||
+        PyModule_AddObject(m, "RegionMarks", Py_NewRef(&RegionMarksType)) < 0 ||
+        PyModule_AddObject(m, "MarkTable", Py_NewRef(&MarkTableType)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

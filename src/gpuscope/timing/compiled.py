@@ -26,8 +26,10 @@ became a graph break (and, under ``mode="reduce-overhead"``, a split CUDA graph)
   run again (meanwhile sampled passes run untimed and count ``graph_busy``).
 
 Per pass that is not timed: one Python frame, a countdown and the dynamo guard on ``timed``.
-A timed pass costs two marker calls per region from Python (default compile) or two event nodes per
-region on the GPU (reduce-overhead); the overhead budget sets how often (``budget.py``).
+A timed pass costs two marker calls per region from Inductor's Python wrapper code (default compile;
+with the C extension each is one C call, ``region_mark``, which the emitted code calls directly:
+``fusion.call_directly``) or two event nodes per region on the GPU (reduce-overhead); the overhead
+budget sets how often (``budget.py``).
 
 One thread at a time per compiled model: markers run only for the thread whose pass is timed (a
 marker reached from another thread is counted in ``stray_marks`` and does nothing).
@@ -35,13 +37,14 @@ marker reached from another thread is counted in ``stray_marks`` and does nothin
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpuscope.timing import fusion
+from gpuscope.timing import fusion, hot
 from gpuscope.timing.core import Pending
 from gpuscope.timing.graphs import GraphRecorder, GraphReplay, TorchGraphs
 
@@ -59,8 +62,8 @@ MAX_GRAPH_SHAPES = 16
 UNCACHED_TIMED_CALLS = 3
 
 _lock = threading.Lock()
-#: region id → (CompiledRegions, index) ; a marker's slot is 2 × region id (+1 for the end)
-_regions: list[tuple[Any, int] | None] = []
+#: region id → (CompiledRegions, index, its markers) ; a marker's slot is 2 × region id (+1 for the end)
+_regions: list[tuple[Any, int, Any] | None] = []
 _op: Any = None
 _fusion_hooked = False
 
@@ -76,13 +79,14 @@ def mark_op() -> Any:
 
         lib = torch.library.Library("gpuscope", "FRAGMENT")
         lib.define("region_mark(Tensor x, int slot) -> ()")
-        lib.impl("region_mark", skip_frame(_mark_impl), "CompositeExplicitAutograd")
+        lib.impl("region_mark", _mark_impl, "CompositeExplicitAutograd")
         torch.library.register_fake(MARK_OP_NAME, _mark_fake, lib=lib)
         op = torch.ops.gpuscope.region_mark.default
         # A graph's dead-code elimination (FX's, AOT's, Inductor's) keeps impure ops only.
         _side_effectful_functions.add(op)
         _mark_op_lib.append(lib)
         _fusion_hooked = fusion.install(op)
+        fusion.call_directly(op, region_mark)
         if not _fusion_hooked:
             log.warning("gpuscope: Inductor's scheduler is not where expected: regions in compiled "
                         "graphs cannot be checked for fusion and are reported per graph, merged")
@@ -99,16 +103,29 @@ def _mark_fake(x: Any, slot: int) -> None:
 
 
 def _mark_impl(x: Any, slot: int) -> None:
+    """The marker in Python: the op's kernel (where Inductor's code dispatches the op, e.g. a torch
+    whose wrapper code fusion.py cannot rewrite) and ``region_mark`` without the C extension."""
     entry = _regions[slot >> 1] if (slot >> 1) < len(_regions) else None
     if entry is None:
         return
-    regions, index = entry
+    regions, index, marks = entry
     setter = _set_eval_frame
     callback = setter(None) if setter is not None else None  # the timer's Python is never traced
     try:
-        regions.mark(index, slot & 1)
+        marks.mark(index, slot & 1)
     except Exception:  # observability never breaks the observed program
         regions.core.dropped["error"] += 1
+    finally:
+        if setter is not None:
+            setter(callback)
+
+
+def _mark_captured(regions: CompiledRegions, index: int, is_end: int) -> None:
+    """A marker met while its CUDA graph is captured (from the C markers: Python runs untraced)."""
+    setter = _set_eval_frame
+    callback = setter(None) if setter is not None else None
+    try:
+        regions.mark_captured(index, is_end)
     finally:
         if setter is not None:
             setter(callback)
@@ -127,7 +144,7 @@ def _on_graph(starts: dict[int, int], ends: dict[int, int], kernels: list[fusion
         # regions of two instrumentations never merge with each other's: each keeps its own
         by_owner.setdefault(id(owner), (owner, []))[1].append(
             [entry[1] for _, entry in members if entry[0] is owner])
-        for r, (regions, index) in members:
+        for r, (regions, index, _) in members:
             if r in starts and r in ends:
                 positions.setdefault(id(regions), {})[index] = (starts[r], ends[r])
     for key, (owner, owner_groups) in by_owner.items():
@@ -204,6 +221,12 @@ def dynamo_active() -> bool:
 _run_with = skip_frame(_run_with)
 untraced = skip_frame(untraced)
 dynamo_active = skip_frame(dynamo_active)
+_mark_impl = skip_frame(_mark_impl)
+_mark_captured = skip_frame(_mark_captured)
+#: What Inductor's Python wrapper code calls at each marker, ``region_mark(x, slot)`` (fusion.py
+#: rewrites the line it emits for the op): with the C extension one C call, which runs the
+#: region's markers (``hot.region_marks``) with no op dispatch and no Python frame.
+region_mark = hot.mark_table(_regions, _mark_impl)
 
 
 # --- the traced per-module wrapper ------------------------------------------------------------
@@ -304,11 +327,13 @@ class CompiledRegions:
         self.ops = op_states
         #: read by the traced wrappers: dynamo guards on it, so timed and untimed graphs differ
         self.timed = False
+        #: what each marker does (C: hot.region_marks); armed for the thread of a timed pass
+        self.marks = hot.region_marks(self.core, len(names), functools.partial(_mark_captured, self))
         self.slots: list[tuple[int, int]] = []
         with _lock:
             for index in range(len(names)):
                 region = len(_regions)
-                _regions.append((self, index))
+                _regions.append((self, index, self.marks))
                 self.slots.append((2 * region, 2 * region + 1))
         self._region_ids = {start // 2: i for i, (start, _) in enumerate(self.slots)}
         # groups: each a list of indices; the default is every region on its own
@@ -317,15 +342,10 @@ class CompiledRegions:
         self._merged_ops: dict[tuple[int, ...], Any] = {}
         self._positions: dict[int, tuple[int, int]] = {}  # index → (start, end) emission positions
         self.graphs_checked = 0
-        self._actions: list[tuple[int, Any] | None] = []
         self._bounds: list[tuple[int, int, Any]] = []
         self._rebuild()
-        self._tokens: dict[int, Any] = {}
-        self._owner_thread: int | None = None
         self._shapes: dict[Any, ShapeGraphs] = {}
         self._current: ShapeGraphs | None = None
-        self._eager_marks = 0
-        self.stray_marks = 0
         self._empty_pair: Callable[[Any], float | None] = TorchGraphs().empty_pair_seconds
 
     # groups ------------------------------------------------------------------------------------
@@ -373,7 +393,8 @@ class CompiledRegions:
             actions[2 * first] = (root, op)
             actions[2 * last + 1] = (root, op)
             bounds.append((first, last, op))
-        self._actions, self._bounds = actions, bounds
+        self._bounds = bounds
+        self.marks.actions = actions
 
     def _merged_op(self, members: list[int]) -> Any:
         key = tuple(members)
@@ -393,30 +414,24 @@ class CompiledRegions:
 
     # markers -------------------------------------------------------------------------------------
 
+    @property
+    def stray_marks(self) -> int:
+        """Markers reached from a thread whose pass was not timed (ignored)."""
+        return self.marks.stray_marks
+
     def mark(self, index: int, is_end: int) -> None:
-        """A marker ran (from the compiled code's Python, or while its CUDA graph is captured)."""
-        if threading.get_ident() != self._owner_thread:
-            self.stray_marks += 1
-            return
+        """A marker ran: on the thread of the timed pass, it records the region's start or end event
+        (``self.marks``: C or Python), or, while its CUDA graph is captured, ``mark_captured``."""
+        self.marks.mark(index, is_end)
+
+    def mark_captured(self, index: int, is_end: int) -> None:
+        """A marker met (on the timed pass's thread) while its CUDA graph is captured."""
         core = self.core
-        if core.capture_in_progress():
-            shapes = self._current
-            if shapes is None:
-                core.note_capture()
-                return
-            shapes.take(index, is_end, core.current_stream(core.current_device()))
+        shapes = self._current
+        if shapes is None:
+            core.note_capture()
             return
-        self._eager_marks += 1
-        action = self._actions[2 * index + is_end]
-        if action is None:  # inside a merged group
-            return
-        group, op = action
-        if not is_end:
-            self._tokens[group] = core.record_start()
-            return
-        token = self._tokens.pop(group, None)
-        if token is not None:
-            core.end(op, token, None)
+        shapes.take(index, is_end, core.current_stream(core.current_device()))
 
     # a timed pass ------------------------------------------------------------------------------
 
@@ -437,8 +452,9 @@ class CompiledRegions:
         if shapes is not None and shapes.replay.busy:
             self.core.dropped["graph_busy"] += 1
             return _run_with(callback, compiled, args, kwargs)
-        self._current, self._eager_marks, self._tokens = shapes, 0, {}
-        self._owner_thread = threading.get_ident()
+        marks = self.marks
+        self._current = shapes
+        marks.arm()
         self.timed = True
         first_calls = shapes is not None and shapes.calls < UNCACHED_TIMED_CALLS
         try:
@@ -449,11 +465,11 @@ class CompiledRegions:
                 out = _run_with(callback, compiled, args, kwargs)
         finally:
             self.timed = False
-            self._owner_thread = None
+            marks.disarm()
             self._current = None
         if shapes is not None:
             shapes.calls += 1
-            if not self._eager_marks and shapes.events:
+            if not marks.eager_marks and shapes.events:
                 self._fence(shapes)  # the timed graph was replayed: read its event nodes after it
         return out
 

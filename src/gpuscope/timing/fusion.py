@@ -232,6 +232,69 @@ def install(mark_op: Any) -> bool:
         return True
 
 
+#: The callable Inductor's Python wrapper code calls at each marker instead of dispatching the op:
+#: an attribute of the op's namespace (``torch.ops.gpuscope``), which every emitted module reaches
+#: through the ``torch`` it imports, whichever graph or subgraph the marker is in.
+DIRECT_ATTR = "region_mark_direct"
+_direct_installed = False
+
+
+def call_directly(mark_op: Any, target: Any) -> bool:
+    """Make the Python wrapper code Inductor emits call ``target(x, slot)`` at each marker op, in
+    place of ``torch.ops.gpuscope.region_mark.default(x, slot)``: the op's dispatch (a Python
+    ``OpOverload`` call, the C++ dispatcher, the Python kernel and its frames) was most of a
+    marker's cost. Only the emitted line changes: the op stays in the graph, where ``analyse``
+    finds it, and the C++ wrapper (``cpp_wrapper``) still dispatches it. False where Inductor's
+    wrapper code generation is not where expected (the emitted code then dispatches the op)."""
+    global _direct_installed
+    with _lock:
+        try:
+            import torch
+            from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+        except Exception:  # no Inductor in this torch
+            return False
+        setattr(getattr(torch.ops, mark_op.namespace), DIRECT_ATTR, target)
+        if _direct_installed:
+            return True
+        original = getattr(PythonWrapperCodegen, "generate_fallback_kernel", None)
+        if original is None:
+            return False
+        name = f"torch.ops.{mark_op.namespace}.{DIRECT_ATTR}"
+
+        def generate_fallback_kernel(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(node, "op_overload", None) is mark_op:
+                line = _direct_line(node, name)
+                if line is not None:
+                    self.writeline(line)
+                    return None
+            return original(self, node, *args, **kwargs)
+
+        generate_fallback_kernel.__wrapped__ = original  # type: ignore[attr-defined]
+        PythonWrapperCodegen.generate_fallback_kernel = generate_fallback_kernel
+        _direct_installed = True
+        return True
+
+
+def calls_directly() -> bool:
+    """Whether emitted wrapper code calls the markers directly (``call_directly`` is in place)."""
+    return _direct_installed
+
+
+def _direct_line(node: Any, name: str) -> str | None:
+    """``name(x, slot)`` for a marker node, or None to leave the line to Inductor."""
+    try:
+        from torch._inductor.virtualized import V
+
+        if V.graph.cpp_wrapper:
+            return None
+        args = node.codegen_args()
+    except Exception:
+        return None
+    if len(args) != 2:
+        return None
+    return f"{name}({args[0]}, {args[1]})"
+
+
 def _notify(scheduler: Any, mark_op: Any) -> None:
     try:
         found = analyse(list(scheduler.nodes), mark_op)

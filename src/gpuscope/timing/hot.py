@@ -29,6 +29,7 @@ recycler (``GPUSCOPE_TIMING_RECYCLER=0``), plain pairs go to the resolver's C lo
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -204,6 +205,84 @@ class PySequenceBase:
             op = None
         ring.append(pending(op, self._device, self._stream, start, end, hot.trace_id(), None, not last))
         return not last
+
+
+class PyRegionMarks:
+    """The markers of one compiled model (``compiled.py``), in Python: what a marker in the compiled
+    code does (``mark``) and the timed pass around them (``arm``/``disarm``). The C version
+    (``_hotpath.RegionMarks``) does the same steps; Inductor's code calls it through
+    ``_hotpath.MarkTable`` with no Python frame."""
+
+    def __init__(self, hot: Any, regions: int, captured: Any) -> None:
+        self.hot = hot
+        self.core = hot.core
+        #: two per region (start, end): None (inside a merged group) or (group, op)
+        self.actions: list[Any] = [None] * (2 * regions)
+        self.tokens: list[Any] = [None] * regions  # the open start of each group, by its root region
+        self.captured = captured
+        self.owner: int | None = None
+        self.eager_marks = 0
+        self.stray_marks = 0
+
+    @property
+    def armed(self) -> bool:
+        return self.owner is not None
+
+    def mark(self, index: int, is_end: int) -> None:
+        if threading.get_ident() != self.owner:
+            self.stray_marks += 1
+            return
+        core = self.core
+        if core.capture_in_progress():
+            self.captured(index, is_end)
+            return
+        self.eager_marks += 1
+        action = self.actions[2 * index + is_end]
+        if action is None:  # inside a merged group
+            return
+        group, op = action
+        tokens = self.tokens
+        if not is_end:
+            self._put(group, core.record_start())
+            return
+        token = tokens[group]
+        if token is not None:
+            tokens[group] = None
+            core.end(op, token, None)
+
+    def _put(self, group: int, token: Any) -> None:
+        old, self.tokens[group] = self.tokens[group], token
+        if old.__class__ is tuple:  # a start that never ended (a pass that raised half-way)
+            self.hot.free_list(old[1]).append(old[0])
+
+    def arm(self) -> None:
+        self.owner = threading.get_ident()
+        self.eager_marks = 0
+        self._clear()
+
+    def disarm(self) -> None:
+        self.owner = None
+        self._clear()
+
+    def _clear(self) -> None:
+        for group, token in enumerate(self.tokens):
+            if token is not None:
+                self._put(group, None)
+
+
+def region_marks(core: Any, regions: int, captured: Any) -> Any:
+    """The markers of one compiled model with ``regions`` regions: ``_hotpath.RegionMarks`` on the C
+    hot path, else ``PyRegionMarks``. ``captured(index, is_end)`` handles a marker met while a CUDA
+    graph is captured."""
+    cls = _hotpath.RegionMarks if core.native else PyRegionMarks
+    return cls(core.hot, regions, captured)
+
+
+def mark_table(entries: list, fallback: Any) -> Any:
+    """The callable Inductor's code calls at each region marker, ``table(x, slot)``: a
+    ``_hotpath.MarkTable`` over compiled.py's region table, or ``fallback`` itself without the
+    extension."""
+    return _hotpath.MarkTable(entries, fallback) if _hotpath is not None else fallback
 
 
 def resolve_loop(route: Any, *, dropped: dict, pending_type: type) -> Any:
