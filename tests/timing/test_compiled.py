@@ -62,6 +62,8 @@ def counts(timer) -> dict[str, int]:
 def test_markers_time_their_regions_on_the_timed_pass_s_thread_only(make_timer):
     timer = prepared(make_timer(sample_rate=1.0))
     core = timer.core
+    pool = core.pools[core.current_device()]
+    size = len(pool)
     a, b = core.op_state("a"), core.op_state("b")
     marks = hot.region_marks(core, 2, lambda index, is_end: pytest.fail("no capture here"))
     marks.actions = [(0, a), (0, a), (1, b), (1, b)]
@@ -79,6 +81,7 @@ def test_markers_time_their_regions_on_the_timed_pass_s_thread_only(make_timer):
     assert not marks.armed
     assert marks.stray_marks == 4 and marks.eager_marks == 4
     assert counts(timer) == {"a": 1, "b": 1}
+    assert len(pool) == size and len({id(event) for event in pool}) == size  # each event back once
 
 
 def test_a_merged_group_runs_from_its_first_start_to_its_last_end(make_timer):
@@ -231,6 +234,8 @@ def test_a_compiled_model_is_timed_with_no_graph_break(make_timer, order):
             continue
         assert sum(h.count for h in timed[name].values()) == 3, name
     assert inst.compiled.stray_marks == 0
+    pool = timer.core.pools[timer.core.current_device()]
+    assert len({id(event) for event in pool}) == len(pool) == timer.core.pool_size  # every event back, once
     inst.remove()
     assert "forward" not in model.blocks[0].attn.__dict__
 

@@ -1577,18 +1577,14 @@ static int marks_mark(RegionMarks *m, Py_ssize_t index, int is_end) {
     }
     PyObject *token = PyList_GET_ITEM(m->tokens, group);
     if (is_none(token)) return 0;
-    Py_INCREF(token);
+    PyList_SET_ITEM(m->tokens, group, Py_NewRef(Py_None));  /* the list's reference is ours now */
     Py_INCREF(action);  /* the op stays alive while end() may run Python */
-    int rc = put_token(m, group, Py_NewRef(Py_None));
-    if (rc == 0) {
-        PyObject *end_args[3] = {PyTuple_GET_ITEM(action, 1), token, Py_None};
-        PyObject *ended = HotPath_end(h, end_args, 3);
-        rc = ended == NULL ? -1 : 0;
-        Py_XDECREF(ended);
-    }
+    PyObject *end_args[3] = {PyTuple_GET_ITEM(action, 1), token, Py_None};
+    PyObject *ended = HotPath_end(h, end_args, 3);
+    Py_XDECREF(ended);
     Py_DECREF(action);
     Py_DECREF(token);
-    return rc;
+    return ended == NULL ? -1 : 0;
 }
 
 static PyObject *RegionMarks_mark(RegionMarks *m, PyObject *const *args, Py_ssize_t nargs) {
