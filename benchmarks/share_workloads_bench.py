@@ -31,12 +31,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import logger, percentile, rnd, write_json  # noqa: E402
-from share_bench import LEDGER, Controller, _lib, rate, sleep_until  # noqa: E402
+from share_bench import LEDGER, Controller, _helper_cpu_s, _lib, rate, sleep_until  # noqa: E402
 
 log = logger("share-workloads")
 MIXES = {
@@ -173,13 +174,22 @@ WORKLOADS = {"train": _train, "encoder": _encoder, "graph": _graph, "generate": 
              "compiled": _compiled}
 
 
-def latency_worker(rate_per_s: float, seconds: float, start_at: float) -> dict:
+def wait_for_start() -> float:
+    """Tell the orchestrator this worker is warm, then wait for the common start time it sends (a
+    worker that compiles can take half a minute: a fixed warm-up wait left it late)."""
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
+    sleep_until(start_at)
+    return start_at
+
+
+def latency_worker(rate_per_s: float, seconds: float) -> dict:
     """Open loop: request i arrives at start + i / rate and is served as soon as the previous one is
     done; its latency runs from its arrival to its result on the host."""
     step = _small()
     for _ in range(20):
         step()
-    sleep_until(start_at)
+    start_at = wait_for_start()
     latencies = []
     i = 0
     while True:
@@ -201,56 +211,78 @@ def sleep_until_precise(t: float) -> None:
         pass
 
 
-def worker(name: str, seconds: float, start_at: float) -> dict:
+def worker(name: str, seconds: float) -> dict:
     import torch
 
     torch.manual_seed(0)
     step = WORKLOADS[name]()
     for _ in range(5):  # warm-up: allocator, cuBLAS handles, kernel caches
         step()
-    ready = time.time()
-    sleep_until(start_at)
+    start_at = wait_for_start()
+    helper0 = _helper_cpu_s()
     stamps = []
     end = start_at + seconds
     while time.time() < end:
         step()
         stamps.append(time.time())
-    return {"stamps": stamps, "late_s": max(0.0, ready - start_at)}
+    # the gpuscope-share helper threads' CPU over the measured run (0 when not under the library)
+    helper_pct = 100 * (_helper_cpu_s() - helper0) / seconds
+    return {"stamps": stamps, "helper_cpu_pct": helper_pct}
 
 
 # --------------------------------------------------------------------------------------------------
 # Orchestration
 
-def spawn(name: str, seconds: float, start_at: float, tenant: str | None, *, role: str = "worker",
-          ) -> subprocess.Popen:
+def spawn(name: str, seconds: float, tenant: str | None, *, role: str = "worker") -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if tenant:
         env.update(LD_PRELOAD=_lib(), GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
-    argv = [sys.executable, os.path.abspath(__file__), role, name, str(seconds), str(start_at)]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, os.path.abspath(__file__), role, name, str(seconds)]
+    # stderr to a file: compile warnings can fill a pipe nobody reads until the worker ends
+    err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the worker's result)
+    p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    p.err_file = err  # type: ignore[attr-defined]
+    return p
+
+
+def _stderr_of(p: subprocess.Popen) -> str:
+    p.err_file.seek(0)  # type: ignore[attr-defined]
+    return p.err_file.read()[-1500:]  # type: ignore[attr-defined]
+
+
+def release(procs: list[subprocess.Popen], offsets: list[float] | None = None, lead_s: float = 0.5) -> float:
+    """Wait until every worker is warm, then send each its start time (start + its offset)."""
+    for p in procs:
+        line = p.stdout.readline()
+        if line.strip() != "ready":
+            p.wait(timeout=60)
+            raise RuntimeError(f"worker failed while warming up: {_stderr_of(p)}")
+    start = time.time() + lead_s
+    for p, offset in zip(procs, offsets or [0.0] * len(procs), strict=True):
+        p.stdin.write(f"{start + offset}\n")
+        p.stdin.close()
+    return start
 
 
 def result_of(p: subprocess.Popen) -> dict:
-    out, err = p.communicate(timeout=600)
+    out = p.stdout.read()  # its stdin was closed by release(): nothing to communicate
+    p.wait(timeout=600)
     if p.returncode != 0:
-        raise RuntimeError(f"worker failed: {err[-1500:]}")
+        raise RuntimeError(f"worker failed: {_stderr_of(p)}")
     return json.loads(out.strip().splitlines()[-1])
 
 
 def collect(p: subprocess.Popen) -> list[float]:
-    result = result_of(p)
-    if result["late_s"] > 0:  # it was still warming up when the window opened: its rate reads low
-        log(f"a worker was ready {result['late_s']:.1f} s late")
-    return result["stamps"]
+    return result_of(p)["stamps"]
 
 
 def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: float, alone: dict[str, float],
-                port: int, warmup_s: float) -> dict:
+                port: int) -> dict:
     """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7)."""
     controller = Controller("lat=0.3:1,hog=0.7", "events", port) if managed else None
-    start = time.time() + warmup_s
-    lat = spawn(str(rate_per_s), seconds, start, "lat" if managed else None, role="latency")
-    hog_p = spawn(hog, seconds, start, "hog" if managed else None) if hog else None
+    lat = spawn(str(rate_per_s), seconds, "lat" if managed else None, role="latency")
+    hog_p = spawn(hog, seconds, "hog" if managed else None) if hog else None
+    start = release([lat, hog_p] if hog_p else [lat])
     sleep_until(start)
     if controller:
         controller.mark()
@@ -264,19 +296,19 @@ def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: floa
 
 
 def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float], port: int,
-            warmup_s: float) -> dict:
+            ) -> dict:
     names = [f"t{i}-{w}" for i, (w, _) in enumerate(tenants)]
     controller = None
     if variant != "unmanaged":
         shares = ",".join(f"{n}={s}" for n, (_, s) in zip(names, tenants, strict=True))
         controller = Controller(shares, "events", port, "--share.handover", variant)
-    start = time.time() + warmup_s
-    procs = [spawn(w, seconds, start, n if controller else None)
-             for n, (w, _) in zip(names, tenants, strict=True)]
+    procs = [spawn(w, seconds, n if controller else None) for n, (w, _) in zip(names, tenants, strict=True)]
+    start = release(procs)
     sleep_until(start)
     if controller:
         controller.mark()
-    stamps = [collect(p) for p in procs]
+    results = [result_of(p) for p in procs]
+    stamps = [r["stamps"] for r in results]
     ctl = controller.stop() if controller else None
     rows = []
     for n, (w, share), st in zip(names, tenants, stamps, strict=True):
@@ -291,8 +323,13 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
                      "worst_window_below_share_pts": rnd(max((max(0.0, share - v) * 100 for v in windows),
                                                              default=None), 2),
                      "timeline": timeline})
+    helpers_pct = sum(r["helper_cpu_pct"] for r in results)
     return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
-            "cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None}
+            "cpu_core_pct": rnd(ctl["cpu_core_pct"] + helpers_pct) if ctl else None,
+            "controller_cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None,
+            "helpers_cpu_core_pct": rnd(helpers_pct) if ctl else None,
+            # the controller's counters at the end (lent and reclaimed turns, charges, busy ratios)
+            "controller_metrics": [ln for ln in ctl["metrics"] if not ln.startswith("#")] if ctl else None}
 
 
 def plot(src: str, dst: str) -> None:
@@ -328,10 +365,10 @@ def plot(src: str, dst: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
-        print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))), flush=True)
+        print(json.dumps(worker(sys.argv[2], float(sys.argv[3]))), flush=True)
         return
     if len(sys.argv) > 2 and sys.argv[1] == "latency":
-        result = latency_worker(float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+        result = latency_worker(float(sys.argv[2]), float(sys.argv[3]))
         print(json.dumps(result), flush=True)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -341,38 +378,50 @@ def main() -> None:
     p.add_argument("--port", type=int, default=9494)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--alone-seconds", type=float, default=6.0)
-    p.add_argument("--warmup-s", type=float, default=15.0, help="time for the workers to import and warm up")
     p.add_argument("--mixes", default=",".join(MIXES))
     p.add_argument("--latency-rate", type=float, default=150.0, help="the latency tenant's requests/s")
     p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="which of unmanaged, drain, overlap to run")
+    p.add_argument("--merge", action="store_true", help="add to --out's mixes and latency rows instead of "
+                   "starting a new file (a run split in parts)")
     args = p.parse_args()
     if args.plot:
         plot(args.plot, args.plot_out)
         return
     if not args.out:
         p.error("--out is required to measure")
-    mixes = {name: MIXES[name] for name in args.mixes.split(",")}
-    out: dict = {"date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "alone": {}, "mixes": []}
+    mixes = {name: MIXES[name] for name in args.mixes.split(",") if name}
+    variants = [v for v in args.variants.split(",") if v]
+    if not {"unmanaged", MANAGED} <= set(variants) or not set(variants) <= set(VARIANTS):
+        p.error(f"--variants: give unmanaged and {MANAGED}, optionally overlap")
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "seconds": args.seconds, "alone": {}, "mixes": [],
+                 "latency": []}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            earlier = json.load(f)
+        out["mixes"], out["latency"] = earlier.get("mixes", []), earlier.get("latency", [])
+        # this run's alone rates are its own (the host drifts between runs): kept apart
+        out["alone"], out["alone_merged_run"] = earlier.get("alone", {}), {}
+    alone = out["alone_merged_run"] if args.merge and "alone_merged_run" in out else out["alone"]
 
     def save() -> None:
         write_json(args.out, out, indent=1)
 
     hogs = [h for h in args.hogs.split(",") if h]
     needed = sorted({w for tenants in mixes.values() for w, _ in tenants} | set(hogs))
-    start = time.time() + args.warmup_s  # alone, one after the other, each warmed up beforehand
-    procs = {}
-    for i, w in enumerate(needed):
-        procs[w] = spawn(w, args.alone_seconds, start + i * (args.alone_seconds + 1), None)
+    # alone, one after the other, all warmed up first
+    procs = {w: spawn(w, args.alone_seconds, None) for w in needed}
+    start = release(list(procs.values()), [i * (args.alone_seconds + 1) for i in range(len(needed))])
     for w, pr in procs.items():
         i = needed.index(w)
         lo = start + i * (args.alone_seconds + 1)
-        out["alone"][w] = rate(collect(pr), lo, lo + args.alone_seconds)
-        log(f"alone {w}: {out['alone'][w]:.1f} steps/s")
+        alone[w] = rate(collect(pr), lo, lo + args.alone_seconds)
+        log(f"alone {w}: {alone[w]:.1f} steps/s")
     save()
     for name, tenants in mixes.items():
         entry = {"name": name}
-        for variant in VARIANTS:
-            entry[variant] = run_mix(tenants, variant, args.seconds, out["alone"], args.port, args.warmup_s)
+        for variant in variants:
+            entry[variant] = run_mix(tenants, variant, args.seconds, alone, args.port)
             shown = ", ".join(f"{r['workload']} {r['fraction']} (share {r['share']}, worst "
                               f"{r['worst_window_pts']})" for r in entry[variant]["tenants"])
             log(f"{name} {variant}: {shown}; sum {entry[variant]['sum']}")
@@ -381,12 +430,11 @@ def main() -> None:
                      sum_unmanaged=entry["unmanaged"]["sum"], cpu_core_pct=entry[MANAGED]["cpu_core_pct"])
         out["mixes"].append(entry)
         save()
-    out["latency"] = []
-
     def latency(hog: str | None, managed: bool) -> dict:
-        return run_latency(hog, managed, args.seconds, args.latency_rate, out["alone"], args.port,
-                           args.warmup_s)
+        return run_latency(hog, managed, args.seconds, args.latency_rate, alone, args.port)
 
+    if not hogs:
+        return
     alone_lat = latency(None, False)
     log(f"latency tenant alone at {args.latency_rate:g}/s: p99 {alone_lat['p99_ms']} ms")
     for hog in hogs:
