@@ -13,7 +13,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 8u
+#define LAYOUT_VERSION 9u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */

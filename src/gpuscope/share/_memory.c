@@ -127,6 +127,7 @@ void *memory_wrap(const char *symbol, uint64_t flags, void *p) {
 
 typedef struct {
     uint64_t key, size; /* key 0: empty; size TOMB: removed */
+    int device;         /* the ordinal of the device it was allocated on: its free gives back there */
 } entry_t;
 typedef struct {
     entry_t *slots;
@@ -157,30 +158,33 @@ static int grow(table_t *t) {
     return 1;
 }
 
-static void remember(table_t *t, uint64_t key, uint64_t size) {
+static void remember(table_t *t, uint64_t key, uint64_t size, share_dev_t *d) {
     if (!key) return;
     pthread_mutex_lock(&table_lock);
     if ((t->used + 1) * 2 > t->cap && !grow(t)) {
         pthread_mutex_unlock(&table_lock);
-        atomic_fetch_add(&proc->hook_errors, 1); /* its free will not give the size back */
+        atomic_fetch_add(&d->proc->hook_errors, 1); /* its free will not give the size back */
         return;
     }
     size_t j = slot_of(t, key);
     while (t->slots[j].key && t->slots[j].key != key) j = (j + 1) & (t->cap - 1);
     if (!t->slots[j].key) t->used++;
-    t->slots[j] = (entry_t){key, size};
+    t->slots[j] = (entry_t){key, size, d->ordinal};
     pthread_mutex_unlock(&table_lock);
 }
 
-/* The size `key` was allocated with (0 when unknown), forgotten. */
-static uint64_t forget(table_t *t, uint64_t key) {
+/* The size `key` was allocated with (0 when unknown), forgotten; `*d` the device it was allocated on
+ * (the calling thread's when unknown). */
+static uint64_t forget(table_t *t, uint64_t key, share_dev_t **d) {
     uint64_t size = 0;
+    *d = share_here();
     pthread_mutex_lock(&table_lock);
     if (t->cap && key) {
         size_t j = slot_of(t, key);
         while (t->slots[j].key && t->slots[j].key != key) j = (j + 1) & (t->cap - 1);
         if (t->slots[j].key == key && t->slots[j].size != TOMB) {
             size = t->slots[j].size;
+            *d = share_device(t->slots[j].device);
             t->slots[j].size = TOMB;
         }
     }
@@ -194,22 +198,22 @@ static uint64_t forget(table_t *t, uint64_t key) {
 typedef CUresult (*info_fn)(size_t *, size_t *);
 
 /* The card's real size, as the driver says (needs a current context: asked at an allocation). */
-static uint64_t card_bytes(void) {
-    uint64_t known = tenant_mem ? atomic_load(&tenant_mem->card_bytes) : 0;
+static uint64_t card_bytes(share_dev_t *d) {
+    uint64_t known = d->tenant_mem ? atomic_load(&d->tenant_mem->card_bytes) : 0;
     if (known) return known;
     info_fn fn = (info_fn)real(M_INFO);
     size_t free_b = 0, total = 0;
     if (!fn || fn(&free_b, &total) != 0 || !total) return 0;
-    if (tenant_mem) atomic_store(&tenant_mem->card_bytes, total);
+    if (d->tenant_mem) atomic_store(&d->tenant_mem->card_bytes, total);
     return total;
 }
 
 /* This process's tenant's cap in bytes (0: none). */
-static uint64_t cap_bytes(void) {
-    if (!policy || !tenant_mem) return 0;
-    uint64_t v = policy->tenants[__builtin_ctz(slot_bit)].mem_cap;
+static uint64_t cap_bytes(share_dev_t *d) {
+    if (!d->policy || !d->tenant_mem) return 0;
+    uint64_t v = d->policy->tenants[__builtin_ctz(d->slot_bit)].mem_cap;
     if (!(v & MEM_CAP_FRACTION)) return v;
-    return (v & 0xffffffffull) * card_bytes() / 1000000ull;
+    return (v & 0xffffffffull) * card_bytes(d) / 1000000ull;
 }
 
 /* GPUSCOPE_SHARE_MEMORY: a cap this process holds itself to, below its tenant's (the admission
@@ -239,10 +243,10 @@ static void parse_own_cap(void) {
 }
 
 /* This process's own cap in bytes (0: none). */
-static uint64_t own_cap_bytes(void) {
+static uint64_t own_cap_bytes(share_dev_t *d) {
     pthread_once(&own_cap_once, parse_own_cap);
     if (!(own_cap_word & MEM_CAP_FRACTION)) return own_cap_word;
-    return (own_cap_word & 0xffffffffull) * card_bytes() / 1000000ull;
+    return (own_cap_word & 0xffffffffull) * card_bytes(d) / 1000000ull;
 }
 
 static void sub_floor(_Atomic uint64_t *word, uint64_t n) {
@@ -252,40 +256,39 @@ static void sub_floor(_Atomic uint64_t *word, uint64_t n) {
 }
 
 /* Reserve `n` bytes for an allocation about to be made: 0 when that would take the tenant past its cap. */
-static int reserve(uint64_t n) {
-    share_join();
-    tenant_mem_t *t = tenant_mem;
+static int reserve(share_dev_t *d, uint64_t n) {
+    tenant_mem_t *t = d->tenant_mem;
     if (t) {
-        uint64_t cap = cap_bytes();
+        uint64_t cap = cap_bytes(d);
         uint64_t now = atomic_fetch_add(&t->used, n) + n;
         if (cap && now > cap) {
             sub_floor(&t->used, n);
             atomic_fetch_add(&t->refused, 1);
-            atomic_fetch_add(&proc->mem_refused, 1);
+            atomic_fetch_add(&d->proc->mem_refused, 1);
             return 0;
         }
         uint64_t peak = atomic_load(&t->peak);
         while (now > peak && !atomic_compare_exchange_weak(&t->peak, &peak, now)) {
         }
     }
-    uint64_t own = own_cap_bytes();
-    if (own && atomic_fetch_add(&proc->mem_bytes, n) + n > own) {
-        sub_floor(&proc->mem_bytes, n);
+    uint64_t own = own_cap_bytes(d);
+    if (own && atomic_fetch_add(&d->proc->mem_bytes, n) + n > own) {
+        sub_floor(&d->proc->mem_bytes, n);
         if (t) {
             sub_floor(&t->used, n);
             atomic_fetch_add(&t->refused, 1);
         }
-        atomic_fetch_add(&proc->mem_refused, 1);
+        atomic_fetch_add(&d->proc->mem_refused, 1);
         return 0;
     }
-    if (!own) atomic_fetch_add(&proc->mem_bytes, n);
+    if (!own) atomic_fetch_add(&d->proc->mem_bytes, n);
     return 1;
 }
 
-static void give_back(uint64_t n) {
+static void give_back(share_dev_t *d, uint64_t n) {
     if (!n) return;
-    sub_floor(&proc->mem_bytes, n);
-    if (tenant_mem) sub_floor(&tenant_mem->used, n);
+    sub_floor(&d->proc->mem_bytes, n);
+    if (d->tenant_mem) sub_floor(&d->tenant_mem->used, n);
 }
 
 void memory_carry(tenant_mem_t *tenant, proc_t *new_proc, const proc_t *old_proc) {
@@ -314,10 +317,11 @@ typedef int (*nvml_info2_fn)(void *, nvmlMemory_v2_t *);
     do {                                                                                                \
         T fn = (T)real(I);                                                                              \
         if (!fn) return MISSING;                                                                        \
-        if (!reserve(SIZE)) return OUT_OF_MEMORY;                                                       \
+        share_dev_t *d = share_here(); /* the device of the context it allocates in */                 \
+        if (!reserve(d, SIZE)) return OUT_OF_MEMORY;                                                    \
         CUresult rc = CALL;                                                                             \
-        if (rc != 0 || !(PTR)) give_back(SIZE);                                                         \
-        else remember(&pointers, *(PTR), SIZE);                                                         \
+        if (rc != 0 || !(PTR)) give_back(d, SIZE);                                                      \
+        else remember(&pointers, *(PTR), SIZE, d);                                                      \
         return rc;                                                                                      \
     } while (0)
 
@@ -350,64 +354,76 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, 
     CUresult rc = fn(p, pitch, width, height, elem);
     if (rc != 0 || !p || !pitch) return rc;
     uint64_t n = (uint64_t)*pitch * height;
-    if (!reserve(n)) {
+    share_dev_t *d = share_here();
+    if (!reserve(d, n)) {
         free_fn release = (free_fn)real(M_FREE);
         if (release) release(*p);
         return OUT_OF_MEMORY;
     }
-    remember(&pointers, *p, n);
+    remember(&pointers, *p, n, d);
     return rc;
 }
 
 /* After the driver's answer to a free of ``key`` (``n`` bytes, already forgotten): freed, its bytes go
  * back to the tenant; refused, it is still held and stays counted. */
-static CUresult settle_free(table_t *t, uint64_t key, uint64_t n, CUresult rc) {
-    if (rc == 0) give_back(n);
-    else if (n) remember(t, key, n);
+static CUresult settle_free(table_t *t, uint64_t key, uint64_t n, share_dev_t *d, CUresult rc) {
+    if (rc == 0) give_back(d, n);
+    else if (n) remember(t, key, n, d);
     return rc;
 }
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     free_fn fn = (free_fn)real(M_FREE);
     if (!fn) return MISSING;
-    uint64_t n = forget(&pointers, p);
-    return settle_free(&pointers, p, n, fn(p));
+    share_dev_t *d;
+    uint64_t n = forget(&pointers, p, &d);
+    return settle_free(&pointers, p, n, d, fn(p));
 }
 
 static CUresult free_async(int i, CUdeviceptr p, CUstream s) {
     free_async_fn fn = (free_async_fn)real(i);
     if (!fn) return MISSING;
-    uint64_t n = forget(&pointers, p);
-    return settle_free(&pointers, p, n, fn(p, s));
+    share_dev_t *d;
+    uint64_t n = forget(&pointers, p, &d);
+    return settle_free(&pointers, p, n, d, fn(p, s));
 }
 
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return free_async(M_FREE_ASYNC, p, s); }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return free_async(M_FREE_ASYNC_PTSZ, p, s); }
 
+/* cuMemCreate names its device itself (CUmemAllocationProp: type, requested handle types, then the
+ * location's type and id; CU_MEM_LOCATION_TYPE_DEVICE is 1), which need not be the context's. -1:
+ * the calling thread's current device. */
+static int creation_device(const void *prop) {
+    const int32_t *words = prop;
+    return words && words[2] == 1 ? words[3] : -1;
+}
+
 EXPORT CUresult cuMemCreate(CUmemHandle *h, size_t n, const void *prop, unsigned long long flags) {
     create_fn fn = (create_fn)real(M_CREATE);
     if (!fn) return MISSING;
-    if (!reserve(n)) return OUT_OF_MEMORY;
+    share_dev_t *d = share_on(creation_device(prop));
+    if (!reserve(d, n)) return OUT_OF_MEMORY;
     CUresult rc = fn(h, n, prop, flags);
-    if (rc != 0 || !h) give_back(n);
-    else remember(&handles, *h, n);
+    if (rc != 0 || !h) give_back(d, n);
+    else remember(&handles, *h, n, d);
     return rc;
 }
 
 EXPORT CUresult cuMemRelease(CUmemHandle h) {
     release_fn fn = (release_fn)real(M_RELEASE);
     if (!fn) return MISSING;
-    uint64_t n = forget(&handles, h);
-    return settle_free(&handles, h, n, fn(h));
+    share_dev_t *d;
+    uint64_t n = forget(&handles, h, &d);
+    return settle_free(&handles, h, n, d, fn(h));
 }
 
 /* What a capped tenant (or process) is shown: total = its cap; free = what is left of it (or of the
  * card, if less). With both caps, the tighter view. */
-static int clamp(uint64_t *total, uint64_t *free_b, uint64_t *used) {
-    share_join();
-    uint64_t cap = cap_bytes(), own = own_cap_bytes();
+static int clamp(share_dev_t *d, uint64_t *total, uint64_t *free_b, uint64_t *used) {
+    uint64_t cap = cap_bytes(d), own = own_cap_bytes(d);
     if (!cap && !own) return 0;
-    uint64_t held = cap && tenant_mem ? atomic_load(&tenant_mem->used) : 0, mine = atomic_load(&proc->mem_bytes);
+    uint64_t held = cap && d->tenant_mem ? atomic_load(&d->tenant_mem->used) : 0, mine = atomic_load(&d->proc->mem_bytes);
     uint64_t left = cap ? (cap > held ? cap - held : 0) : UINT64_MAX;
     if (own) {
         uint64_t own_left = own > mine ? own - mine : 0;
@@ -425,9 +441,10 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
     if (!fn) return MISSING;
     CUresult rc = fn(free_b, total);
     if (rc != 0 || !free_b || !total) return rc;
-    if (tenant_mem && !atomic_load(&tenant_mem->card_bytes)) atomic_store(&tenant_mem->card_bytes, *total);
+    share_dev_t *d = share_here();
+    if (d->tenant_mem && !atomic_load(&d->tenant_mem->card_bytes)) atomic_store(&d->tenant_mem->card_bytes, *total);
     uint64_t t = *total, f = *free_b;
-    if (clamp(&t, &f, NULL)) *total = (size_t)t, *free_b = (size_t)f;
+    if (clamp(d, &t, &f, NULL)) *total = (size_t)t, *free_b = (size_t)f;
     return rc;
 }
 
@@ -437,7 +454,7 @@ EXPORT int nvmlDeviceGetMemoryInfo(void *device, nvmlMemory_t *m) {
     int rc = fn(device, m);
     if (rc == 0 && m) {
         uint64_t t = m->total, f = m->free, u = m->used;
-        if (clamp(&t, &f, &u)) m->total = t, m->free = f, m->used = u;
+        if (clamp(share_here(), &t, &f, &u)) m->total = t, m->free = f, m->used = u;
     }
     return rc;
 }
@@ -448,7 +465,7 @@ EXPORT int nvmlDeviceGetMemoryInfo_v2(void *device, nvmlMemory_v2_t *m) {
     int rc = fn(device, m);
     if (rc == 0 && m) {
         uint64_t t = m->total, f = m->free, u = m->used;
-        if (clamp(&t, &f, &u)) m->total = t, m->free = f, m->used = u, m->reserved = 0;
+        if (clamp(share_here(), &t, &f, &u)) m->total = t, m->free = f, m->used = u, m->reserved = 0;
     }
     return rc;
 }

@@ -159,16 +159,6 @@ void say(const char *fmt, ...) {
 }
 
 static const uint32_t all_open = 0xffffffffu;
-/* The word the fast path reads: the controller's gate, or all_open while passing through. */
-static const _Atomic uint32_t *gate = (const _Atomic uint32_t *)&all_open;
-uint32_t slot_bit = 1;
-
-static pthread_once_t join_once = PTHREAD_ONCE_INIT;
-policy_t *policy;
-proc_t *proc;
-tenant_mem_t *tenant_mem;
-static proc_t local_proc; /* counters when no ledger is mapped */
-static atomic_int failed_open;
 
 typedef struct {
     CUevent start, end;
@@ -181,33 +171,131 @@ typedef struct {
     uint64_t submit_ns;  /* ...and from then until the launch call returned (see busy_window_ms) */
 } window_t;
 
-static pthread_mutex_t wlock = PTHREAD_MUTEX_INITIALIZER;
-static window_t ring[POOL];
-static uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
-static int win_open, win_launches, acct_ready, acct_failed;
-static int K = 8, K_lent = 1;
-static CUcontext acct_ctx;
-static uint32_t helper_bit;
-static _Atomic int helper_sleeping;
-static int helper_waited_newest; /* the last wake on the newest window posted nothing */
-/* A probe's windows, posted in order: how late their start events ran (busy_window_ms). */
-static struct {
-    uint64_t idx, recorded_ns; /* the last probe window posted, and when its start event was recorded */
-    float lag_ms;
-    int valid;
-} chain;
-/* When a launching thread last waited for the oldest queued window (the bound on queued work): while
- * it keeps doing so it posts the finished windows itself, and the helper need not wake for them. */
-static uint64_t queue_waited_ns;
-static uint64_t probe_alive_checked; /* when the helper last looked for the controller in a probe */
 #define HELPER_NAP_NS 100000000ull
 #define HELPER_SLEEP_NS 100000000ull /* with nothing to watch: a new window wakes it (wake_helper) */
-/* The gate generation under which this process, the slice holder, stopped launching at its slice's
- * end by itself (0: it has not): its helper then drains the queue as if the gate had closed. */
-static _Atomic uint32_t yielded_gen;
-/* When the program's last wait for the GPU (a stream, context or event synchronize) returned, while
- * it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
-static _Atomic uint64_t synced_ns;
+
+/* Everything this process keeps about one GPU. Each GPU has a controller of its own (one `gpuscope
+ * share` process holds them all, a ledger each), so a process that uses two GPUs joins twice, and is
+ * held on each by that GPU's gate: a launch or an allocation goes to the device of the context it
+ * runs in (dev_here). Each device has its own helper thread (its windows' events belong to that
+ * device's context) and its own watcher (its own connection). */
+struct device {
+    share_dev_t s; /* policy, proc, tenant_mem, slot_bit: what _memory.c reads too */
+    /* The word the fast path reads: the controller's gate, or all_open while passing through. */
+    const _Atomic uint32_t *gate;
+    _Atomic int joined; /* the first launch or allocation on this device joined (or tried to) */
+    pthread_mutex_t join_lock;
+    proc_t local_proc; /* counters when no ledger is mapped */
+    atomic_int failed_open;
+    pthread_mutex_t wlock;
+    window_t ring[POOL];
+    uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
+    int win_open, win_launches, acct_ready, acct_failed;
+    int K, K_lent;
+    CUcontext acct_ctx;
+    uint32_t helper_bit;
+    _Atomic int helper_sleeping;
+    int helper_waited_newest; /* the last wake on the newest window posted nothing */
+    /* A probe's windows, posted in order: how late their start events ran (busy_window_ms). */
+    struct {
+        uint64_t idx, recorded_ns; /* the last probe window posted, and when its start event was recorded */
+        float lag_ms;
+        int valid;
+    } chain;
+    /* When a launching thread last waited for the oldest queued window (the bound on queued work):
+     * while it keeps doing so it posts the finished windows itself, and the helper need not wake. */
+    uint64_t queue_waited_ns;
+    uint64_t probe_alive_checked; /* when the helper last looked for the controller in a probe */
+    /* The gate generation under which this process, the slice holder, stopped launching at its
+     * slice's end by itself (0: it has not): its helper then drains the queue as if the gate closed. */
+    _Atomic uint32_t yielded_gen;
+    /* When the program's last wait for the GPU (a stream, context or event synchronize) returned,
+     * while it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
+    _Atomic uint64_t synced_ns;
+    int conn_fd;           /* the connection to the controller: open while joined (its end tells either side) */
+    _Atomic uint32_t *bell; /* the controller's doorbell, a page it handed over when this process joined */
+    _Atomic uint64_t duty_started_ns; /* keep_duty */
+};
+typedef struct device device_t;
+
+/* Devices by the ordinal of their context's device (CUdevice); ordinals past MAX_DEVICES share the
+ * last entry, which never joins (those launches pass through, counted). */
+#define MAX_DEVICES 16
+static device_t devs[MAX_DEVICES + 1];
+#define UNMANAGED_DEV (&devs[MAX_DEVICES])
+
+/* The device the calling thread works on: set at the top of every hook (dev_here), and once for good
+ * by each device's helper and watcher thread. Everything below reads its device's state through it,
+ * so the per-device code reads as the one-device code did. */
+static __thread device_t *D __attribute__((tls_model("initial-exec"))) = &devs[0];
+
+static void reset_dev(device_t *d, int ordinal) {
+    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
+    d->s.ordinal = ordinal;
+    d->s.policy = NULL;
+    d->s.proc = &d->local_proc;
+    d->s.tenant_mem = NULL;
+    d->s.slot_bit = 1;
+    d->gate = (const _Atomic uint32_t *)&all_open;
+    atomic_store(&d->joined, 0);
+    d->join_lock = unlocked;
+    atomic_store(&d->failed_open, 0);
+    d->wlock = unlocked;
+    d->head = d->tail = 0;
+    d->win_open = d->win_launches = d->acct_ready = d->acct_failed = 0;
+    d->K = 8, d->K_lent = 1;
+    atomic_store(&d->helper_sleeping, 0);
+    d->helper_waited_newest = 0;
+    d->queue_waited_ns = 0;
+    d->chain.valid = 0;
+    atomic_store(&d->yielded_gen, 0);
+    atomic_store(&d->synced_ns, 0);
+    d->conn_fd = -1;
+    d->bell = NULL;
+}
+
+/* Which device a call works on: the device of the calling thread's current context. Asked of the
+ * driver at every launch (cuCtxGetCurrent reads the driver's thread-local context); the device of the
+ * last context each thread saw is kept, so the launch path asks cuCtxGetDevice only when a thread
+ * switches contexts. (A context destroyed and another made at its address on another device would
+ * be taken for the old one by a thread that used both: contexts live as long as their process here.) */
+typedef CUresult (*ctx_device_fn)(int *);
+typedef CUresult (*device_uuid_fn)(uint8_t *, int);
+static struct {
+    ctx_fn get_ctx;
+    ctx_device_fn get_device;
+    device_uuid_fn uuid;
+} ctxcalls;
+static pthread_once_t ctxcalls_once = PTHREAD_ONCE_INIT;
+
+static void load_ctxcalls(void) {
+    ctxcalls.get_ctx = (ctx_fn)driver_symbol("cuCtxGetCurrent");
+    ctxcalls.get_device = (ctx_device_fn)driver_symbol("cuCtxGetDevice");
+    ctxcalls.uuid = (device_uuid_fn)driver_symbol("cuDeviceGetUuid_v2");
+    if (!ctxcalls.uuid) ctxcalls.uuid = (device_uuid_fn)driver_symbol("cuDeviceGetUuid");
+}
+
+static __thread CUcontext last_ctx __attribute__((tls_model("initial-exec")));
+static __thread device_t *last_dev __attribute__((tls_model("initial-exec")));
+
+static device_t *dev_here(void) {
+    if (__builtin_expect(!ctxcalls.get_ctx, 0)) pthread_once(&ctxcalls_once, load_ctxcalls);
+    CUcontext c = NULL;
+    if (!ctxcalls.get_ctx || ctxcalls.get_ctx(&c) != 0 || !c) return &devs[0]; /* no context: the call fails anyway */
+    if (__builtin_expect(c == last_ctx, 1)) return last_dev;
+    int ordinal = 0;
+    if (ctxcalls.get_device && ctxcalls.get_device(&ordinal) != 0) ordinal = 0;
+    device_t *d = &devs[ordinal >= 0 && ordinal < MAX_DEVICES ? ordinal : MAX_DEVICES];
+    last_ctx = c, last_dev = d;
+    return d;
+}
+
+/* The device's UUID for the join hello (zeros where the driver cannot say: the controller then takes
+ * the process for its only GPU's, or refuses it when it holds several). */
+static void device_uuid(int ordinal, uint8_t out[16]) {
+    pthread_once(&ctxcalls_once, load_ctxcalls);
+    if (!ctxcalls.uuid || ctxcalls.uuid(out, ordinal) != 0) memset(out, 0, 16);
+}
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -228,18 +316,16 @@ static void abs_after(struct timespec *ts, uint64_t ns) {
 /* ------------------------------------------------------------------------------------------------ */
 /* Joining and leaving                                                                              */
 
-static int conn_fd = -1; /* the connection to the controller: open while joined (its end tells either side) */
-static _Atomic uint32_t *bell; /* the controller's doorbell, a page it handed over when this process joined */
 
 static void fail_open(const char *why) {
-    if (atomic_exchange(&failed_open, 1)) return;
-    gate = (const _Atomic uint32_t *)&all_open;
-    if (proc) atomic_store(&proc->failed_open, 1);
+    if (atomic_exchange(&D->failed_open, 1)) return;
+    D->gate = (const _Atomic uint32_t *)&all_open;
+    if (D->s.proc) atomic_store(&D->s.proc->failed_open, 1);
     say("gpuscope-share: %s: running unthrottled until a controller takes this process back\n", why);
     /* Wake this process's own threads held at the gate (the word no longer changes). */
-    if (policy) futex((void *)&policy->gate, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+    if (D->s.policy) futex((void *)&D->s.policy->gate, FUTEX_WAKE, 0x7fffffff, NULL, 0);
     /* and the watcher, asleep on the connection: it drops it and looks for a controller again */
-    int fd = conn_fd;
+    int fd = D->conn_fd;
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
 }
 
@@ -251,33 +337,18 @@ static int policy_alive(const policy_t *p) {
     return now_ns() < beat + stale;
 }
 
-static int controller_alive(void) { return policy_alive(policy); }
+static int controller_alive(void) { return policy_alive(D->s.policy); }
 
 /* A forked child starts over: it joins with a page of its own at its first launch (its CUDA state,
  * and so the parent's events, are not usable in it anyway). The parent's connection stays the
  * parent's: the child closes its copy. */
 static void after_fork_in_child(void) {
-    pthread_once_t fresh = PTHREAD_ONCE_INIT;
-    join_once = fresh;
-    if (conn_fd >= 0) close(conn_fd);
-    conn_fd = -1;
-    policy = NULL;
-    proc = &local_proc;
-    atomic_store(&local_proc.mem_bytes, 0); /* the parent's allocations are not the child's */
-    tenant_mem = NULL;
-    bell = NULL;
-    gate = (const _Atomic uint32_t *)&all_open;
-    slot_bit = 1;
-    atomic_store(&failed_open, 0);
-    pthread_mutex_t unlocked = PTHREAD_MUTEX_INITIALIZER;
-    wlock = unlocked;
-    head = tail = 0;
-    win_open = win_launches = acct_ready = acct_failed = 0;
-    atomic_store(&helper_sleeping, 0);
-    helper_waited_newest = 0;
-    queue_waited_ns = 0;
-    chain.valid = 0;
-    atomic_store(&yielded_gen, 0);
+    for (int i = 0; i <= MAX_DEVICES; i++) {
+        device_t *d = &devs[i];
+        if (d->conn_fd >= 0) close(d->conn_fd);
+        reset_dev(d, i);
+        atomic_store(&d->local_proc.mem_bytes, 0); /* the parent's allocations are not the child's */
+    }
 }
 
 static void *helper_main(void *arg);
@@ -290,13 +361,14 @@ static void ring_bell(void);
 typedef struct {
     uint32_t magic, version;
     char name[NAME_LEN];
+    uint8_t uuid[16]; /* the device's UUID, as NVML gives it to the controller (zeros: unknown) */
 } hello_t;
 typedef struct {
     uint32_t magic, status;
     int32_t slot, pid;
     char reason[REASON_LEN];
 } reply_t;
-_Static_assert(sizeof(hello_t) == 48 && sizeof(reply_t) == 136, "join protocol layout");
+_Static_assert(sizeof(hello_t) == 64 && sizeof(reply_t) == 136, "join protocol layout");
 
 /* The pages a joining process receives, in this order. */
 enum { PAGE_POLICY, PAGE_BELL, PAGE_PROC, PAGE_TENANT, N_PAGES };
@@ -371,8 +443,9 @@ static int connect_controller(const char *tenant, joined_t *j) {
     if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0)
         return join_failed(j, fd, 1, "no controller at %s (%s)", addr.sun_path, strerror(errno));
     if (!trusted_controller(fd, j->why, sizeof j->why)) return join_failed(j, fd, 1, "%s", j->why);
-    hello_t h = {HELLO_MAGIC, LAYOUT_VERSION, {0}};
+    hello_t h = {HELLO_MAGIC, LAYOUT_VERSION, {0}, {0}};
     strncpy(h.name, tenant, NAME_LEN - 1);
+    device_uuid(D->s.ordinal, h.uuid); /* the controller hands this process that GPU's pages */
     if (send(fd, &h, sizeof h, MSG_NOSIGNAL) != (ssize_t)sizeof h)
         return join_failed(j, fd, 1, "the controller did not take the hello (%s)", strerror(errno));
     reply_t r;
@@ -433,17 +506,17 @@ static int connect_controller(const char *tenant, joined_t *j) {
 /* Make a joined controller this process's: the gate last, so that a launch that sees it sees the rest. */
 static void install(joined_t *j) {
     atomic_store(&j->proc->started_ns, now_ns());
-    memory_carry(j->tenant, j->proc, proc); /* what this process holds already counts on the new pages */
-    tenant_mem = j->tenant;
-    slot_bit = 1u << j->slot;
-    helper_bit = helper_wake_bit(j->proc->pid); /* the pid as the controller knows it */
-    bell = j->bell;
-    proc = j->proc;
-    policy = j->policy;
-    conn_fd = j->conn;
+    memory_carry(j->tenant, j->proc, D->s.proc); /* what this process holds already counts on the new pages */
+    D->s.tenant_mem = j->tenant;
+    D->s.slot_bit = 1u << j->slot;
+    D->helper_bit = helper_wake_bit(j->proc->pid); /* the pid as the controller knows it */
+    D->bell = j->bell;
+    D->s.proc = j->proc;
+    D->s.policy = j->policy;
+    D->conn_fd = j->conn;
     atomic_thread_fence(memory_order_release);
-    gate = &policy->gate;
-    atomic_store(&failed_open, 0);
+    D->gate = &D->s.policy->gate;
+    atomic_store(&D->failed_open, 0);
 }
 
 #define REJOIN_NS 500000000ull /* how often a process without a controller looks for one */
@@ -453,10 +526,11 @@ static void install(joined_t *j) {
  * controller takes it back within a second. A previous controller's pages stay mapped (threads may
  * still read them); a restart leaks those three pages. */
 static void *watcher_main(void *arg) {
-    const char *tenant = arg;
+    D = arg; /* this thread watches one device's connection */
+    const char *tenant = getenv("GPUSCOPE_SHARE_TENANT");
     int refused = 0;
     for (;;) {
-        int fd = conn_fd;
+        int fd = D->conn_fd;
         if (fd >= 0) {
             struct pollfd pfd = {fd, POLLIN, 0};
             if (poll(&pfd, 1, -1) < 0 && errno == EINTR) continue;
@@ -464,7 +538,7 @@ static void *watcher_main(void *arg) {
             ssize_t n = recv(fd, &c, 1, MSG_DONTWAIT);
             if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EINTR))) continue;
             fail_open("the share controller is gone");
-            conn_fd = -1;
+            D->conn_fd = -1;
             close(fd);
         }
         struct timespec ts = {0, (long)REJOIN_NS};
@@ -489,12 +563,12 @@ static void *watcher_main(void *arg) {
     return NULL;
 }
 
-static void start_watcher(const char *tenant) {
+static void start_watcher(void) {
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, watcher_main, (void *)tenant) == 0) pthread_setname_np(t, "gpuscope-join");
+    if (pthread_create(&t, &attr, watcher_main, D) == 0) pthread_setname_np(t, "gpuscope-join");
     pthread_attr_destroy(&attr);
 }
 
@@ -503,14 +577,14 @@ static void join(void) {
     const char *dbg = getenv("GPUSCOPE_SHARE_FD");
     if (dbg) say_fd = atoi(dbg);
 
-    proc = &local_proc;
-    if (!tenant || !*tenant) return; /* not a tenant: plain pass-through, nothing to say */
+    D->s.proc = &D->local_proc;
+    if (!tenant || !*tenant || D == UNMANAGED_DEV) return; /* not a tenant: plain pass-through, nothing to say */
     joined_t j;
     if (connect_controller(tenant, &j) != 0) {
         say("gpuscope-share: %s: tenant %s runs unthrottled%s\n", j.why, tenant,
             j.retry ? " until a controller starts" : "");
-        atomic_store(&failed_open, 1);
-        if (j.retry) start_watcher(tenant);
+        atomic_store(&D->failed_open, 1);
+        if (j.retry) start_watcher();
         return;
     }
     if (!policy_alive(j.policy)) {
@@ -518,20 +592,44 @@ static void join(void) {
             "starts\n", ledger_prefix(), tenant);
         unmap_pages(&j);
         close(j.conn);
-        atomic_store(&failed_open, 1);
-        start_watcher(tenant);
+        atomic_store(&D->failed_open, 1);
+        start_watcher();
         return;
     }
     install(&j); /* the controller rang its own bell when it admitted this process */
-    start_watcher(tenant);
+    start_watcher();
 }
 
-static inline void ensure_joined(void) { pthread_once(&join_once, join); }
+/* A device joins at the first launch or allocation made on it: one thread joins, the others wait. */
+static inline void ensure_joined(void) {
+    if (atomic_load_explicit(&D->joined, memory_order_acquire)) return;
+    pthread_mutex_lock(&D->join_lock);
+    if (!atomic_load_explicit(&D->joined, memory_order_relaxed)) {
+        join();
+        atomic_store_explicit(&D->joined, 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&D->join_lock);
+}
 
-void share_join(void) { ensure_joined(); }
+share_dev_t *share_here(void) {
+    D = dev_here();
+    ensure_joined();
+    return &D->s;
+}
+
+share_dev_t *share_on(int ordinal) {
+    if (ordinal < 0) return share_here();
+    D = (device_t *)share_device(ordinal);
+    ensure_joined();
+    return &D->s;
+}
+
+share_dev_t *share_device(int ordinal) {
+    return &devs[ordinal >= 0 && ordinal < MAX_DEVICES ? ordinal : MAX_DEVICES].s;
+}
 
 static void ring_bell(void) {
-    _Atomic uint32_t *b = bell;
+    _Atomic uint32_t *b = D->bell;
     if (!b) return;
     atomic_fetch_add(b, 1);
     futex(b, FUTEX_WAKE, 1, NULL, 0);
@@ -558,22 +656,22 @@ static int load_driver_calls(void) {
 
 /* Called under wlock at the first admitted launch of a joined process. */
 static void start_accounting(void) {
-    acct_ready = 1;
-    if (!load_driver_calls() || drv.get_ctx(&acct_ctx) != 0 || !acct_ctx) goto fail;
+    D->acct_ready = 1;
+    if (!load_driver_calls() || drv.get_ctx(&D->acct_ctx) != 0 || !D->acct_ctx) goto fail;
     for (int i = 0; i < POOL; i++)
-        if (drv.create(&ring[i].start, CU_EVENT_BLOCKING_SYNC) != 0 ||
-            drv.create(&ring[i].end, CU_EVENT_BLOCKING_SYNC) != 0)
+        if (drv.create(&D->ring[i].start, CU_EVENT_BLOCKING_SYNC) != 0 ||
+            drv.create(&D->ring[i].end, CU_EVENT_BLOCKING_SYNC) != 0)
             goto fail;
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, helper_main, NULL) != 0) goto fail;
+    if (pthread_create(&t, &attr, helper_main, D) != 0) goto fail;
     pthread_setname_np(t, "gpuscope-share"); /* so its CPU time can be read per thread */
     return;
 fail:
-    acct_failed = 1;
-    atomic_fetch_add(&proc->hook_errors, 1);
+    D->acct_failed = 1;
+    atomic_fetch_add(&D->s.proc->hook_errors, 1);
     say("gpuscope-share: no CUDA events for accounting: launches are counted, not timed\n");
 }
 
@@ -582,13 +680,13 @@ fail:
  * kernels costs a context switch of its own (docs/share.md, "Priorities"). So its launches go untimed, and the controller charges it the busy fraction measured
  * in short probes, when the holder is paused and it runs alone (busy_accounting). */
 static inline int beside(void) {
-    return policy && (atomic_load_explicit(&policy->beside_mask, memory_order_relaxed) & slot_bit);
+    return D->s.policy && (atomic_load_explicit(&D->s.policy->beside_mask, memory_order_relaxed) & D->s.slot_bit);
 }
 
 /* A probe: each launch is a window of its own, events right around the kernel: its busy time. */
 static inline int busy_accounting(void) {
-    return policy && drv.query && (atomic_load_explicit(&policy->busy_mask, memory_order_relaxed) & slot_bit) &&
-           !atomic_load_explicit(&failed_open, memory_order_relaxed);
+    return D->s.policy && drv.query && (atomic_load_explicit(&D->s.policy->busy_mask, memory_order_relaxed) & D->s.slot_bit) &&
+           !atomic_load_explicit(&D->failed_open, memory_order_relaxed);
 }
 
 /* Whether this process runs in a turn another tenant lent (it was idle): that tenant takes the turn
@@ -598,17 +696,17 @@ static inline int busy_accounting(void) {
 #define LENT_INFLIGHT 2
 #define LENT_WINDOW_US 250
 static int in_lent_turn(void) {
-    uint32_t lenders = policy ? atomic_load_explicit(&policy->lender_mask, memory_order_relaxed) : 0;
-    return lenders && !(lenders & slot_bit) && !beside();
+    uint32_t lenders = D->s.policy ? atomic_load_explicit(&D->s.policy->lender_mask, memory_order_relaxed) : 0;
+    return lenders && !(lenders & D->s.slot_bit) && !beside();
 }
 
 static inline uint32_t inflight_limit(void) {
-    uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
-    int binding = policy && !atomic_load_explicit(&failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
+    uint32_t g = atomic_load_explicit(D->gate, memory_order_relaxed);
+    int binding = D->s.policy && !atomic_load_explicit(&D->failed_open, memory_order_relaxed) && (g & 0xffffu) != 0xffffu;
     /* only a slice holder is drained at a hand-over, so only its queue is kept short; a tenant beside
      * it has a window per launch, and the ring is what bounds those */
     if (busy_accounting()) return POOL - 1;
-    uint32_t lim = binding ? policy->inflight_slice : (policy ? policy->inflight_open : DEFAULT_INFLIGHT_OPEN);
+    uint32_t lim = binding ? D->s.policy->inflight_slice : (D->s.policy ? D->s.policy->inflight_open : DEFAULT_INFLIGHT_OPEN);
     /* running in another tenant's lent turn: that tenant waits for this queue when it takes the turn
      * back, so only one window is queued */
     if (binding && in_lent_turn()) lim = LENT_INFLIGHT;
@@ -623,9 +721,9 @@ enum { AWAKE, NAPPING, ASLEEP };
 enum { WAKE_NONE, WAKE_IF_ASLEEP, WAKE_NOW };
 
 static void wake_helper(int need) {
-    int sleeping = atomic_load_explicit(&helper_sleeping, memory_order_relaxed);
-    if (!policy || need == WAKE_NONE || sleeping == AWAKE || (need == WAKE_IF_ASLEEP && sleeping != ASLEEP)) return;
-    futex((void *)&policy->gate, FUTEX_WAKE_BITSET, 1, NULL, helper_bit);
+    int sleeping = atomic_load_explicit(&D->helper_sleeping, memory_order_relaxed);
+    if (!D->s.policy || need == WAKE_NONE || sleeping == AWAKE || (need == WAKE_IF_ASLEEP && sleeping != ASLEEP)) return;
+    futex((void *)&D->s.policy->gate, FUTEX_WAKE_BITSET, 1, NULL, D->helper_bit);
 }
 
 /* Whether work on `stream` is being captured into a graph: no events go there (an event recorded in
@@ -655,18 +753,18 @@ static inline CUresult record(CUevent e, const window_t *w) {
  * The host sees a call return after the GPU has it, so the estimate errs towards charging more. */
 
 static float busy_window_ms(uint64_t idx, float ms) {
-    const window_t *w = &ring[idx % POOL], *prev = &ring[(idx - 1) % POOL];
+    const window_t *w = &D->ring[idx % POOL], *prev = &D->ring[(idx - 1) % POOL];
     float between = 0;
-    if (idx == 0 || !chain.valid || chain.idx != idx - 1 || !prev->busy ||
+    if (idx == 0 || !D->chain.valid || D->chain.idx != idx - 1 || !prev->busy ||
         drv.elapsed(&between, prev->start, w->start) != 0) {
         /* the first window of a probe: taken as on time (a preempted launch call is then still
          * taken off; a start event queued behind work launched before the probe loses at most the
          * one kernel) */
-        between = 0, chain.lag_ms = 0, chain.recorded_ns = w->started_ns;
+        between = 0, D->chain.lag_ms = 0, D->chain.recorded_ns = w->started_ns;
     }
-    float lag = chain.lag_ms + between - (float)(int64_t)(w->started_ns - chain.recorded_ns) / 1e6f;
+    float lag = D->chain.lag_ms + between - (float)(int64_t)(w->started_ns - D->chain.recorded_ns) / 1e6f;
     if (lag < 0) lag = 0; /* the least late start so far: the new reference */
-    chain.idx = idx, chain.recorded_ns = w->started_ns, chain.lag_ms = lag, chain.valid = 1;
+    D->chain.idx = idx, D->chain.recorded_ns = w->started_ns, D->chain.lag_ms = lag, D->chain.valid = 1;
     float idle = (float)w->submit_ns / 1e6f - lag;
     if (idle <= 0) return ms;
     return idle < ms ? ms - idle : 0;
@@ -676,16 +774,16 @@ static float busy_window_ms(uint64_t idx, float ms) {
  * end event a busy-time window is compared with, is not reused yet: at most POOL - 1 windows are
  * queued, so the open one is never in its slot). */
 static float post_window(uint64_t idx) {
-    const window_t *w = &ring[idx % POOL];
+    const window_t *w = &D->ring[idx % POOL];
     float ms = 0;
     CUresult rc = drv.elapsed(&ms, w->start, w->end);
     if (rc == 0 && ms > 0) {
         if (w->busy) ms = busy_window_ms(idx, ms);
-        atomic_fetch_add(&proc->gpu_ns, (uint64_t)(ms * 1e6));
-        if (w->busy) atomic_fetch_add(&proc->busy_ns, (uint64_t)(ms * 1e6));
+        atomic_fetch_add(&D->s.proc->gpu_ns, (uint64_t)(ms * 1e6));
+        if (w->busy) atomic_fetch_add(&D->s.proc->busy_ns, (uint64_t)(ms * 1e6));
     }
-    else if (rc != 0) atomic_fetch_add(&proc->hook_errors, 1);
-    atomic_fetch_add(&proc->windows, 1);
+    else if (rc != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+    atomic_fetch_add(&D->s.proc->windows, 1);
     return ms;
 }
 
@@ -695,13 +793,13 @@ static float post_window(uint64_t idx) {
  * the helper is needed to watch it (WAKE_NONE when the closing thread is about to wait on the queue
  * itself). */
 static int close_window_and(int wake) {
-    window_t *w = &ring[tail % POOL];
+    window_t *w = &D->ring[D->tail % POOL];
     if (capturing(w->stream, w->ptsz)) return 0;
-    if (!w->end_recorded && record(w->end, w) != 0) atomic_fetch_add(&proc->hook_errors, 1);
-    win_open = 0;
-    atomic_store_explicit(&proc->window_open, 0, memory_order_relaxed);
-    tail++;
-    atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
+    if (!w->end_recorded && record(w->end, w) != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+    D->win_open = 0;
+    atomic_store_explicit(&D->s.proc->window_open, 0, memory_order_relaxed);
+    D->tail++;
+    atomic_store_explicit(&D->s.proc->inflight, D->tail - D->head, memory_order_relaxed);
     wake_helper(wake);
     return 1;
 }
@@ -712,38 +810,38 @@ static int close_window_and(int wake) {
 static void adapt(uint64_t idx, float ms);
 
 static void resolve_finished(int max) {
-    while (head < tail && max-- > 0 && drv.query && drv.query(ring[head % POOL].end) == 0) {
-        float ms = post_window(head);
-        if (!ring[head % POOL].busy) adapt(head, ms);
-        head++;
+    while (D->head < D->tail && max-- > 0 && drv.query && drv.query(D->ring[D->head % POOL].end) == 0) {
+        float ms = post_window(D->head);
+        if (!D->ring[D->head % POOL].busy) adapt(D->head, ms);
+        D->head++;
     }
-    atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
+    atomic_store_explicit(&D->s.proc->inflight, D->tail - D->head, memory_order_relaxed);
 }
 
 static void open_window(CUstream stream, int ptsz, int busy) {
     if (capturing(stream, ptsz)) return;
-    if (win_open) {
-        window_t *w = &ring[tail % POOL];
-        if (w->stream == stream && w->ptsz == ptsz && win_launches < (busy ? 1 : in_lent_turn() ? K_lent : K)) return;
-        if (!close_window_and(tail + 1 - head < inflight_limit() ? WAKE_IF_ASLEEP : WAKE_NONE)) return;
+    if (D->win_open) {
+        window_t *w = &D->ring[D->tail % POOL];
+        if (w->stream == stream && w->ptsz == ptsz && D->win_launches < (busy ? 1 : in_lent_turn() ? D->K_lent : D->K)) return;
+        if (!close_window_and(D->tail + 1 - D->head < inflight_limit() ? WAKE_IF_ASLEEP : WAKE_NONE)) return;
     }
     if (busy) resolve_finished(4); /* a window per launch: keep the ring short as it goes */
-    while (tail - head >= inflight_limit()) {
-        CUevent oldest = ring[head % POOL].end;
-        queue_waited_ns = now_ns();
-        pthread_mutex_unlock(&wlock);
+    while (D->tail - D->head >= inflight_limit()) {
+        CUevent oldest = D->ring[D->head % POOL].end;
+        D->queue_waited_ns = now_ns();
+        pthread_mutex_unlock(&D->wlock);
         drv.sync(oldest); /* a blocking-sync event: the thread sleeps, it does not spin */
-        pthread_mutex_lock(&wlock);
+        pthread_mutex_lock(&D->wlock);
         /* awake anyway: post every finished window, so that the helper need not wake for them */
         resolve_finished(POOL);
-        if (win_open) return; /* another thread opened one meanwhile */
-        if (tail - head >= inflight_limit()) {
+        if (D->win_open) return; /* another thread opened one meanwhile */
+        if (D->tail - D->head >= inflight_limit()) {
             /* no cuEventQuery to ask: the oldest has finished, since it was waited for */
-            adapt(head, post_window(head));
-            head++;
+            adapt(D->head, post_window(D->head));
+            D->head++;
         }
     }
-    window_t *w = &ring[tail % POOL];
+    window_t *w = &D->ring[D->tail % POOL];
     w->stream = stream;
     w->ptsz = ptsz;
     w->end_recorded = 0;
@@ -754,27 +852,27 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     w->started_ns = busy ? now_ns() : 0;
     w->submit_ns = 0;
     if (record(w->start, w) != 0) {
-        atomic_fetch_add(&proc->hook_errors, 1);
+        atomic_fetch_add(&D->s.proc->hook_errors, 1);
         return;
     }
-    win_open = 1;
-    atomic_store_explicit(&proc->window_open, 1, memory_order_relaxed);
-    win_launches = 0;
+    D->win_open = 1;
+    atomic_store_explicit(&D->s.proc->window_open, 1, memory_order_relaxed);
+    D->win_launches = 0;
 }
 
 /* Launches per window, towards the window's target of GPU time: one count for windows in a lent
  * turn (LENT_WINDOW_US), one for the others (window_us). */
 static void adapt(uint64_t idx, float ms) {
-    int lent = ring[idx % POOL].lent;
-    int *k = lent ? &K_lent : &K;
-    float target = (lent ? LENT_WINDOW_US : policy && policy->window_us ? policy->window_us : DEFAULT_WINDOW_US) / 1000.0f;
+    int lent = D->ring[idx % POOL].lent;
+    int *k = lent ? &D->K_lent : &D->K;
+    float target = (lent ? LENT_WINDOW_US : D->s.policy && D->s.policy->window_us ? D->s.policy->window_us : DEFAULT_WINDOW_US) / 1000.0f;
     if (ms > 2 * target && *k > K_MIN) *k /= 2;
     else if (ms < target / 2 && *k < K_MAX) *k *= 2;
 }
 
 static void *helper_main(void *arg) {
-    (void)arg;
-    drv.set_ctx(acct_ctx);
+    D = arg; /* one helper per device: its events belong to that device's context */
+    drv.set_ctx(D->acct_ctx);
     if (drv.capture_mode) {
         /* relaxed: this thread's event waits must not break another thread's graph capture */
         int mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */
@@ -784,8 +882,8 @@ static void *helper_main(void *arg) {
     int went_quiet = 0;
     uint64_t resolved_at = 0; /* when a quiet holder's last window finished (0: not watching) */
     for (;;) {
-        if (!busy_accounting()) pthread_mutex_lock(&wlock);
-        else if (pthread_mutex_trylock(&wlock) != 0) {
+        if (!busy_accounting()) pthread_mutex_lock(&D->wlock);
+        else if (pthread_mutex_trylock(&D->wlock) != 0) {
             /* in a probe the launching thread takes the lock at every launch, thousands a second:
              * blocking on it would wake this thread (and cost the launcher a futex call) each time */
             struct timespec ts = {0, 2000000};
@@ -799,26 +897,26 @@ static void *helper_main(void *arg) {
              * meanwhile, where every window closed would wake it: a probe lasts tens of
              * milliseconds, and this loop posts what is left within 2 ms of its end. */
             resolve_finished(64);
-            int crowded = tail - head > POOL / 2;
-            pthread_mutex_unlock(&wlock);
+            int crowded = D->tail - D->head > POOL / 2;
+            pthread_mutex_unlock(&D->wlock);
             if (!crowded) {
                 struct timespec ts = {0, 2000000};
                 nanosleep(&ts, NULL);
             }
             uint64_t t = now_ns();
-            if (t > probe_alive_checked + 100000000ull) { /* a probe the controller never ended */
-                probe_alive_checked = t;
+            if (t > D->probe_alive_checked + 100000000ull) { /* a probe the controller never ended */
+                D->probe_alive_checked = t;
                 if (!controller_alive()) fail_open("the share controller is gone");
             }
             continue;
         }
-        uint32_t g = atomic_load(gate);
-        int yielded = atomic_load(&yielded_gen) == (g >> 16);
-        int allowed = (g & slot_bit) != 0 && !yielded; /* a holder that yielded drains as if held */
+        uint32_t g = atomic_load(D->gate);
+        int yielded = atomic_load(&D->yielded_gen) == (g >> 16);
+        int allowed = (g & D->s.slot_bit) != 0 && !yielded; /* a holder that yielded drains as if held */
         int open_gate = (g & 0xffffu) == 0xffffu;
-        if (head < tail && open_gate) resolve_finished(POOL);
-        int synced = atomic_load_explicit(&synced_ns, memory_order_relaxed) != 0;
-        if (head < tail && allowed && !synced && (open_gate || now_ns() - queue_waited_ns < HELPER_NAP_NS)) {
+        if (D->head < D->tail && open_gate) resolve_finished(POOL);
+        int synced = atomic_load_explicit(&D->synced_ns, memory_order_relaxed) != 0;
+        if (D->head < D->tail && allowed && !synced && (open_gate || now_ns() - D->queue_waited_ns < HELPER_NAP_NS)) {
             /* A launching thread keeps waiting for the oldest window and posts what finished each
              * time: nap instead of waking with it for every window. With the gate open (no share
              * binds) nothing waits on the posted time but the counters, so post what finished and nap
@@ -826,47 +924,47 @@ static void *helper_main(void *arg) {
              * launching thread at the queue bound
              * posts anyway. A gate change wakes the helper (a drain needs the queue posted at once,
              * and the controller's gate writes wake every waiter); else it looks after the nap. */
-            atomic_store(&helper_sleeping, NAPPING);
-            pthread_mutex_unlock(&wlock);
+            atomic_store(&D->helper_sleeping, NAPPING);
+            pthread_mutex_unlock(&D->wlock);
             struct timespec ts;
             abs_after(&ts, HELPER_NAP_NS);
-            futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
-            atomic_store(&helper_sleeping, AWAKE);
+            futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
+            atomic_store(&D->helper_sleeping, AWAKE);
             continue;
         }
-        if (head < tail) {
+        if (D->head < D->tail) {
             /* Sleep on the newest closed window: windows on one stream finish in order, so one
              * wake-up posts every queued window (half the wake-ups of a GPU-bound process at two
              * windows queued). Without cuEventQuery, or when an older window on another stream is
              * still running, wait on the oldest instead. */
-            int newest = drv.query != NULL && !helper_waited_newest;
-            window_t w = ring[(newest ? tail - 1 : head) % POOL];
-            uint64_t h = head;
-            pthread_mutex_unlock(&wlock);
+            int newest = drv.query != NULL && !D->helper_waited_newest;
+            window_t w = D->ring[(newest ? D->tail - 1 : D->head) % POOL];
+            uint64_t h = D->head;
+            pthread_mutex_unlock(&D->wlock);
             drv.sync(w.end);
-            pthread_mutex_lock(&wlock);
+            pthread_mutex_lock(&D->wlock);
             if (newest) {
                 resolve_finished(POOL);
-                helper_waited_newest = head == h; /* nothing posted: the oldest is on another stream */
+                D->helper_waited_newest = D->head == h; /* nothing posted: the oldest is on another stream */
             } else {
-                helper_waited_newest = 0;
-                if (head == h) { /* not resolved by a launching thread meanwhile */
+                D->helper_waited_newest = 0;
+                if (D->head == h) { /* not resolved by a launching thread meanwhile */
                     adapt(h, post_window(h));
-                    head++;
+                    D->head++;
                 }
             }
-            atomic_store_explicit(&proc->inflight, tail - head, memory_order_relaxed);
-            pthread_mutex_unlock(&wlock);
+            atomic_store_explicit(&D->s.proc->inflight, D->tail - D->head, memory_order_relaxed);
+            pthread_mutex_unlock(&D->wlock);
             continue;
         }
         /* a slice holder, not a tenant running beside it: its going quiet ends the slice */
         int binding = (g & 0xffffu) != 0xffffu && !beside() && !busy_accounting();
-        uint64_t idle = now_ns() - atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
-        if (win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window_and(WAKE_NONE)) {
+        uint64_t idle = now_ns() - atomic_load_explicit(&D->s.proc->last_launch_ns, memory_order_relaxed);
+        if (D->win_open && (!allowed || idle > (binding ? 1000000ull : 20000000ull)) && close_window_and(WAKE_NONE)) {
             /* The gate closed (or the process went quiet) with a window open: end it here so the
              * slice's GPU time is posted and the controller can hand the GPU on. */
             went_quiet = allowed && binding;
-            pthread_mutex_unlock(&wlock);
+            pthread_mutex_unlock(&D->wlock);
             continue;
         }
         if (went_quiet) {
@@ -874,8 +972,8 @@ static void *helper_main(void *arg) {
             went_quiet = 0;
             resolved_at = now_ns();
         }
-        uint64_t synced_at = atomic_exchange(&synced_ns, 0);
-        if (synced_at && !win_open && allowed && binding && synced_at > resolved_at) {
+        uint64_t synced_at = atomic_exchange(&D->synced_ns, 0);
+        if (synced_at && !D->win_open && allowed && binding && synced_at > resolved_at) {
             /* the program waited for its work and went back to the host (a training step's host
              * work, a data loader): quiet from then on, unless it launches within QUIET_NS */
             resolved_at = synced_at;
@@ -884,8 +982,8 @@ static void *helper_main(void *arg) {
             /* A program that syncs launches again within microseconds of the sync returning (a
              * training step, a matmul loop): only a holder that has not launched for QUIET_NS after
              * its work finished has nothing to do, and only then is the controller woken. */
-            uint64_t last = atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed);
-            if (win_open || last >= resolved_at || !allowed || !binding) resolved_at = 0;
+            uint64_t last = atomic_load_explicit(&D->s.proc->last_launch_ns, memory_order_relaxed);
+            if (D->win_open || last >= resolved_at || !allowed || !binding) resolved_at = 0;
             else if (now_ns() - resolved_at >= QUIET_NS) {
                 ring_bell();
                 resolved_at = 0;
@@ -893,26 +991,26 @@ static void *helper_main(void *arg) {
         }
         if (!allowed && (g >> 16) != last_seen_closed) {
             last_seen_closed = g >> 16;
-            atomic_store(&proc->drained_gen, g >> 16);
-            futex((void *)&proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+            atomic_store(&D->s.proc->drained_gen, g >> 16);
+            futex((void *)&D->s.proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
-        int watching = resolved_at || (binding && win_open);
+        int watching = resolved_at || (binding && D->win_open);
         uint64_t nap = resolved_at ? QUIET_NS : watching ? 1000000ull : HELPER_SLEEP_NS;
         /* with the gate open a new window need not wake it either (see above) */
-        atomic_store(&helper_sleeping, !watching && !open_gate ? ASLEEP : NAPPING);
-        pthread_mutex_unlock(&wlock);
-        if (atomic_load(&failed_open)) {
+        atomic_store(&D->helper_sleeping, !watching && !open_gate ? ASLEEP : NAPPING);
+        pthread_mutex_unlock(&D->wlock);
+        if (atomic_load(&D->failed_open)) {
             struct timespec ts = {0, 100000000};
             nanosleep(&ts, NULL);
         } else {
             struct timespec ts;
             abs_after(&ts, nap);
-            futex((void *)&policy->gate, FUTEX_WAIT_BITSET, g, &ts, helper_bit);
+            futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
             if (!controller_alive()) fail_open("the share controller is gone");
         }
-        atomic_store(&helper_sleeping, AWAKE);
+        atomic_store(&D->helper_sleeping, AWAKE);
     }
     return NULL;
 }
@@ -925,28 +1023,28 @@ static void *helper_main(void *arg) {
  * tenant holds the gate, when this tenant lent its turn to the holder, or when this tenant's priority
  * is higher than every holder's (it may preempt). */
 static int waiter_rings(uint32_t g) {
-    uint32_t holders = g & 0xffffu & ~atomic_load_explicit(&policy->beside_mask, memory_order_relaxed);
+    uint32_t holders = g & 0xffffu & ~atomic_load_explicit(&D->s.policy->beside_mask, memory_order_relaxed);
     if (!holders) return 1;
     /* this tenant lent the rest of its turn while it had nothing queued: it takes it back now */
-    if (atomic_load_explicit(&policy->lender_mask, memory_order_relaxed) & slot_bit) return 1;
-    int slot = __builtin_ctz(slot_bit);
-    for (uint32_t i = 0; i < policy->ntenants && i < MAX_TENANTS; i++)
-        if ((holders & (1u << i)) && policy->tenants[i].priority >= policy->tenants[slot].priority) return 0;
+    if (atomic_load_explicit(&D->s.policy->lender_mask, memory_order_relaxed) & D->s.slot_bit) return 1;
+    int slot = __builtin_ctz(D->s.slot_bit);
+    for (uint32_t i = 0; i < D->s.policy->ntenants && i < MAX_TENANTS; i++)
+        if ((holders & (1u << i)) && D->s.policy->tenants[i].priority >= D->s.policy->tenants[slot].priority) return 0;
     return 1;
 }
 
 static void wait_turn(void) {
     uint64_t t0 = now_ns();
-    proc_t *me = proc; /* the page counted on: a controller restart meanwhile swaps `proc` */
+    proc_t *me = D->s.proc; /* the page counted on: a controller restart meanwhile swaps `proc` */
     /* only the process's first waiter, and only when the controller would not look soon anyway */
-    if (atomic_fetch_add(&me->waiting, 1) == 0 && waiter_rings(atomic_load(gate))) ring_bell();
+    if (atomic_fetch_add(&me->waiting, 1) == 0 && waiter_rings(atomic_load(D->gate))) ring_bell();
     atomic_fetch_add(&me->waits, 1);
     for (;;) {
-        uint32_t g = atomic_load(gate);
-        if (g & slot_bit) break;
+        uint32_t g = atomic_load(D->gate);
+        if (g & D->s.slot_bit) break;
         struct timespec ts;
         abs_after(&ts, 200000000ull);
-        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
+        long r = futex((void *)D->gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
         if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
     }
     atomic_fetch_sub(&me->waiting, 1);
@@ -956,9 +1054,9 @@ static void wait_turn(void) {
 /* Draining hand-overs: whether this process holds the GPU past its slice's end (its previous launch
  * came after it). A tenant beside the holder, or in a probe, is not the holder. */
 static inline int slice_over(void) {
-    if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) return 0;
-    uint64_t end = atomic_load_explicit(&policy->slice_end_ns, memory_order_relaxed);
-    return end && atomic_load_explicit(&proc->last_launch_ns, memory_order_relaxed) >= end && !beside() &&
+    if (!D->s.policy || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) return 0;
+    uint64_t end = atomic_load_explicit(&D->s.policy->slice_end_ns, memory_order_relaxed);
+    return end && atomic_load_explicit(&D->s.proc->last_launch_ns, memory_order_relaxed) >= end && !beside() &&
            !busy_accounting();
 }
 
@@ -966,23 +1064,23 @@ static inline int slice_over(void) {
  * holder another slice (the gate or the slice's end changes), and have the helper drain the queue
  * and ring the bell meanwhile. Only ever a thread of this process waits: it restrains nobody else. */
 static void yield_slice(void) {
-    uint32_t g = atomic_load(gate);
-    uint64_t end = atomic_load(&policy->slice_end_ns);
-    if (!(g & slot_bit)) return; /* not the holder after all: the gate decides */
+    uint32_t g = atomic_load(D->gate);
+    uint64_t end = atomic_load(&D->s.policy->slice_end_ns);
+    if (!(g & D->s.slot_bit)) return; /* not the holder after all: the gate decides */
     uint64_t t0 = now_ns();
-    proc_t *me = proc;
-    atomic_store(&yielded_gen, g >> 16);
+    proc_t *me = D->s.proc;
+    atomic_store(&D->yielded_gen, g >> 16);
     atomic_fetch_add(&me->waiting, 1);
     wake_helper(WAKE_NOW);
-    while (atomic_load(gate) == g && atomic_load(&policy->slice_end_ns) == end &&
-           !atomic_load_explicit(&failed_open, memory_order_relaxed)) {
+    while (atomic_load(D->gate) == g && atomic_load(&D->s.policy->slice_end_ns) == end &&
+           !atomic_load_explicit(&D->failed_open, memory_order_relaxed)) {
         struct timespec ts;
         abs_after(&ts, 200000000ull);
-        long r = futex((void *)gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
+        long r = futex((void *)D->gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
         if (r != 0 && errno == ETIMEDOUT && !controller_alive()) fail_open("the share controller is gone");
     }
     uint32_t mine = g >> 16;
-    atomic_compare_exchange_strong(&yielded_gen, &mine, 0);
+    atomic_compare_exchange_strong(&D->yielded_gen, &mine, 0);
     atomic_fetch_sub(&me->waiting, 1);
     atomic_fetch_add(&me->throttled_ns, now_ns() - t0);
 }
@@ -994,14 +1092,13 @@ static void yield_slice(void) {
  * tenant's whole turn. A period starts at the first launch after the previous one ended, so a
  * tenant that was idle starts with its full part. */
 #define DUTY_PERIOD_NS 10000000ull
-static _Atomic uint64_t duty_started_ns;
 
 static void keep_duty(void) {
-    uint32_t ppm = atomic_load_explicit(&policy->tenants[__builtin_ctz(slot_bit)].duty_ppm, memory_order_relaxed);
-    if (ppm == 0 || ppm >= 1000000u || atomic_load_explicit(&failed_open, memory_order_relaxed)) return;
-    uint64_t now = now_ns(), start = atomic_load_explicit(&duty_started_ns, memory_order_relaxed);
+    uint32_t ppm = atomic_load_explicit(&D->s.policy->tenants[__builtin_ctz(D->s.slot_bit)].duty_ppm, memory_order_relaxed);
+    if (ppm == 0 || ppm >= 1000000u || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) return;
+    uint64_t now = now_ns(), start = atomic_load_explicit(&D->duty_started_ns, memory_order_relaxed);
     if (now - start >= DUTY_PERIOD_NS) {
-        atomic_store_explicit(&duty_started_ns, now, memory_order_relaxed);
+        atomic_store_explicit(&D->duty_started_ns, now, memory_order_relaxed);
         return;
     }
     if (now - start < DUTY_PERIOD_NS * ppm / 1000000u) return;
@@ -1009,49 +1106,50 @@ static void keep_duty(void) {
     struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
     }
-    atomic_fetch_add(&proc->throttled_ns, now_ns() - now);
+    atomic_fetch_add(&D->s.proc->throttled_ns, now_ns() - now);
     uint64_t expected = start;
-    atomic_compare_exchange_strong(&duty_started_ns, &expected, now_ns());
+    atomic_compare_exchange_strong(&D->duty_started_ns, &expected, now_ns());
 }
 
 /* Everything a launch does around the real call. `graph` counts graph launches. */
 #define ADMIT_AND_RUN(STREAM, PTSZ, GRAPH, CALL)                                                         \
     do {                                                                                                 \
+        D = dev_here();                                                                                  \
         ensure_joined();                                                                                 \
-        if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) wait_turn();                 \
+        if (!(atomic_load_explicit(D->gate, memory_order_relaxed) & D->s.slot_bit)) wait_turn();                 \
         else if (slice_over()) yield_slice();                                                            \
         else if (beside() && !busy_accounting()) keep_duty();                                            \
-        if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) {                       \
-            atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                         \
-            if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);        \
+        if (!D->s.policy || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) {                       \
+            atomic_fetch_add_explicit(&D->s.proc->launches, 1, memory_order_relaxed);                         \
+            if (GRAPH) atomic_fetch_add_explicit(&D->s.proc->graph_launches, 1, memory_order_relaxed);        \
             return CALL;                                                                                 \
         }                                                                                                \
-        pthread_mutex_lock(&wlock);                                                                      \
-        while (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) {                         \
-            pthread_mutex_unlock(&wlock); /* closed between the check and the lock: wait again */       \
+        pthread_mutex_lock(&D->wlock);                                                                      \
+        while (!(atomic_load_explicit(D->gate, memory_order_relaxed) & D->s.slot_bit)) {                         \
+            pthread_mutex_unlock(&D->wlock); /* closed between the check and the lock: wait again */       \
             wait_turn();                                                                                 \
-            pthread_mutex_lock(&wlock);                                                                  \
+            pthread_mutex_lock(&D->wlock);                                                                  \
         }                                                                                                \
-        if (!acct_ready) start_accounting();                                                             \
-        int busy_ = !acct_failed && busy_accounting();                                                   \
+        if (!D->acct_ready) start_accounting();                                                             \
+        int busy_ = !D->acct_failed && busy_accounting();                                                   \
         if (!busy_ && beside()) {                                                                        \
-            if (win_open) close_window_and(WAKE_IF_ASLEEP); /* untimed beside the holder */             \
-        } else if (!acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
+            if (D->win_open) close_window_and(WAKE_IF_ASLEEP); /* untimed beside the holder */             \
+        } else if (!D->acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
         CUresult rc_ = CALL;                                                                             \
-        atomic_fetch_add_explicit(&proc->launches, 1, memory_order_relaxed);                             \
-        if (GRAPH) atomic_fetch_add_explicit(&proc->graph_launches, 1, memory_order_relaxed);            \
+        atomic_fetch_add_explicit(&D->s.proc->launches, 1, memory_order_relaxed);                             \
+        if (GRAPH) atomic_fetch_add_explicit(&D->s.proc->graph_launches, 1, memory_order_relaxed);            \
         uint64_t launched_ = now_ns();                                                                   \
-        atomic_store_explicit(&proc->last_launch_ns, launched_, memory_order_relaxed);                   \
-        if (win_open) {                                                                                  \
-            window_t *w_ = &ring[tail % POOL];                                                           \
-            win_launches += (GRAPH) ? 8 : 1;                                                             \
+        atomic_store_explicit(&D->s.proc->last_launch_ns, launched_, memory_order_relaxed);                   \
+        if (D->win_open) {                                                                                  \
+            window_t *w_ = &D->ring[D->tail % POOL];                                                           \
+            D->win_launches += (GRAPH) ? 8 : 1;                                                             \
             if (busy_) w_->submit_ns = launched_ - w_->started_ns;                                       \
             /* busy time: the end event follows every launch, so the window ends at its last kernel */   \
             w_->end_recorded = busy_ && record(w_->end, w_) == 0;                                        \
-            if (w_->end_recorded) atomic_fetch_add_explicit(&proc->busy_launches, 1, memory_order_relaxed); \
-            if (!(atomic_load_explicit(gate, memory_order_relaxed) & slot_bit)) close_window_and(WAKE_NOW); \
+            if (w_->end_recorded) atomic_fetch_add_explicit(&D->s.proc->busy_launches, 1, memory_order_relaxed); \
+            if (!(atomic_load_explicit(D->gate, memory_order_relaxed) & D->s.slot_bit)) close_window_and(WAKE_NOW); \
         }                                                                                                \
-        pthread_mutex_unlock(&wlock);                                                                    \
+        pthread_mutex_unlock(&D->wlock);                                                                    \
         return rc_;                                                                                      \
     } while (0)
 
@@ -1111,21 +1209,22 @@ EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) {
  * share). Once the wait returns, a slice holder is on the host with its work done: its helper
  * watches, and if no launch comes within QUIET_NS the holder lends the rest of its turn. */
 static inline int holding_slice(void) {
-    if (!policy || atomic_load_explicit(&failed_open, memory_order_relaxed)) return 0;
-    uint32_t g = atomic_load_explicit(gate, memory_order_relaxed);
-    return (g & 0xffffu) != 0xffffu && (g & slot_bit) && !beside() && !busy_accounting();
+    if (!D->s.policy || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) return 0;
+    uint32_t g = atomic_load_explicit(D->gate, memory_order_relaxed);
+    return (g & 0xffffu) != 0xffffu && (g & D->s.slot_bit) && !beside() && !busy_accounting();
 }
 
 static void before_sync(void) {
-    if (!holding_slice() || !acct_ready) return;
-    pthread_mutex_lock(&wlock);
-    if (win_open) close_window_and(WAKE_NONE);
-    pthread_mutex_unlock(&wlock);
+    D = dev_here();
+    if (!holding_slice() || !D->acct_ready) return;
+    pthread_mutex_lock(&D->wlock);
+    if (D->win_open) close_window_and(WAKE_NONE);
+    pthread_mutex_unlock(&D->wlock);
 }
 
 static void after_sync(void) {
     if (!holding_slice()) return;
-    atomic_store(&synced_ns, now_ns());
+    atomic_store(&D->synced_ns, now_ns());
     wake_helper(WAKE_NOW);
 }
 
@@ -1221,18 +1320,20 @@ EXPORT void *dlsym(void *handle, const char *symbol) {
 
 /* Counters for tests and for a process that wants to read its own numbers. */
 EXPORT void gpuscope_share_stats(uint64_t out[8]) {
-    ensure_joined();
-    out[0] = atomic_load(&proc->launches);
-    out[1] = atomic_load(&proc->graph_launches);
-    out[2] = atomic_load(&proc->hook_errors);
-    out[3] = atomic_load(&proc->throttled_ns);
-    out[4] = atomic_load(&proc->gpu_ns);
-    out[5] = atomic_load(&proc->windows);
-    out[6] = (uint64_t)atomic_load(&failed_open);
-    out[7] = (uint64_t)(policy != NULL);
+    share_here();
+    out[0] = atomic_load(&D->s.proc->launches);
+    out[1] = atomic_load(&D->s.proc->graph_launches);
+    out[2] = atomic_load(&D->s.proc->hook_errors);
+    out[3] = atomic_load(&D->s.proc->throttled_ns);
+    out[4] = atomic_load(&D->s.proc->gpu_ns);
+    out[5] = atomic_load(&D->s.proc->windows);
+    out[6] = (uint64_t)atomic_load(&D->failed_open);
+    out[7] = (uint64_t)(D->s.policy != NULL);
 }
 
-__attribute__((constructor)) static void init(void) {
+/* Before any other constructor of this library: a hook may run from another library's constructor. */
+__attribute__((constructor(101))) static void init(void) {
+    for (int i = 0; i <= MAX_DEVICES; i++) reset_dev(&devs[i], i);
     find_real_dlsym();
     pthread_atfork(NULL, NULL, after_fork_in_child);
     hook_fn[H_LAUNCH] = (void *)cuLaunchKernel;

@@ -14,13 +14,23 @@
 typedef int CUresult;
 typedef void *(*dlsym_fn)(void *, const char *);
 
-extern policy_t *policy;          /* NULL until joined */
-extern proc_t *proc;              /* this process's page (a local one when not joined) */
-extern tenant_mem_t *tenant_mem;  /* its tenant's memory page (NULL when not joined) */
-extern uint32_t slot_bit;         /* 1 << its tenant's slot */
+/* One GPU as this process sees it (by the ordinal of its context's device): the part of each
+ * device's state both files read (_preload.c keeps the rest beside it). */
+typedef struct {
+    policy_t *policy;         /* NULL until joined */
+    proc_t *proc;             /* this process's page (a local one when not joined) */
+    tenant_mem_t *tenant_mem; /* its tenant's memory page (NULL when not joined) */
+    uint32_t slot_bit;        /* 1 << its tenant's slot */
+    int ordinal;              /* the device's CUdevice in this process */
+} share_dev_t;
+
 extern dlsym_fn real_dlsym;
 
-void share_join(void);                  /* joins at the first call that needs the controller */
+/* The device of the calling thread's current context, joined to its controller at the first call
+ * that needs it (and from then on the device the thread's other calls into _preload.c work on). */
+share_dev_t *share_here(void);
+share_dev_t *share_device(int ordinal); /* by ordinal (an allocation freed in another context) */
+share_dev_t *share_on(int ordinal);     /* by ordinal, joined (-1: share_here) */
 void find_real_dlsym(void);
 void *driver_symbol(const char *name);  /* from libcuda.so.1, never a hook */
 void say(const char *fmt, ...);         /* one line on stderr (or GPUSCOPE_SHARE_FD) */

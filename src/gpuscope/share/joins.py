@@ -34,7 +34,8 @@ from gpuscope.share.access import Access, Peer
 HELLO_MAGIC = 0x4A535347  # "GSSJ"
 REPLY_MAGIC = 0x41535347  # "GSSA"
 NAME_LEN = 40
-HELLO = struct.Struct(f"<II{NAME_LEN}s")
+UUID_LEN = 16
+HELLO = struct.Struct(f"<II{NAME_LEN}s{UUID_LEN}s")
 REASON_LEN = 120
 REPLY = struct.Struct(f"<IIii{REASON_LEN}s")
 _PEERCRED = struct.Struct("3i")
@@ -72,9 +73,10 @@ def peer_of(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid)
 
 
-def hello(tenant: str, layout_version: int) -> bytes:
-    """A hello as the preload library sends it (tests use it to join from Python)."""
-    return HELLO.pack(HELLO_MAGIC, layout_version, tenant.encode()[:NAME_LEN - 1])
+def hello(tenant: str, layout_version: int, uuid: bytes = b"") -> bytes:
+    """A hello as the preload library sends it (tests use it to join from Python): ``uuid`` the 16
+    bytes of the device's UUID (none: unknown)."""
+    return HELLO.pack(HELLO_MAGIC, layout_version, tenant.encode()[:NAME_LEN - 1], uuid)
 
 
 class JoinServer:
@@ -242,7 +244,7 @@ class JoinServer:
         if len(data) != HELLO.size:
             self._refuse(sock, BAD_HELLO, "bad_hello", f"a hello is {HELLO.size} bytes, not {len(data)}")
             return
-        magic, version, raw_name = HELLO.unpack(data)
+        magic, version, raw_name, uuid = HELLO.unpack(data)
         if magic != HELLO_MAGIC or version != self.layout_version:
             self._refuse(sock, BAD_HELLO, "bad_hello",
                          f"not a version-{self.layout_version} hello (a preload library of another release?)")

@@ -51,7 +51,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
