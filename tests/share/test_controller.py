@@ -163,7 +163,7 @@ def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):
         c._set_duties({0, 1})
         assert c.policy.duty(1) == pytest.approx(0.75) and c.policy.duty(0) == 1.0
         shown = [ln for ln in generate_latest(registry).decode().splitlines()
-                 if ln.startswith('gpuscope_share_duty_ratio{tenant="online"}')]
+                 if ln.startswith('gpuscope_share_duty_ratio{gpu="0",tenant="online",uuid=""}')]
         assert len(shown) == 1 and float(shown[0].split()[-1]) == pytest.approx(0.75)
         c.prober.busy_ratio = {1: 0.2}  # fits: launches all the time again
         c._set_duties({0, 1})
@@ -199,13 +199,13 @@ def test_metrics_come_from_the_catalogue(fake_cuda, tmp_path, controller):
     finally:
         p.kill()
         p.wait()
-    assert f'gpuscope_share_launches_total{{pid="{p.pid}",tenant="b"}} 10.0' in text
+    assert f'gpuscope_share_launches_total{{gpu="0",pid="{p.pid}",tenant="b",uuid=""}} 10.0' in text
     # it describes what it collects, so a registry refuses a second collector with one of its names
     collected = {f.name for f in ShareCollector(controller).collect()}
     assert {f.name for f in ShareCollector(controller).describe()} == collected
     with pytest.raises(ValueError, match="Duplicated"):
         registry.register(ShareCollector(controller))
-    assert 'gpuscope_share_target_ratio{tenant="a"} 0.7' in text
+    assert 'gpuscope_share_target_ratio{gpu="0",tenant="a",uuid=""} 0.7' in text
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
     for name in names:
         base = name.removesuffix("_created")
@@ -263,7 +263,7 @@ def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
                  what="the controller's /metrics")
         assert proc.poll() is None, proc.communicate()[1]
         text = scraped()
-        assert 'gpuscope_share_target_ratio{tenant="online"} 0.3' in text
+        assert 'gpuscope_share_target_ratio{gpu="0",tenant="online",uuid=""} 0.3' in text
         assert os.path.exists(ledger + ".sock") and os.path.exists(ledger + ".lock")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

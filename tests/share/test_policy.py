@@ -98,8 +98,8 @@ def test_a_changed_file_is_applied_live_a_bad_one_refused_and_a_removed_tenant_k
             text = generate_latest(registry).decode()
         finally:
             batch.close()
-    assert 'gpuscope_share_target_ratio{tenant="spot"} 0.4' in text
-    assert 'gpuscope_share_target_ratio{tenant="batch"} 0.0' in text
+    assert 'gpuscope_share_target_ratio{gpu="0",tenant="spot",uuid=""} 0.4' in text
+    assert 'gpuscope_share_target_ratio{gpu="0",tenant="batch",uuid=""} 0.0' in text
     assert 'gpuscope_share_policy_reloads_total{result="refused"} 1.0' in text
 
 

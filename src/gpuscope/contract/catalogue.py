@@ -441,13 +441,17 @@ RECEIVER_PROFILE_REQUESTS = _m("gpuscope_receiver_profile_requests_total", "coun
 
 # --- GPU-time shares between processes (gpuscope share) ------------------------
 SHARE = "GPU-time shares between processes (`gpuscope share`)"
-_TP = ("tenant", "pid")
+_TP = ("tenant", "pid", "gpu", "uuid")
+#: Every series of one GPU's ledger carries the GPU (NVML index) and its UUID: one controller holds
+#: every GPU of a node.
+_G = ("gpu", "uuid")
+_TG = ("tenant", *_G)
 SHARE_GPU_SECONDS = _m("gpuscope_share_gpu_seconds_total", "counter",
                        "GPU time of a tenant process's launch windows, measured by CUDA events.",
                        "seconds", _TP, area=SHARE)
 SHARE_CHARGED_SECONDS = _m("gpuscope_share_charged_seconds_total", "counter",
                            "GPU time the controller charged a tenant: its processes' event time, scaled "
-                           "down to the wall time while tenants ran concurrently.", "seconds", ("tenant",),
+                           "down to the wall time while tenants ran concurrently.", "seconds", _TG,
                            area=SHARE)
 SHARE_THROTTLED_SECONDS = _m("gpuscope_share_throttled_seconds_total", "counter",
                              "Time the process's launching threads were held at the gate (summed over "
@@ -468,62 +472,62 @@ SHARE_WAITING_THREADS = _m("gpuscope_share_waiting_threads", "gauge",
                             "Launching threads of the process held at the gate right now (its backlog).",
                             "threads", _TP, area=SHARE)
 SHARE_TARGET_RATIO = _m("gpuscope_share_target_ratio", "gauge",
-                        "A tenant's target share of the GPU's time (--share).", "ratio", ("tenant",),
+                        "A tenant's target share of the GPU's time (--share).", "ratio", _TG,
                         area=SHARE)
 SHARE_PROCESSES = _m("gpuscope_share_processes", "gauge", "Tenant processes attached to the controller.",
-                     "processes", ("tenant",), area=SHARE)
+                     "processes", _TG, area=SHARE)
 SHARE_SLICES = _m("gpuscope_share_slices_total", "counter",
                   "Slices of exclusive GPU access granted to a tenant while shares bind.", "slices",
-                  ("tenant",), area=SHARE)
+                  _TG, area=SHARE)
 SHARE_STATE_SECONDS = _m("gpuscope_share_state_seconds_total", "counter",
                          "Time a tenant with processes attached spent in each gate state: `open` (no share "
                          "binds), `holder` (its slice), `beside` (running next to the holder, charged per "
-                         "kernel) or `held` (waiting for a turn).", "seconds", ("tenant", "state"),
+                         "kernel) or `held` (waiting for a turn).", "seconds", ("tenant", "state", *_G),
                          area=SHARE)
 SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
                       "Busy fraction of a tenant that runs beside the slice holder, measured while the "
                       "holder is paused (a probe): the share of the wall time it is charged.", "ratio",
-                      ("tenant",), area=SHARE)
+                      _TG, area=SHARE)
 SHARE_DUTY_RATIO = _m("gpuscope_share_duty_ratio", "gauge",
                       "Part of each 10 ms a tenant beside the slice holder may launch in: below 1 while its "
                       "busy fraction is over its share (its share over its busy fraction), 1 otherwise.",
-                      "ratio", ("tenant",), area=SHARE)
+                      "ratio", _TG, area=SHARE)
 SHARE_PROBES = _m("gpuscope_share_probes_total", "counter",
                   "Probes: the holder paused for --share.probe so that the tenants beside it time their "
-                  "launches alone.", "probes", area=SHARE)
+                  "launches alone.", "probes", _G, area=SHARE)
 SHARE_BINDING = _m("gpuscope_share_binding", "gauge",
                    "1 while shares bind (two or more tenants launching), 0 while the gate is open.",
-                   "boolean", area=SHARE)
+                   "boolean", _G, area=SHARE)
 SHARE_DRAIN_TIMEOUTS = _m("gpuscope_share_drain_timeouts_total", "counter",
                           "Hand-overs where the previous holder's queued work did not finish within "
                           "--share.drain-timeout (the next tenant was admitted anyway).", "handovers",
-                          area=SHARE)
+                          _G, area=SHARE)
 SHARE_MEMORY_USED = _m("gpuscope_share_memory_used_bytes", "gauge",
                        "Device memory a tenant's processes hold together, as reserved by the preload library "
                        "before each allocation (given back at each free, and when a process ends).", "bytes",
-                       ("tenant",), area=SHARE)
+                       _TG, area=SHARE)
 SHARE_MEMORY_CAP = _m("gpuscope_share_memory_cap_bytes", "gauge",
                       "A tenant's memory cap (--share NAME=F:P:MEMORY); absent for a tenant without one, or "
-                      "with a fraction of a card no process has reported yet.", "bytes", ("tenant",),
+                      "with a fraction of a card no process has reported yet.", "bytes", _TG,
                       area=SHARE)
 SHARE_MEMORY_REFUSED = _m("gpuscope_share_memory_refused_total", "counter",
                           "Allocations refused with CUDA_ERROR_OUT_OF_MEMORY because they would take the "
-                          "tenant past its memory cap.", "allocations", ("tenant",), area=SHARE)
+                          "tenant past its memory cap.", "allocations", _TG, area=SHARE)
 SHARE_UNMANAGED_PROCESSES = _m("gpuscope_share_unmanaged_processes", "gauge",
                                "Processes NVML lists on the controller's GPU that never joined it (seen in "
                                "two samples in a row): they run outside every share and memory cap.",
-                               "processes", area=SHARE)
+                               "processes", _G, area=SHARE)
 SHARE_UNMANAGED_MEMORY = _m("gpuscope_share_unmanaged_memory_bytes", "gauge",
                             "Device memory held by the unmanaged processes, as NVML reports it.", "bytes",
-                            area=SHARE)
+                            _G, area=SHARE)
 SHARE_NVML_BUSY_SECONDS = _m("gpuscope_share_nvml_busy_seconds_total", "counter",
                              "GPU time of a tenant's processes as NVML's per-process SM utilization shows it "
-                             "(independent of what the processes report).", "seconds", ("tenant",),
+                             "(independent of what the processes report).", "seconds", _TG,
                              area=SHARE)
 SHARE_UNDER_REPORTED = _m("gpuscope_share_under_reported", "gauge",
                           "1 while NVML has seen a tenant's processes busy for more than they were charged, "
                           "by over 15% of the last 5 minutes: a process may under-report its GPU time.",
-                          "boolean", ("tenant",), area=SHARE)
+                          "boolean", _TG, area=SHARE)
 SHARE_POLICY_RELOADS = _m("gpuscope_share_policy_reloads_total", "counter",
                           "Changes of --share.policy-file taken (applied) or refused (the file did not "
                           "validate: the policy in force stayed).", "reloads", ("result",), area=SHARE)
@@ -540,7 +544,8 @@ SHARE_JOINS = _m("gpuscope_share_joins_total", "counter",
                  "Connections to the controller's join socket, by result: joined, left (a joined process's "
                  "connection ended), unknown_tenant, not_allowed (its uid, gid or cgroup is not in "
                  "--share.allow for the tenant it named), bad_hello, timeout (no hello within 1 s, or "
-                 "closed to admit a newer one), full.", "connections", ("result",), area=SHARE)
+                 "closed to admit a newer one), full, other_gpu (its GPU is not one the controller "
+                 "holds).", "connections", ("result",), area=SHARE)
 SHARE_HTTP_CONNECTIONS_CLOSED = _m(
     "gpuscope_share_http_connections_closed_total", "counter",
     "HTTP connections the share controller's /metrics server closed before answering, by reason: refused "
@@ -550,15 +555,15 @@ SHARE_HTTP_CONNECTIONS_CLOSED = _m(
 SHARE_YIELDS = _m("gpuscope_share_yields_total", "counter",
                   "Draining hand-overs where the holder stopped launching at its slice's end by itself and "
                   "drained its queue before the controller looked (one controller wake-up, not two).",
-                  "handovers", area=SHARE)
+                  "handovers", _G, area=SHARE)
 SHARE_LENDS = _m("gpuscope_share_lent_turns_total", "counter",
                  "Turns lent while their tenant was idle (a quiet holder with nothing queued, or an idle "
                  "tenant within its share at its turn's end): the others ran in them until it launched "
                  "again.",
-                 "turns", area=SHARE)
+                 "turns", _G, area=SHARE)
 SHARE_RECLAIMS = _m("gpuscope_share_reclaimed_turns_total", "counter",
                     "Lent turns taken back by their tenant's next launch, after the borrower's queued work.",
-                    "turns", area=SHARE)
+                    "turns", _G, area=SHARE)
 
 def all_metrics() -> Iterator[Metric]:
     """Every metric, in definition order."""

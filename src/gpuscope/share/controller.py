@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 
 from gpuscope.share.access import Access
 from gpuscope.share.charging import Charger
-from gpuscope.share.ledger import KEEPER_OFFSETS, MAX_TENANTS, OPEN_MASK, Policy, TenantPolicy, pid_alive
+from gpuscope.share.gangs import Gangs, GangView
+from gpuscope.share.gpus import Gpu
+from gpuscope.share.ledger import (
+    KEEPER_OFFSETS,
+    MAX_TENANTS,
+    OPEN_MASK,
+    LedgerFiles,
+    Policy,
+    TenantPolicy,
+    pid_alive,
+)
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
@@ -60,6 +70,9 @@ YIELD_GRACE_WINDOWS = 4
 #: How often the policy file (--share.policy-file) is looked at for a change (a stat() call): a change
 #: is applied within this, and the turn keeper takes it at its next return (KEEPER_RETURN_S).
 POLICY_CHECK_S = 0.5
+#: A GPU that follows a gang tenant's turns on another GPU (gangs.py) looks at least this often; the
+#: other GPU's controller rings it at each change anyway.
+GANG_FOLLOW_S = 0.05
 
 UtilizationSource = Callable[[], Mapping[int, float]]  # pid -> fraction of the GPU, last 100 ms
 
@@ -101,14 +114,18 @@ class Controller:
 
     def __init__(self, prefix: str, tenants: list[TenantPolicy], settings: ShareSettings = DEFAULTS, *,
                  utilization: UtilizationSource | None = None, access: Access | None = None,
-                 log: Callable[[str], None] | None = None, policy_file: PolicyFile | None = None) -> None:
+                 log: Callable[[str], None] | None = None, policy_file: PolicyFile | None = None,
+                 files: LedgerFiles | None = None, gpu: Gpu | None = None) -> None:
         """``settings``: the command's flags as they are (``--share.slice``, ``--share.handover``...);
-        ``tenants``, ``access`` and ``policy_file`` replace its ``--share`` and ``--share.allow``."""
+        ``tenants``, ``access`` and ``policy_file`` replace its ``--share`` and ``--share.allow``.
+        ``gpu``: the GPU this controller holds, one of a node's (``node.py``, which shares its
+        ``files``, the lock and join socket, between them); none: the one GPU of the ledger."""
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
         self.settings = settings
+        self.gpu = gpu or Gpu(settings.gpus[0] if isinstance(settings.gpus, tuple) else 0)
         self.policy = Policy(prefix, tenants, mode=str(settings.accounting),
                              window_us=int(settings.window * 1e6), inflight_slice=settings.queued_windows,
-                             access=access, log=self.log)
+                             access=access, log=self.log, files=files, uuid=self.gpu.uuid_bytes)
         self.tenants = tenants
         self.mode = settings.accounting
         self.slice_s = settings.slice
@@ -139,6 +156,11 @@ class Controller:
         self._last_sample = 0.0
         self._mask = OPEN_MASK
         self._nvml_samples = self._nvml_matched = 0
+        #: the node's gang tenants (gangs.py), where it has any: set by the node
+        self.gangs: Gangs | None = None
+        #: this GPU's gang tenants with processes attached, active and wanting, as its last step saw
+        #: them (read by the other GPUs' loops: replaced whole, never changed in place)
+        self.gang_view = GangView()
 
     # --- processes --------------------------------------------------------------------------
     @property
@@ -189,7 +211,10 @@ class Controller:
     # --- the gate ---------------------------------------------------------------------------
     def _set_mask(self, mask: int) -> int:
         self._mask = mask
-        return self.policy.set_gate(mask)
+        gen = self.policy.set_gate(mask)
+        if self.gangs is not None:
+            self.gangs.gate_changed(self)  # the GPUs that follow a gang's turns here look now
+        return gen
 
     def _set_duties(self, active: set[int]) -> None:
         """Hold each tenant beside the holder to its share by its duty (``SliceScheduler.duty``)."""
@@ -302,15 +327,63 @@ class Controller:
     def _start_probe(self) -> None:
         """Pause the holder (its queued work drained first) and have the tenants beside it time each
         launch, running alone."""
-        self._drain(set(range(len(self.tenants))) - self.beside)
+        self._drain(set(range(len(self.tenants))) - self.beside - set(self.gang_slots()))
         self.holder = None
         self.prober.start(self.beside, time.monotonic())
         self.stats.probes += 1
+
+    # --- gang tenants: one turn on all their GPUs at once (gangs.py) --------------------------
+    def gang_slots(self) -> dict[int, str]:
+        """This GPU's gang tenants with processes attached, by slot."""
+        if self.gangs is None:
+            return {}
+        attached = self.processes.attached_slots()
+        return {slot: t.name for slot, t in enumerate(self.tenants) if t.gang and slot in attached}
+
+    def _gang_union(self, gangs: dict[int, str], active: set[int]) -> set[int]:
+        """Publish what this GPU sees of its gang tenants, and count each as active here while any of
+        its ranks is active on another GPU (the group contends as one)."""
+        wanting = self.processes.wanting_slots(self.holder)
+        view = GangView(frozenset(gangs.values()), frozenset(n for s, n in gangs.items() if s in active),
+                        frozenset(n for s, n in gangs.items() if s in wanting))
+        active = active | {s for s, n in gangs.items() if self.gangs.active_elsewhere(n, self)}
+        view = view.binding_is(self.scheduler.binds(active))
+        if view != self.gang_view:
+            self.gang_view = view
+            self.gangs.view_changed(self)
+        return active
+
+    def _follow_gangs(self, gangs: dict[int, str], wanting: set[int]) -> tuple[set[int], float | None]:
+        """On a GPU that is not a gang's lead, the gang holds this GPU exactly while it holds its lead
+        (its turns are decided there): granted at once (the holder drained first), taken back without a
+        drain (a collective cut by the turn's end finishes beside the next holder, at the group's next
+        turn). Returns the slots that wait for their lead, and how long to sleep when a gang holds."""
+        followed = {s for s, n in gangs.items() if self.gangs.lead(n) not in (None, self)}
+        if not followed:
+            return set(), None
+        on = [s for s in sorted(followed) if self.gangs.holds(gangs[s])]
+        if on:
+            slot = on[0]  # two gangs held on their leads at once: one holds here, the other waits
+            if self.holder != slot:
+                if self.holder is not None and self.holder not in gangs and self.handover == Handover.DRAIN:
+                    self._drain({self.holder})
+                    self._charge(time.monotonic())
+                self._set_lender(None)
+                self._grant(slot, time.monotonic(), wanting | {slot})
+            return set(followed) - {slot}, GANG_FOLLOW_S
+        if self.holder in followed:
+            self.holder = None
+            self._set_lender(None)
+            self._set_mask(self._beside_bits())
+        return followed, None
 
     def step_events(self, now: float) -> float:
         """One decision in events mode; returns how long to sleep at most."""
         self._charge(now)
         active = self.processes.active_slots()
+        gangs = self.gang_slots()
+        if self.gangs is not None:
+            active = self._gang_union(gangs, active)
         if self.lender is not None and (self.holder is None or not self.scheduler.binds(active)):
             self._set_lender(None)  # no turns any more: nothing to take back
         if not self.scheduler.binds(active):
@@ -326,16 +399,24 @@ class Controller:
         probe_left = self.prober.advance(now)
         if probe_left is not None:
             return probe_left
-        self._set_beside(self.scheduler.beside(active, self.prober.busy_ratio, self.beside), now)
+        # a gang never runs beside a holder: its ranks on other GPUs could not follow it there
+        self._set_beside(self.scheduler.beside(active, self.prober.busy_ratio, self.beside) - set(gangs), now)
         self._set_duties(active)
         if self.prober.due(now, self.beside):
             self._start_probe()
             return PROBE_S
         contenders = active - self.beside
         wanting = self.processes.wanting_slots(self.holder) - self.beside
+        if gangs:
+            wanting |= {s for s, n in gangs.items() if self.gangs.wanting_elsewhere(n, self)}
+            waiting_for_lead, follow_s = self._follow_gangs(gangs, wanting)
+            if follow_s is not None:
+                return follow_s
+            contenders -= waiting_for_lead
+            wanting -= waiting_for_lead
         if self.holder is None:
             if len(contenders) > 1:  # from the open gate: the contenders' queued work first
-                self._drain(contenders)
+                self._drain(contenders - set(gangs))  # a gang's collectives may wait on its other GPUs
                 self._charge(time.monotonic())
             nxt = self.scheduler.pick(wanting or contenders, now)
             if nxt is not None:
@@ -343,14 +424,16 @@ class Controller:
             elif self._mask == OPEN_MASK:
                 self._set_mask(self._beside_bits())
             return self.slice_s
-        if self._lend_or_reclaim(now, wanting):
+        # a gang's turns are not lent: its ranks on the other GPUs hold theirs meanwhile
+        lends = self.holder not in gangs and self.lender not in gangs
+        if lends and self._lend_or_reclaim(now, wanting):
             return self.slice_end - time.monotonic()
         holder = self.holder
         holder_wants = holder in wanting
         preempt = any(self.scheduler.preempts(holder, s, wanting) for s in wanting if s != holder)
         if holder_wants and now < self.slice_end and not preempt:
             return self.slice_end - now
-        if not preempt and self._lend_claimed_turn(now, wanting):
+        if not preempt and lends and self._lend_claimed_turn(now, wanting):
             return self.slice_end - time.monotonic()
         others = wanting - {holder}
         if not others:
@@ -361,7 +444,9 @@ class Controller:
         if nxt == holder:
             self._renew(now, wanting)
             return self.slice_end - now
-        if self.handover == Handover.DRAIN:
+        # a gang is not drained: a collective it queued may wait for a rank its other GPUs now hold,
+        # and finishes beside the next holder instead of stalling this GPU for a drain timeout
+        if self.handover == Handover.DRAIN and holder not in gangs:
             self._drain({holder})
             self._charge(time.monotonic())
         self._grant(nxt, time.monotonic(), wanting)
@@ -412,19 +497,25 @@ class Controller:
                 self.stats.state_s[(name, state)] = self.stats.state_s.get((name, state), 0.0) + seconds
 
     # --- a new policy, live ------------------------------------------------------------------
+    def merged_tenants(self, spec: PolicySpec) -> list[TenantPolicy]:
+        """The slots ``spec`` makes of the ones in force (``apply_policy``); ValueError when the slots
+        would run out."""
+        wanted = {t.name: t for t in spec.tenants}
+        kept = [wanted.get(t.name, TenantPolicy(t.name, 0.0)) for t in self.tenants]
+        known = {t.name for t in self.tenants}
+        tenants = kept + [t for t in spec.tenants if t.name not in known]
+        if len(tenants) > MAX_TENANTS:
+            raise ValueError(f"{len(tenants)} tenants with the removed ones still holding slots: at most "
+                             f"{MAX_TENANTS} until the controller restarts")
+        return tenants
+
     def apply_policy(self, spec: PolicySpec) -> None:
         """Take ``spec``'s tenants and admission rules, without a restart: tenants kept keep their
         slots and usage, new ones get new slots, removed ones keep theirs with share 0 (their running
         processes go on with what the others leave; new ones may not join). Raises ValueError,
         changing nothing, when the slots would run out."""
         with self.lock:
-            wanted = {t.name: t for t in spec.tenants}
-            kept = [wanted.get(t.name, TenantPolicy(t.name, 0.0)) for t in self.tenants]
-            known = {t.name for t in self.tenants}
-            tenants = kept + [t for t in spec.tenants if t.name not in known]
-            if len(tenants) > MAX_TENANTS:
-                raise ValueError(f"{len(tenants)} tenants with the removed ones still holding slots: at most "
-                                 f"{MAX_TENANTS} until the controller restarts")
+            tenants = self.merged_tenants(spec)
             shares_changed = [(t.share, t.priority) for t in tenants[:len(self.tenants)]] != \
                 [(t.share, t.priority) for t in self.tenants]
             self.policy.set_tenants(tenants, Access(spec.allow))
@@ -477,7 +568,9 @@ class Controller:
 
     def keeps_turns(self) -> bool:
         """Whether the next hand-overs can run in C: tenants take turns (a holder, no probe running)."""
-        return self.keeper and self.stats.binding and self.holder is not None and self.prober.probe is None
+        # the keeper steps aside while a gang tenant has processes here: its turns follow other GPUs
+        return (self.keeper and self.stats.binding and self.holder is not None and self.prober.probe is None
+                and not self.gang_slots())
 
     def keep_turns(self, seen: int) -> float:
         """Hand over between slice holders in C until the next bookkeeping (at most

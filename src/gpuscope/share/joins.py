@@ -2,7 +2,10 @@
 
 A process that loads the preload library with ``GPUSCOPE_SHARE_TENANT`` set connects to
 ``PREFIX.sock`` (a ``SOCK_SEQPACKET`` Unix socket) and sends one hello (``HELLO``: magic, layout
-version, tenant name). The controller takes the process's pid, uid and gid from the kernel
+version, tenant name, the UUID of the device it joins for: a process that uses two GPUs joins once for
+each). One controller holds every GPU of a node, a ledger each (``Device``): the hello goes to its
+device's ledger; a controller of one GPU also takes a hello whose UUID the driver could not tell, and
+one whose GPU it cannot name (no NVML). The controller takes the process's pid, uid and gid from the kernel
 (``SO_PEERCRED``: the process cannot lie about them), checks the name against the policy and the
 admission rules (``access.py``), and answers (``REPLY``: magic, status, slot, pid, reason). Admitted,
 the answer carries four descriptors (``SCM_RIGHTS``): the policy (read-only), the bell, a fresh page
@@ -26,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuscope.share.access import Access, Peer
@@ -41,9 +44,9 @@ REPLY = struct.Struct(f"<IIii{REASON_LEN}s")
 _PEERCRED = struct.Struct("3i")
 
 #: Reply statuses (the preload library says the reason, and runs unthrottled, on anything but OK).
-OK, UNKNOWN_TENANT, NOT_ALLOWED, BAD_HELLO, FULL = 0, 1, 2, 3, 4
+OK, UNKNOWN_TENANT, NOT_ALLOWED, BAD_HELLO, FULL, OTHER_GPU = 0, 1, 2, 3, 4, 5
 #: The outcomes counted per result label.
-RESULTS = ("joined", "unknown_tenant", "not_allowed", "bad_hello", "timeout", "full", "left")
+RESULTS = ("joined", "unknown_tenant", "not_allowed", "bad_hello", "timeout", "full", "left", "other_gpu")
 
 HELLO_TIMEOUT_S = 1.0
 MAX_PENDING = 64
@@ -66,6 +69,41 @@ class _Conn:
     sock: socket.socket
     since: float
     pid: int = 0  # once joined
+    device: Device | None = None  # once joined
+
+
+@dataclass(eq=False)
+class Device:
+    """One GPU's ledger as the join server sees it: who may join it and what a joining process gets.
+
+    ``make_page(pid, slot, tenant)`` returns ``(fd, page)``: a sealed page with the process's header
+    written, and the object the controller keeps for it; ``shared_fds(slot)`` the policy (read-only),
+    the bell and the tenant's memory page; ``ring`` wakes that GPU's controller after each event."""
+
+    uuid: bytes  # the 16 bytes of the GPU's UUID (b"": unknown, no NVML)
+    tenants: list[str | None]
+    access: Access
+    shared_fds: Callable[[int], tuple[int, int, int]]
+    make_page: Callable[[int, int, str], tuple[int, Any]]
+    ring: Callable[[], None]
+    events: list[JoinEvent] = field(default_factory=list)
+
+
+def format_uuid(uuid: bytes) -> str:
+    """A UUID as NVML writes it (``GPU-xxxxxxxx-xxxx-...``); ``unknown`` for none."""
+    if not any(uuid):
+        return "unknown"
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def parse_uuid(text: str) -> bytes:
+    """NVML's ``GPU-xxxxxxxx-...`` (or MIG's ``MIG-``) as the 16 bytes the driver gives a process."""
+    h = text.split("-", 1)[1] if text[:4] in ("GPU-", "MIG-") else text
+    raw = bytes.fromhex(h.replace("-", ""))
+    if len(raw) != UUID_LEN:
+        raise ValueError(f"not a GPU UUID: {text}")
+    return raw
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -80,24 +118,14 @@ def hello(tenant: str, layout_version: int, uuid: bytes = b"") -> bytes:
 
 
 class JoinServer:
-    """Admits tenant processes on a listening socket, in a thread of its own.
+    """Admits tenant processes on a listening socket, in a thread of its own, to the ledgers of the
+    GPUs it serves (``add``)."""
 
-    ``make_page(pid, slot, tenant)`` returns ``(fd, page)``: a sealed page with the process's header
-    written, and the object the controller keeps for it; ``shared_fds(slot)`` the policy (read-only),
-    the bell and the tenant's memory page; ``ring`` wakes the controller after each event."""
-
-    def __init__(self, sock: socket.socket, tenants: Sequence[str | None], access: Access,
-                 shared_fds: Callable[[int], tuple[int, int, int]],
-                 make_page: Callable[[int, int, str], tuple[int, Any]],
-                 ring: Callable[[], None], *, layout_version: int, hello_timeout_s: float = HELLO_TIMEOUT_S,
+    def __init__(self, sock: socket.socket, *, layout_version: int, hello_timeout_s: float = HELLO_TIMEOUT_S,
                  max_pending: int = MAX_PENDING, max_processes: int = MAX_PROCESSES,
                  log: Callable[[str], None] | None = None) -> None:
         self.sock = sock
-        self.tenants = list(tenants)
-        self.access = access
-        self.shared_fds = shared_fds
-        self.make_page = make_page
-        self.ring = ring
+        self.devices: list[Device] = []
         self.layout_version = layout_version
         self.hello_timeout_s = hello_timeout_s
         self.max_pending = max_pending
@@ -105,7 +133,6 @@ class JoinServer:
         self.results = dict.fromkeys(RESULTS, 0)
         self.log = log
         self._logged: set[tuple[str, int, str]] = set()  # (result, uid, tenant) refusals already logged
-        self._events: list[JoinEvent] = []
         self._lock = threading.Lock()
         self._pending: dict[socket.socket, _Conn] = {}
         self._joined: dict[socket.socket, _Conn] = {}
@@ -135,21 +162,37 @@ class JoinServer:
         self._wake_r.close()
         self._wake_w.close()
 
-    def set_tenants(self, tenants: Sequence[str | None], access: Access | None = None) -> None:
-        """A new policy's names, slot for slot (None: removed), and its admission rules."""
-        self.tenants = list(tenants)  # one assignment each: the join thread sees the old or the new
-        if access is not None:
-            self.access = access
+    def add(self, device: Device) -> None:
+        """Serve ``device``'s ledger too (before start)."""
+        self.devices.append(device)
 
-    def take(self) -> list[JoinEvent]:
+    @staticmethod
+    def set_tenants(device: Device, tenants: Sequence[str | None], access: Access | None = None) -> None:
+        """A new policy's names, slot for slot (None: removed), and its admission rules."""
+        device.tenants = list(tenants)  # one assignment each: the join thread sees the old or the new
+        if access is not None:
+            device.access = access
+
+    def take(self, device: Device) -> list[JoinEvent]:
         with self._lock:
-            events, self._events = self._events, []
+            events, device.events = device.events, []
         return events
 
-    def _emit(self, event: JoinEvent) -> None:
+    def _emit(self, device: Device, event: JoinEvent) -> None:
         with self._lock:
-            self._events.append(event)
-        self.ring()
+            device.events.append(event)
+        device.ring()
+
+    def route(self, uuid: bytes) -> Device | None:
+        """The ledger a hello for the GPU ``uuid`` joins: the GPU's own; a controller of one GPU also
+        takes a hello without a UUID (the driver could not tell it), and any hello when it cannot
+        name its GPU itself."""
+        for device in self.devices:
+            if device.uuid and device.uuid == uuid:
+                return device
+        if len(self.devices) == 1 and (not self.devices[0].uuid or not any(uuid)):
+            return self.devices[0]
+        return None
 
     def _count(self, result: str) -> None:
         with self._lock:
@@ -203,9 +246,9 @@ class JoinServer:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sock)
         sock.close()
-        if conn is not None:
+        if conn is not None and conn.device is not None:
             self._count("left")
-            self._emit(JoinEvent("leave", conn.pid))
+            self._emit(conn.device, JoinEvent("leave", conn.pid))
 
     def _refuse(self, sock: socket.socket, status: int, result: str, reason: str, peer: Peer | None = None,
                 tenant: str = "") -> None:
@@ -255,26 +298,31 @@ class JoinServer:
             self._refuse(sock, NOT_ALLOWED, "not_allowed",
                          "the process is in a pid namespace the controller cannot see")
             return
-        tenants = self.tenants
+        device = self.route(uuid)
+        if device is None:
+            self._refuse(sock, OTHER_GPU, "other_gpu", f"GPU {format_uuid(uuid)} is not one this controller "
+                         "holds (--share.gpus)", peer, name)
+            return
+        tenants, access = device.tenants, device.access
         if not name or name not in tenants:
             self._refuse(sock, UNKNOWN_TENANT, "unknown_tenant", f"the controller has no share named {name}",
                          peer, name)
             return
-        if not self.access.admits(name, peer):
+        if not access.admits(name, peer):
             self._refuse(sock, NOT_ALLOWED, "not_allowed",
                          f"pid {peer.pid} (uid {peer.uid}, gid {peer.gid}) may not join as {name} "
-                         f"(--share.allow {name}={self.access.describe(name)})", peer, name)
+                         f"(--share.allow {name}={access.describe(name)})", peer, name)
             return
         if len(self._joined) >= self.max_processes:
             self._refuse(sock, FULL, "full", f"the controller holds {self.max_processes} processes already",
                          peer, name)
             return
         slot = tenants.index(name)
-        fd, page = self.make_page(peer.pid, slot, name)
+        fd, page = device.make_page(peer.pid, slot, name)
         try:
             sock.setblocking(True)
             sock.settimeout(self.hello_timeout_s)
-            policy_fd, bell_fd, tenant_fd = self.shared_fds(slot)
+            policy_fd, bell_fd, tenant_fd = device.shared_fds(slot)
             socket.send_fds(sock, [REPLY.pack(REPLY_MAGIC, OK, slot, peer.pid, b"")],
                             [policy_fd, bell_fd, fd, tenant_fd])
             sock.setblocking(False)
@@ -285,10 +333,10 @@ class JoinServer:
         finally:
             os.close(fd)
         self._pending.pop(sock, None)
-        self._joined[sock] = _Conn(sock, time.monotonic(), peer.pid)
+        self._joined[sock] = _Conn(sock, time.monotonic(), peer.pid, device)
         self._selector.modify(sock, selectors.EVENT_READ, "joined")
         self._count("joined")
-        self._emit(JoinEvent("join", peer.pid, slot, name, page))
+        self._emit(device, JoinEvent("join", peer.pid, slot, name, page))
 
     def _watch(self, sock: socket.socket) -> None:
         """A joined process's connection: readable only when it ends (the process sends nothing more)."""

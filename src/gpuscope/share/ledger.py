@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from gpuscope.share.access import Access
 from gpuscope.share.files import LedgerLock, check_prefix, listen_socket, remove_socket
-from gpuscope.share.joins import JoinEvent, JoinServer
+from gpuscope.share.joins import Device, JoinEvent, JoinServer
 from gpuscope.share.pages import PAGE, read_only, sealed_page
 
 try:
@@ -201,12 +201,15 @@ class Mapping:
 @dataclass(frozen=True)
 class TenantPolicy:
     """One tenant's entry in the policy: its name, target share of GPU time, priority and memory cap
-    (``memory``: bytes if at least 1, a fraction of the card if below; 0: none)."""
+    (``memory``: bytes if at least 1, a fraction of the card if below; 0: none). A ``gang`` tenant's
+    processes are one group across the node's GPUs (the ranks of a job that runs collectives): its
+    turns are granted on all its GPUs at once (``gangs.py``). The controller's alone: not in the page."""
 
     name: str
     share: float
     priority: int = 0
     memory: float = 0
+    gang: bool = False
 
     def mem_cap_word(self) -> int:
         """The cap as the policy page holds it."""
@@ -256,36 +259,71 @@ class TenantMemory:
         self.map.close()
 
 
+class LedgerFiles:
+    """What a ledger prefix names on the filesystem: the lock (one controller per prefix) and the join
+    socket, with the server that admits processes to the GPUs' ledgers (one ``Policy`` each)."""
+
+    def __init__(self, prefix: str, *, log: Callable[[str], None] | None = None) -> None:
+        check_prefix(prefix)  # before anything is created
+        self.prefix = prefix
+        self.lock = LedgerLock(prefix)
+        try:
+            sock, self._sock_inode = listen_socket(prefix)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.joins = JoinServer(sock, layout_version=LAYOUT_VERSION, log=log)
+        self._started = False
+
+    def start(self) -> None:
+        """Admit processes (once every GPU's ledger is added)."""
+        if not self._started:
+            self._started = True
+            self.joins.start()
+
+    def close(self) -> None:
+        """Stop admitting, remove the socket and the lock."""
+        self.joins.stop()
+        remove_socket(self.prefix, self._sock_inode)
+        self.lock.release()
+
+
 class Policy:
-    """The controller's side of the ledger: holds the lock, creates the policy and bell pages, writes
-    the gate, and admits tenant processes through the join socket (``joins.JoinServer``)."""
+    """The controller's side of one GPU's ledger: creates the policy and bell pages, writes the gate,
+    and admits tenant processes through the join socket (``joins.JoinServer``). It holds the lock and
+    the socket itself, or shares ``files`` with the other GPUs' ledgers (``uuid``: its GPU's, to
+    which the join server sends the hellos naming it)."""
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = DEFAULT_WINDOW_US, inflight_slice: int = DEFAULT_QUEUED_WINDOWS,
                  inflight_open: int = DEFAULT_INFLIGHT_OPEN,
                  stale_ms: int = DEFAULT_STALE_MS, access: Access | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, files: LedgerFiles | None = None,
+                 uuid: bytes = b"") -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:
             raise ValueError(f"between 1 and {MAX_TENANTS} tenants, not {len(tenants)}")
         for t in tenants:
             if not t.name.encode() or len(t.name.encode()) >= NAME_LEN:
                 raise ValueError(f"tenant name {t.name!r} must be 1 to {NAME_LEN - 1} bytes")
-        check_prefix(prefix)  # before anything is created
         self.prefix = prefix
         self.tenants = list(tenants)
         self.window_us = window_us
         self._fds: list[int] = []
-        self.lock = LedgerLock(prefix)
+        self._own_files = files is None
+        self.files = files if files is not None else LedgerFiles(prefix, log=log)
         try:
             self._build(mode, window_us, inflight_slice, inflight_open, stale_ms)
-            sock, self._sock_inode = listen_socket(prefix)
         except BaseException:
             self._close_pages()
-            self.lock.release()
+            if self._own_files:
+                self.files.close()
             raise
-        self.joins = JoinServer(sock, _joinable(self.tenants), access or Access(), self._shared_fds,
-                                _new_proc_page, self.ring, layout_version=LAYOUT_VERSION, log=log)
-        self.joins.start()
+        self.joins = self.files.joins
+        self.device = Device(uuid, _joinable(self.tenants), access or Access(), self._shared_fds,
+                             _new_proc_page, self.ring)
+        self.joins.add(self.device)
+        if self._own_files:
+            self.files.start()
 
     def _build(self, mode: str, window_us: int, inflight_slice: int, inflight_open: int,
                stale_ms: int) -> None:
@@ -335,7 +373,7 @@ class Policy:
             self.memory.append(TenantMemory(fd, tenants[i].name))
         self.tenants = list(tenants)
         self._write_entries()
-        self.joins.set_tenants(_joinable(self.tenants), access)
+        self.joins.set_tenants(self.device, _joinable(self.tenants), access)
 
     def _shared_fds(self, slot: int) -> tuple[int, int, int]:
         """What a tenant's joining process gets besides its own page: the policy (read-only), the bell
@@ -355,7 +393,7 @@ class Policy:
 
     def take_joins(self) -> list[JoinEvent]:
         """Processes that joined or left since the last call, in order."""
-        return self.joins.take()
+        return self.joins.take(self.device)
 
     def heartbeat(self) -> None:
         self.map.set_u64(P_HEARTBEAT, time.monotonic_ns())  # CLOCK_MONOTONIC, as the library reads it
@@ -449,12 +487,12 @@ class Policy:
         self._fds = []
 
     def close(self) -> None:
-        """Stop admitting tenants, remove the socket and the lock. Tenants keep their mappings of the
-        pages (the memory lives while anyone maps it) and fail open once the heartbeat stops."""
-        self.joins.stop()
-        remove_socket(self.prefix, self._sock_inode)
+        """Stop admitting tenants, remove the socket and the lock (where this ledger holds them). Tenants
+        keep their mappings of the pages (the memory lives while anyone maps it) and fail open once the
+        heartbeat stops."""
+        if self._own_files:
+            self.files.close()
         self._close_pages()
-        self.lock.release()
 
 
 class ProcView:

@@ -1,9 +1,14 @@
-"""gpuscope share: hold separate processes on one GPU to shares of its time, measured by CUDA events.
+"""gpuscope share: hold separate processes on a node's GPUs to shares of their time, measured by CUDA events.
 
 Start the controller, then start each process with the preload library and its tenant's name:
 
     gpuscope share --share online=0.3:1,batch=0.7
     LD_PRELOAD=$(python -m gpuscope.share.preload) GPUSCOPE_SHARE_TENANT=online python serve.py
+
+The controller holds every GPU of the node (--share.gpus), each with its own ledger and shares (a
+policy file may give a GPU shares of its own); a process is held on each GPU it uses by that GPU's
+shares. A job whose ranks run collectives across GPUs is a gang (--share.gang): its turns are
+granted on all its GPUs at once.
 
 docs/share.md explains the mechanism, its limits and its security model.
 """
@@ -21,14 +26,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuscope.contract import catalogue as cat
-from gpuscope.share.access import Access
-from gpuscope.share.controller import Controller
 from gpuscope.share.crosscheck import SAMPLE_EVERY_S as CROSSCHECK_EVERY_S
 from gpuscope.share.crosscheck import ReportCheck, nvml_mean_utilization
 from gpuscope.share.files import LedgerError
-from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.gpus import Gpu, select
+from gpuscope.share.metrics import GpuWatch, ShareCollector
+from gpuscope.share.node import Node
 from gpuscope.share.nvml_source import nvml_utilization
-from gpuscope.share.policy import PolicyFile
+from gpuscope.share.policy import PolicyFile, PolicySpec, with_gangs
 from gpuscope.share.preload import library_path
 from gpuscope.share.settings import PROBE_S, Accounting, ShareSettings
 from gpuscope.share.unmanaged import UnmanagedWatch, nvml_processes
@@ -58,8 +63,9 @@ def main(argv: list[str]) -> int:
     policy_file = None
     tenants, allow = args.shares, args.allow
     if args.policy_file:
-        if args.shares is not None or args.allow is not None:
-            parser.error("give the tenants either in --share (and --share.allow) or in --share.policy-file")
+        if args.shares is not None or args.allow is not None or args.gangs:
+            parser.error("give the tenants either in --share (and --share.allow, --share.gang) or in "
+                         "--share.policy-file")
         policy_file = PolicyFile(args.policy_file)
         try:
             spec = policy_file.read()
@@ -68,6 +74,11 @@ def main(argv: list[str]) -> int:
         tenants, allow = spec.tenants, spec.allow
     if tenants is None:
         parser.error("--share is required: NAME=FRACTION[:PRIORITY[:MEMORY]],... (or --share.policy-file)")
+    unknown = sorted(set(args.gangs) - {t.name for t in tenants})
+    if unknown:
+        parser.error(f"--share.gang names tenants --share does not: {', '.join(unknown)}")
+    if not args.policy_file:
+        spec = PolicySpec(with_gangs(tenants, set(args.gangs)), allow or {})
     if not 1 <= args.queued_windows <= 255:
         parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
     if args.probe_every < MIN_PROBE_EVERY_S:
@@ -82,27 +93,76 @@ def main(argv: list[str]) -> int:
     if library_path() is None:
         parser.error("the preload library is not built: reinstall gpuscope where a C compiler is present")
 
-    utilization = None
-    if args.accounting == Accounting.NVML:
-        try:
-            utilization = nvml_utilization(args.gpu)
-        except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
-            parser.error(f"--share.accounting nvml needs NVML and GPU {args.gpu}: {exc}")
+    log = lambda line: sys.stderr.write(line + "\n")  # noqa: E731
+    notes: list[str] = []  # said once the controller has started: a refused start says one line
     try:
-        controller = Controller(args.ledger, tenants, args, utilization=utilization, access=Access(allow),
-                                policy_file=policy_file)
+        gpus = select(args.gpus, log=notes.append)
+    except Exception as exc:  # an index NVML does not list, or NVML failing after init
+        parser.error(str(exc))
+
+    def utilization(gpu: Gpu):
+        if args.accounting != Accounting.NVML:
+            return None
+        try:
+            return nvml_utilization(gpu.index)
+        except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
+            parser.error(f"--share.accounting nvml needs NVML and GPU {gpu.index}: {exc}")
+
+    try:
+        node = Node(args.ledger, gpus, spec, args, utilization=utilization, policy_file=policy_file, log=log)
     except LedgerError as exc:
         parser.error(str(exc))
+    except ValueError as exc:
+        parser.error(f"--share.policy-file {args.policy_file}: {exc}")
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
+    for note in notes:
+        log(note)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
         signal.signal(sig, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: setattr(controller, "reload_now", True))  # reread the file now
-    watch = None
-    check = ReportCheck(log=controller.log)
+    signal.signal(signal.SIGHUP, lambda *_: setattr(node, "reload_now", True))  # reread the file now
+    watches = [_watch(c, args.watch_interval, log) for c in node.controllers]
+    registry = CollectorRegistry()
+    registry.register(ShareCollector(node, watches))
+    for w in watches:
+        if w.watch is not None:
+            w.watch.start()
     try:
-        sampled = nvml_mean_utilization(args.gpu)
+        server = MetricsServer((host, port), exposition(registry), lambda: {"status": "ok"},
+                               page=page("gpuscope share", "GPU-time shares and memory caps of processes."),
+                               closed_metric=cat.SHARE_HTTP_CONNECTIONS_CLOSED,
+                               log=logging.getLogger("gpuscope.share"),
+                               max_connections=args.max_connections, read_timeout=args.read_timeout)
+    except OSError as exc:
+        node.close()
+        parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
+    server.serve_in_thread()
+    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" + (f":{t.memory:g}" if t.memory else "")
+                       + (":gang" if t.gang else "") for t in spec.tenants)
+    held = ", ".join(str(g.index) for g in gpus) if gpus[0].uuid else "the one each process uses"
+    own = f" ({len(spec.gpus)} with shares of their own)" if spec.gpus else ""
+    sys.stderr.write(f"gpuscope share: {shares}; GPUs {held}{own}; ledger {args.ledger}; accounting "
+                     f"{args.accounting}; /metrics on {server.url}/metrics\n")
+    try:
+        node.run(stop)
+    finally:
+        for w in watches:
+            if w.watch is not None:
+                w.watch.stop()
+        server.shutdown()
+        server.server_close()
+        node.close()
+    return 0
+
+
+def _watch(controller, interval_s: float, log: Callable[[str], None]) -> GpuWatch:
+    """NVML's view of one GPU: its processes that never joined, and the cross-check of what its
+    tenants report (none where NVML cannot list the GPU's processes)."""
+    index = controller.gpu.index
+    check = ReportCheck(log=log)
+    try:
+        sampled = nvml_mean_utilization(index)
         last_check = [0.0]
 
         def cross_check() -> None:
@@ -111,35 +171,10 @@ def main(argv: list[str]) -> int:
                 last_check[0] = now
                 check.sample(now, sampled(), controller.tenants_by_pid(), controller.charged_seconds())
 
-        watch = UnmanagedWatch(nvml_processes(args.gpu), controller.joined_pids,
-                               interval_s=args.watch_interval, log=controller.log, also=cross_check)
+        watch = UnmanagedWatch(nvml_processes(index), controller.joined_pids,
+                               interval_s=interval_s, log=log, also=cross_check)
     except Exception as exc:  # no NVML (a CPU host, a container without the driver's library): say so once
-        controller.log(f"gpuscope share: NVML cannot list GPU {args.gpu}'s processes ({exc}): processes that "
-                       "never joined go unseen")
-    registry = CollectorRegistry()
-    registry.register(ShareCollector(controller, watch, check if watch is not None else None))
-    if watch is not None:
-        watch.start()
-    try:
-        server = MetricsServer((host, port), exposition(registry), lambda: {"status": "ok"},
-                               page=page("gpuscope share", "GPU-time shares and memory caps of processes."),
-                               closed_metric=cat.SHARE_HTTP_CONNECTIONS_CLOSED,
-                               log=logging.getLogger("gpuscope.share"),
-                               max_connections=args.max_connections, read_timeout=args.read_timeout)
-    except OSError as exc:
-        controller.close()
-        parser.error(f"cannot listen on {args.listen}: {exc.strerror or exc}")
-    server.serve_in_thread()
-    shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" + (f":{t.memory:g}" if t.memory else "")
-                       for t in tenants)
-    sys.stderr.write(f"gpuscope share: {shares}; ledger {args.ledger}; accounting {args.accounting}; "
-                     f"/metrics on {server.url}/metrics\n")
-    try:
-        controller.run(stop)
-    finally:
-        if watch is not None:
-            watch.stop()
-        server.shutdown()
-        server.server_close()
-        controller.close()
-    return 0
+        log(f"gpuscope share: NVML cannot list GPU {index}'s processes ({exc}): processes that never joined "
+            "go unseen")
+        return GpuWatch(None, None)
+    return GpuWatch(watch, check)

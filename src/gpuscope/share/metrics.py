@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from gpuscope.contract import catalogue as cat
 from gpuscope.share.controller import Controller
 from gpuscope.share.crosscheck import ReportCheck
+from gpuscope.share.node import Node
 from gpuscope.share.unmanaged import UnmanagedWatch
 
 _PER_PROCESS = (  # catalogue metric, ledger counter, scale
@@ -31,99 +33,92 @@ _WATCH = (cat.SHARE_UNMANAGED_PROCESSES, cat.SHARE_UNMANAGED_MEMORY)
 _CHECK = (cat.SHARE_NVML_BUSY_SECONDS, cat.SHARE_UNDER_REPORTED)
 
 
-class ShareCollector:
-    """A prometheus_client collector over a running Controller."""
+@dataclass(frozen=True)
+class GpuWatch:
+    """NVML's view of one GPU (``watch``: its processes that never joined; ``check``: what its tenants
+    report against NVML): None where NVML cannot list its processes."""
 
-    def __init__(self, controller: Controller, watch: UnmanagedWatch | None = None,
+    watch: UnmanagedWatch | None
+    check: ReportCheck | None
+
+
+class ShareCollector:
+    """A prometheus_client collector over a running controller: a ``Node`` of GPUs, or one
+    ``Controller`` (``watches``: NVML's view of each GPU, in the same order)."""
+
+    def __init__(self, node: Node | Controller, watches: Sequence[GpuWatch] | UnmanagedWatch | None = None,
                  check: ReportCheck | None = None) -> None:
-        self.controller = controller
-        self.watch = watch  # None where NVML cannot list the GPU's processes: no series then
-        self.check = check
+        self.controllers = node.controllers if isinstance(node, Node) else [node]
+        self.node = node if isinstance(node, Node) else None
+        if watches is None or isinstance(watches, UnmanagedWatch):  # one controller, as before nodes
+            watches = [GpuWatch(watches, check if watches is not None else None)]
+        self.watches = list(watches) + [GpuWatch(None, None)] * (len(self.controllers) - len(watches))
 
     def describe(self) -> Iterator[object]:
-        metrics = (*_CONTROLLER, *(_WATCH if self.watch is not None else ()),
-                   *(_CHECK if self.check is not None else ()))
+        watched = any(w.watch is not None for w in self.watches)
+        checked = any(w.check is not None for w in self.watches)
+        metrics = (*_CONTROLLER, *(_WATCH if watched else ()), *(_CHECK if checked else ()))
         return (metric.family() for metric in metrics)
 
     def collect(self) -> Iterator[object]:
-        snap = self.controller.snapshot()
+        families = {m.name: m.family() for m in (*_CONTROLLER, *_WATCH, *_CHECK)}
+        for controller, watch in zip(self.controllers, self.watches, strict=True):
+            self._add(families, controller, watch)
+        if self.node is not None:
+            joins, reloads = self.node.joins, self.node.policy_reloads
+        else:
+            snap = self.controllers[0].snapshot()
+            joins, reloads = snap.joins, snap.stats.policy_reloads
+        for result, count in reloads.items():
+            families[cat.SHARE_POLICY_RELOADS.name].add_metric([result], count)
+        for result, count in joins.items():
+            families[cat.SHARE_JOINS.name].add_metric([result], count)
+        watched = any(w.watch is not None for w in self.watches)
+        checked = any(w.check is not None for w in self.watches)
+        for metric in (*_CONTROLLER, *(_WATCH if watched else ()), *(_CHECK if checked else ())):
+            yield families[metric.name]
+
+    @staticmethod
+    def _add(families: dict[str, object], controller: Controller, watch: GpuWatch) -> None:
+        """One GPU's series, each labelled with the GPU's index and UUID."""
+        gpu = [controller.gpu.label, controller.gpu.uuid]
+
+        def add(metric, labels: list[str], value: float) -> None:
+            families[metric.name].add_metric([*labels, *gpu], value)
+
+        snap = controller.snapshot()
         rows = [(tenant, str(pid), counters) for tenant, pid, counters in snap.processes]
         stats = snap.stats
-        slices, charged, states = stats.slices, stats.charged_s, stats.state_s
-        binding, timeouts, yields = stats.binding, stats.drain_timeouts, stats.yields
-        lends, reclaims, probes, reloads = stats.lends, stats.reclaims, stats.probes, stats.policy_reloads
-        ratios, duties, joins, memory = snap.busy_ratio, snap.duty, snap.joins, snap.memory
         for metric, key, scale in _PER_PROCESS:
-            family = metric.family()
             for tenant, pid, counters in rows:
-                family.add_metric([tenant, pid], counters[key] * scale)
-            yield family
-        target, procs = cat.SHARE_TARGET_RATIO.family(), cat.SHARE_PROCESSES.family()
-        sl, ch = cat.SHARE_SLICES.family(), cat.SHARE_CHARGED_SECONDS.family()
+                add(metric, [tenant, pid], counters[key] * scale)
         for t in snap.tenants:
-            target.add_metric([t.name], t.share)
-            procs.add_metric([t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
-            sl.add_metric([t.name], slices.get(t.name, 0))
-            ch.add_metric([t.name], charged.get(t.name, 0.0))
-        yield target
-        yield procs
-        yield sl
-        yield ch
-        st = cat.SHARE_STATE_SECONDS.family()
-        for (tenant, state), seconds in sorted(states.items()):
-            st.add_metric([tenant, state], seconds)
-        yield st
-        br = cat.SHARE_BUSY_RATIO.family()
-        for tenant, ratio in sorted(ratios.items()):
-            br.add_metric([tenant], ratio)
-        yield br
-        du = cat.SHARE_DUTY_RATIO.family()
-        for tenant, duty in sorted(duties.items()):
-            du.add_metric([tenant], duty)
-        yield du
-        pr = cat.SHARE_PROBES.family()
-        pr.add_metric([], probes)
-        yield pr
-        b = cat.SHARE_BINDING.family()
-        b.add_metric([], 1.0 if binding else 0.0)
-        yield b
-        d = cat.SHARE_DRAIN_TIMEOUTS.family()
-        d.add_metric([], timeouts)
-        yield d
-        turns = ((cat.SHARE_YIELDS, yields), (cat.SHARE_LENDS, lends), (cat.SHARE_RECLAIMS, reclaims))
-        for metric, value in turns:
-            family = metric.family()
-            family.add_metric([], value)
-            yield family
-        used, cap, refused = (m.family() for m in (cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP,
-                                                   cat.SHARE_MEMORY_REFUSED))
-        for tenant, held, refusals, cap_bytes in memory:
-            used.add_metric([tenant], held)
-            refused.add_metric([tenant], refusals)
+            add(cat.SHARE_TARGET_RATIO, [t.name], t.share)
+            add(cat.SHARE_PROCESSES, [t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
+            add(cat.SHARE_SLICES, [t.name], stats.slices.get(t.name, 0))
+            add(cat.SHARE_CHARGED_SECONDS, [t.name], stats.charged_s.get(t.name, 0.0))
+        for (tenant, state), seconds in sorted(stats.state_s.items()):
+            add(cat.SHARE_STATE_SECONDS, [tenant, state], seconds)
+        for tenant, ratio in sorted(snap.busy_ratio.items()):
+            add(cat.SHARE_BUSY_RATIO, [tenant], ratio)
+        for tenant, duty in sorted(snap.duty.items()):
+            add(cat.SHARE_DUTY_RATIO, [tenant], duty)
+        add(cat.SHARE_PROBES, [], stats.probes)
+        add(cat.SHARE_BINDING, [], 1.0 if stats.binding else 0.0)
+        add(cat.SHARE_DRAIN_TIMEOUTS, [], stats.drain_timeouts)
+        add(cat.SHARE_YIELDS, [], stats.yields)
+        add(cat.SHARE_LENDS, [], stats.lends)
+        add(cat.SHARE_RECLAIMS, [], stats.reclaims)
+        for tenant, held, refusals, cap_bytes in snap.memory:
+            add(cat.SHARE_MEMORY_USED, [tenant], held)
+            add(cat.SHARE_MEMORY_REFUSED, [tenant], refusals)
             if cap_bytes:
-                cap.add_metric([tenant], cap_bytes)
-        yield used
-        yield cap
-        yield refused
-        if self.watch is not None:
-            unmanaged = dict(self.watch.unmanaged)
-            count, held = cat.SHARE_UNMANAGED_PROCESSES.family(), cat.SHARE_UNMANAGED_MEMORY.family()
-            count.add_metric([], len(unmanaged))
-            held.add_metric([], sum(unmanaged.values()))
-            yield count
-            yield held
-        if self.check is not None:
-            busy, flagged = cat.SHARE_NVML_BUSY_SECONDS.family(), cat.SHARE_UNDER_REPORTED.family()
+                add(cat.SHARE_MEMORY_CAP, [tenant], cap_bytes)
+        if watch.watch is not None:
+            unmanaged = dict(watch.watch.unmanaged)
+            add(cat.SHARE_UNMANAGED_PROCESSES, [], len(unmanaged))
+            add(cat.SHARE_UNMANAGED_MEMORY, [], sum(unmanaged.values()))
+        if watch.check is not None:
             for tenant in (t.name for t in snap.tenants):
-                busy.add_metric([tenant], self.check.nvml_busy_s.get(tenant, 0.0))
-                flagged.add_metric([tenant], 1.0 if self.check.flagged.get(tenant) else 0.0)
-            yield busy
-            yield flagged
-        pr = cat.SHARE_POLICY_RELOADS.family()
-        for result, count in reloads.items():
-            pr.add_metric([result], count)
-        yield pr
-        j = cat.SHARE_JOINS.family()
-        for result, count in joins.items():
-            j.add_metric([result], count)
-        yield j
+                add(cat.SHARE_NVML_BUSY_SECONDS, [tenant], watch.check.nvml_busy_s.get(tenant, 0.0))
+                add(cat.SHARE_UNDER_REPORTED, [tenant], 1.0 if watch.check.flagged.get(tenant) else 0.0)

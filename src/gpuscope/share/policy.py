@@ -7,6 +7,16 @@ flags, in YAML (JSON is YAML too)::
       online: {share: 0.3, priority: 1, memory: 40GiB, allow: [uid:1001, "cgroup:/kubepods.slice"]}
       batch: {share: 0.7, memory: 0.5}
 
+``tenants`` holds on every GPU the controller holds (``--share.gpus``); a ``gpus`` section gives a GPU,
+by NVML index or UUID, tenants of its own instead (the same keys; a tenant's ``allow`` rules and
+``gang`` mark hold on every GPU, so a section may leave them out, and may not contradict them)::
+
+    gpus:
+      1: {online: {share: 0.5}, batch: {share: 0.5}}
+      GPU-5e0c6f8a-...: {batch: {share: 1}}
+
+A ``gang: true`` tenant is one group across its GPUs (``gangs.py``: its ranks' turns are aligned).
+
 Every form goes through one validation (``validate``): names, shares in (0, 1] summing to at most 1,
 priorities, memory caps (a fraction of the card, or a size of at least 1 MiB) whose fractions sum to
 at most the card, and admission rules (``access.parse_rule``). A file that fails it is refused with
@@ -18,12 +28,16 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import yaml
 
 from gpuscope.share.access import Rule, parse_rule
 from gpuscope.share.ledger import MAX_TENANTS, NAME_LEN, TenantPolicy
+
+if TYPE_CHECKING:
+    from gpuscope.share.gpus import Gpu
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -103,10 +117,84 @@ def parse_shares(text: str) -> list[TenantPolicy]:
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """What a policy file says: the tenants and, for those that name any, their admission rules."""
+    """What a policy file says: the tenants and, for those that name any, their admission rules; and
+    the GPUs (by NVML index or UUID, as written) that have tenants of their own."""
 
     tenants: list[TenantPolicy]
     allow: dict[str, tuple[Rule, ...]]
+    gpus: dict[str, list[TenantPolicy]] = field(default_factory=dict)
+
+    def for_gpu(self, gpu: Gpu) -> list[TenantPolicy]:
+        """The tenants on ``gpu``: its own section's (by UUID, then index), else ``tenants``."""
+        for key in (gpu.uuid, str(gpu.index)):
+            if key and key in self.gpus:
+                return self.gpus[key]
+        return self.tenants
+
+    def on_gpu(self, gpu: Gpu) -> PolicySpec:
+        """The policy of one GPU's controller."""
+        return PolicySpec(self.for_gpu(gpu), self.allow)
+
+    def check_gpus(self, gpus: list[Gpu]) -> None:
+        """ValueError when a GPU section names a GPU not among ``gpus`` (a typo would leave the GPU it
+        meant on the default shares), or two sections name one GPU."""
+        for key in self.gpus:
+            held = [g for g in gpus if key in (g.uuid, str(g.index))]
+            if not held:
+                names = ", ".join(f"{g.index}" + (f" ({g.uuid})" if g.uuid else "") for g in gpus)
+                raise ValueError(f"gpus: {key} is not a GPU this controller holds ({names})")
+        for g in gpus:
+            if g.uuid and g.uuid in self.gpus and str(g.index) in self.gpus:
+                raise ValueError(f"gpus: GPU {g.index} has two sections ({g.index} and {g.uuid})")
+
+
+def with_gangs(tenants: list[TenantPolicy], gangs: set[str]) -> list[TenantPolicy]:
+    """``tenants`` with those named in ``gangs`` marked as gangs (``--share.gang``)."""
+    return [replace(t, gang=t.gang or t.name in gangs) for t in tenants]
+
+
+def _gpu_key(key: object) -> str:
+    text = str(key).strip()
+    if text.isdigit() or text.startswith(("GPU-", "MIG-")):
+        return text
+    raise ValueError(f"gpus: {key!r} is neither an NVML index (0) nor a GPU UUID (GPU-...)")
+
+
+def _tenants_section(where: str, section: object, allow: dict[str, tuple[Rule, ...]],
+                     gangs: dict[str, bool]) -> list[TenantPolicy]:
+    """One mapping of tenants (``tenants``, or a GPU's section): their policies; their admission rules
+    and gang marks go into ``allow`` and ``gangs``, which every section must agree on."""
+    if not isinstance(section, dict) or not section:
+        raise ValueError(f"{where}: expected a mapping {{NAME: {{share: ..., priority: ..., memory: ..., "
+                         "allow: [...], gang: ...}}")
+    tenants = []
+    for name, entry in section.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"tenant {name!r}: expected a mapping such as {{share: 0.5}}")
+        extra = set(entry) - {"share", "priority", "memory", "allow", "gang"}
+        if extra:
+            raise ValueError(f"tenant {name!r}: unknown keys {sorted(extra)} (share, priority, memory, "
+                             "allow, gang)")
+        try:
+            share = float(entry.get("share", "none"))
+            priority = int(entry.get("priority", 0))
+        except (TypeError, ValueError):
+            raise ValueError(f"tenant {name!r}: share must be a number and priority an integer") from None
+        memory = parse_memory(entry["memory"]) if entry.get("memory") not in (None, 0, "") else 0
+        if "gang" in entry:
+            if not isinstance(entry["gang"], bool):
+                raise ValueError(f"tenant {name!r}: gang must be true or false")
+            if gangs.setdefault(str(name), entry["gang"]) != entry["gang"]:
+                raise ValueError(f"tenant {name!r}: gang is {entry['gang']} in {where} and not elsewhere")
+        tenants.append(TenantPolicy(str(name), share, priority, memory))
+        rules = entry.get("allow")
+        if rules is not None:
+            if not isinstance(rules, list) or not rules:
+                raise ValueError(f"tenant {name!r}: allow must be a list of rules such as [uid:1001]")
+            parsed = tuple(parse_rule(str(r)) for r in rules)
+            if allow.setdefault(str(name), parsed) != parsed:
+                raise ValueError(f"tenant {name!r}: allow differs between {where} and another section")
+    return tenants
 
 
 def parse_policy(text: str) -> PolicySpec:
@@ -118,30 +206,29 @@ def parse_policy(text: str) -> PolicySpec:
     if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), dict):
         raise ValueError("expected a mapping with 'tenants': {NAME: {share: ..., priority: ..., memory: ..., "
                          "allow: [...]}}")
-    unknown = set(doc) - {"tenants"}
+    unknown = set(doc) - {"tenants", "gpus"}
     if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)} (only 'tenants')")
-    tenants, allow = [], {}
-    for name, entry in doc["tenants"].items():
-        if not isinstance(entry, dict):
-            raise ValueError(f"tenant {name!r}: expected a mapping such as {{share: 0.5}}")
-        extra = set(entry) - {"share", "priority", "memory", "allow"}
-        if extra:
-            raise ValueError(f"tenant {name!r}: unknown keys {sorted(extra)} (share, priority, memory, "
-                             "allow)")
+        raise ValueError(f"unknown keys {sorted(unknown)} (only 'tenants' and 'gpus')")
+    allow: dict[str, tuple[Rule, ...]] = {}
+    gangs: dict[str, bool] = {}
+    tenants = _tenants_section("tenants", doc["tenants"], allow, gangs)
+    sections = doc.get("gpus") or {}
+    if not isinstance(sections, dict):
+        raise ValueError("gpus: expected a mapping {INDEX or UUID: {NAME: {share: ...}}}")
+    gpus = {}
+    for key, section in sections.items():
+        where = f"gpus: {_gpu_key(key)}"
+        if _gpu_key(key) in gpus:
+            raise ValueError(f"{where} named twice")
+        gpus[_gpu_key(key)] = _tenants_section(where, section, allow, gangs)
+    marked = {name for name, gang in gangs.items() if gang}
+    tenants = validate(with_gangs(tenants, marked))
+    for key in gpus:
         try:
-            share = float(entry.get("share", "none"))
-            priority = int(entry.get("priority", 0))
-        except (TypeError, ValueError):
-            raise ValueError(f"tenant {name!r}: share must be a number and priority an integer") from None
-        memory = parse_memory(entry["memory"]) if entry.get("memory") not in (None, 0, "") else 0
-        tenants.append(TenantPolicy(str(name), share, priority, memory))
-        rules = entry.get("allow")
-        if rules is not None:
-            if not isinstance(rules, list) or not rules:
-                raise ValueError(f"tenant {name!r}: allow must be a list of rules such as [uid:1001]")
-            allow[str(name)] = tuple(parse_rule(str(r)) for r in rules)
-    return PolicySpec(validate(tenants), allow)
+            gpus[key] = validate(with_gangs(gpus[key], marked))
+        except ValueError as exc:
+            raise ValueError(f"gpus: {key}: {exc}") from None
+    return PolicySpec(tenants, allow, gpus)
 
 
 def _read_only_mount(path: str) -> bool:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
 from gpuscope.share.access import Rule, parse_allow
+from gpuscope.share.gpus import ALL, parse_gpus
 from gpuscope.share.ledger import DEFAULT_QUEUED_WINDOWS, DEFAULT_WINDOW_US, TenantPolicy
-from gpuscope.share.policy import parse_shares
+from gpuscope.share.policy import check_name, parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER
 from gpuscope.util.bounded_http import max_connections_setting, read_timeout_setting
 from gpuscope.util.flags import listen_address, parse_duration
@@ -26,6 +27,11 @@ DEFAULT_SLICE_S = 0.03
 #: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
 #: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
 PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
+
+
+def parse_gangs(text: str) -> tuple[str, ...]:
+    """``NAME,...``: tenants held as one group across GPUs."""
+    return tuple(check_name(name.strip()) for name in str(text).split(",") if name.strip())
 
 
 class Accounting(Choice):
@@ -90,8 +96,14 @@ class ShareSettings:
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
                                   "windows a slice holder may have queued: bounds the work a hand-over "
                                   "overlaps or waits for")
-    gpu: int = setting("--share.gpu", 0, "NVML index of the GPU (nvml accounting, and the watch for "
-                       "processes that never joined)")
+    gpus: str | tuple[int, ...] = setting(
+        "--share.gpus", ALL, "the GPUs held, each with a ledger, shares and caps of its own: all (every GPU "
+        "NVML lists) or NVML indices such as 0,1; a tenant process is held on each GPU it uses by that "
+        "GPU's shares (one GPU, whichever each process uses, where NVML cannot be read)", parse=parse_gpus)
+    gangs: tuple[str, ...] = setting(
+        "--share.gang", (), "tenants that are one group across GPUs (the ranks of a job that runs "
+        "collectives): NAME,...; a gang's turns are granted on all its GPUs at once, so a rank never waits "
+        "for a turn while its peers hold theirs", parse=parse_gangs)
     watch_interval: float = setting(
         "--share.watch-interval", 0.25, "how often NVML's list of the GPU's processes is compared with the "
         "ones that joined (a process seen twice without joining is reported)", parse=parse_duration)
