@@ -7,6 +7,9 @@ Commands (JSON lists):
   per-thread flag), pool, create (cuMemCreate). Answers the return codes.
 - ["free", N]: frees the N oldest allocations (each through its route's free); answers the codes.
 - ["info"]: cuMemGetInfo through cuGetProcAddress, and NVML's v1 and v2 memory info.
+- ["device", D]: makes device D's context current (as cudaSetDevice does); answers 0.
+- ["launch", N]: N kernels of 5 µs on the current device; answers the return codes (a held launch
+  answers once its gate opens).
 - ["exit"].
 """
 
@@ -102,6 +105,14 @@ for line in sys.stdin:
         answer = [release(route, key) for route, key in taken]
     elif command[0] == "info":
         answer = memory_info()
+    elif command[0] == "device":
+        ctx = ctypes.c_void_p()
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ctypes.c_int(command[1])) == 0
+        answer = cuda.cuCtxSetCurrent(ctx)
+    elif command[0] == "launch":
+        answer = [cuda.cuLaunchKernel(None, ctypes.c_uint(i), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(5),
+                                      ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0), P(1), None, None)
+                  for i in range(command[1])]
     else:
         break
     print(json.dumps(answer), flush=True)

@@ -13,7 +13,14 @@
  * FAKE_CUDA_SHARED_GPU=PATH (with FAKE_CUDA_REALTIME) makes every process that names the same file
  * share one "GPU": the clock is a word in that file, so work runs one launch after another across
  * processes, in the order it was launched, and an event pair of one process spans whatever the
- * others queued in between (as time-slicing contexts do on a real GPU). */
+ * others queued in between (as time-slicing contexts do on a real GPU).
+ *
+ * Devices: FAKE_CUDA_DEVICES (at most 8, default 2) devices, each with a context of its own
+ * (cuCtxGetCurrent / cuCtxSetCurrent per thread, cuCtxGetDevice), a UUID (cuDeviceGetUuid and _v2:
+ * fa 4e, thirteen zeros, then the device's ordinal) and a clock of its own: work launched in a
+ * device's context runs on that device's clock, and events and synchronizes follow that device's
+ * work. A thread starts in the context of device FAKE_CUDA_DEVICE (default 0). On a shared GPU file
+ * each device's clock is a word of its own (device d at byte 8 * d). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -34,9 +41,27 @@ typedef struct {
 
 #include <time.h>
 
-static _Atomic uint64_t own_clock_ns;
-static _Atomic uint64_t *gpu_clock; /* own_clock_ns, or the shared GPU's word */
-static _Atomic uint64_t own_end_ns;  /* in real time: when this process's queued work ends */
+#define MAX_DEV 8
+static _Atomic uint64_t own_clock_ns[MAX_DEV];
+static _Atomic uint64_t *gpu_clock; /* own_clock_ns, or the shared GPU's words: one per device */
+static _Atomic uint64_t own_end_ns[MAX_DEV];  /* in real time: when this process's queued work ends */
+static int ctx_tokens[MAX_DEV]; /* a context per device: its address is the CUcontext */
+static __thread int current_dev = -1;
+
+/* The device of the calling thread's current context. */
+static int dev(void) {
+    if (current_dev < 0) {
+        const char *d = getenv("FAKE_CUDA_DEVICE");
+        current_dev = d ? atoi(d) % MAX_DEV : 0;
+    }
+    return current_dev;
+}
+
+static int device_count(void) {
+    const char *n = getenv("FAKE_CUDA_DEVICES");
+    int k = n ? atoi(n) : 2;
+    return k < 1 ? 1 : k > MAX_DEV ? MAX_DEV : k;
+}
 static int log_fd = -1;
 static int realtime = -1;
 static long launch_us = -1;
@@ -49,10 +74,10 @@ static uint64_t wall_ns(void) {
 
 #include <sys/mman.h>
 
-/* The clock word: the process's own, or the first 8 bytes of FAKE_CUDA_SHARED_GPU's file. */
+/* The current device's clock word: the process's own, or its word of FAKE_CUDA_SHARED_GPU's file. */
 static _Atomic uint64_t *clock_word(void) {
-    if (gpu_clock) return gpu_clock;
-    _Atomic uint64_t *word = &own_clock_ns;
+    if (gpu_clock) return gpu_clock + dev();
+    _Atomic uint64_t *word = own_clock_ns;
     const char *path = getenv("FAKE_CUDA_SHARED_GPU");
     if (path && *path) {
         int fd = open(path, O_RDWR | O_CREAT, 0600);
@@ -63,7 +88,7 @@ static _Atomic uint64_t *clock_word(void) {
         word = (_Atomic uint64_t *)m;
     }
     gpu_clock = word;
-    return word;
+    return word + dev();
 }
 
 /* The launch call's own CPU time, spent (spinning, like a CPU-bound driver) before the work is queued. */
@@ -92,15 +117,15 @@ static void run_for(uint64_t ns) {
     uint64_t now = wall_ns(), busy = atomic_load(clock);
     while (!atomic_compare_exchange_weak(clock, &busy, (busy > now ? busy : now) + ns)) {
     }
-    uint64_t end = (busy > now ? busy : now) + ns, mine = atomic_load(&own_end_ns);
-    while (mine < end && !atomic_compare_exchange_weak(&own_end_ns, &mine, end)) {
+    uint64_t end = (busy > now ? busy : now) + ns, mine = atomic_load(&own_end_ns[dev()]);
+    while (mine < end && !atomic_compare_exchange_weak(&own_end_ns[dev()], &mine, end)) {
     }
 }
 
 /* When the work queued so far ends (the fake clock's reading; in real time this process's work, at
  * least now: on a shared GPU an event follows its own stream's work, not the other processes'). */
 static uint64_t queue_end(void) {
-    uint64_t busy = in_real_time() ? atomic_load(&own_end_ns) : atomic_load(clock_word());
+    uint64_t busy = in_real_time() ? atomic_load(&own_end_ns[dev()]) : atomic_load(clock_word());
     if (in_real_time()) {
         uint64_t now = wall_ns();
         if (busy < now) busy = now;
@@ -257,7 +282,7 @@ CUresult cuEventElapsedTime(float *ms, fake_event *a, fake_event *b) {
 /* Waiting for this process's queued work (every stream: the fake has one queue per process). */
 static void wait_own_work(void) {
     if (!in_real_time()) return;
-    uint64_t end = atomic_load(&own_end_ns), now = wall_ns();
+    uint64_t end = atomic_load(&own_end_ns[dev()]), now = wall_ns();
     if (end > now) {
         struct timespec ts = {(time_t)((end - now) / 1000000000ull), (long)((end - now) % 1000000000ull)};
         nanosleep(&ts, NULL);
@@ -268,9 +293,30 @@ CUresult cuStreamSynchronize_ptsz(CUstream s) { (void)s; wait_own_work(); return
 CUresult cuCtxSynchronize(void) { wait_own_work(); return 0; }
 /* Stream 99 is "being captured into a graph". */
 CUresult cuStreamIsCapturing(CUstream s, int *status) { *status = (uintptr_t)s == 99; return 0; }
-static int ctx_token;
-CUresult cuCtxGetCurrent(void **c) { *c = &ctx_token; return 0; }
-CUresult cuCtxSetCurrent(void *c) { (void)c; return 0; }
+CUresult cuCtxGetCurrent(void **c) { *c = &ctx_tokens[dev()]; return 0; }
+CUresult cuCtxSetCurrent(void *c) {
+    for (int i = 0; i < device_count(); i++)
+        if (c == (void *)&ctx_tokens[i]) {
+            current_dev = i;
+            return 0;
+        }
+    return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+}
+CUresult cuCtxGetDevice(int *d) { *d = dev(); return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = device_count(); return 0; }
+/* A context per device, as the primary context the runtime retains for it. */
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) {
+    if (d < 0 || d >= device_count()) return 101; /* CUDA_ERROR_INVALID_DEVICE */
+    *c = &ctx_tokens[d];
+    return 0;
+}
+CUresult cuDeviceGetUuid(unsigned char uuid[16], int d) {
+    if (d < 0 || d >= device_count()) return 101;
+    memset(uuid, 0, 16);
+    uuid[0] = 0xfa, uuid[1] = 0x4e, uuid[15] = (unsigned char)d;
+    return 0;
+}
+CUresult cuDeviceGetUuid_v2(unsigned char uuid[16], int d) { return cuDeviceGetUuid(uuid, d); }
 
 static const struct { const char *name; void *fn; void *ptsz; } table[] = {
     {"cuLaunchKernel", (void *)cuLaunchKernel, (void *)cuLaunchKernel_ptsz},
