@@ -110,9 +110,9 @@ for line in sys.stdin:
         assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ctypes.c_int(command[1])) == 0
         answer = cuda.cuCtxSetCurrent(ctx)
     elif command[0] == "launch":
-        answer = [cuda.cuLaunchKernel(None, ctypes.c_uint(i), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(5),
-                                      ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0), P(1), None, None)
-                  for i in range(command[1])]
+        one, five = ctypes.c_uint(1), ctypes.c_uint(5)
+        answer = [cuda.cuLaunchKernel(None, ctypes.c_uint(i), one, one, five, one, one, ctypes.c_uint(0), P(1),
+                                      None, None) for i in range(command[1])]
     else:
         break
     print(json.dumps(answer), flush=True)

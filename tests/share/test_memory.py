@@ -121,7 +121,8 @@ def test_a_fraction_of_the_card_and_the_metrics(fake_cuda, tmp_path):
     assert 'gpuscope_share_memory_cap_bytes{gpu="0",tenant="a",uuid=""} 2.147483648e+10' in text
     assert 'gpuscope_share_memory_used_bytes{gpu="0",tenant="a",uuid=""} 2.147483648e+10' in text
     assert 'gpuscope_share_memory_refused_total{gpu="0",tenant="a",uuid=""} 1.0' in text
-    assert 'gpuscope_share_memory_cap_bytes{gpu="0",tenant="b",uuid=""}' not in text  # uncapped: no cap series
+    # uncapped: no cap series
+    assert 'gpuscope_share_memory_cap_bytes{gpu="0",tenant="b",uuid=""}' not in text
 
 
 def test_memory_flags():
