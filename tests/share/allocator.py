@@ -111,8 +111,8 @@ for line in sys.stdin:
         answer = cuda.cuCtxSetCurrent(ctx)
     elif command[0] == "launch":
         one, five = ctypes.c_uint(1), ctypes.c_uint(5)
-        answer = [cuda.cuLaunchKernel(None, ctypes.c_uint(i), one, one, five, one, one, ctypes.c_uint(0), P(1),
-                                      None, None) for i in range(command[1])]
+        answer = [cuda.cuLaunchKernel(None, ctypes.c_uint(i), one, one, five, one, one, ctypes.c_uint(0),
+                                      P(1), None, None) for i in range(command[1])]
     else:
         break
     print(json.dumps(answer), flush=True)
