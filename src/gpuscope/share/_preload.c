@@ -30,6 +30,10 @@
  *     GPU. In a probe (its bit in `busy_mask`, the holder paused) each launch is a window of its own,
  *     the end event right after the kernel: its busy time, from which the controller charges it.
  *     One busy for more than its share launches only in the first `duty` of every 10 ms (keep_duty).
+ * Each GPU the process uses is held by its own ledger (one controller holds every GPU of a node, a
+ * ledger each): every launch and allocation works on the device of the calling thread's current
+ * context (dev_here), which joins that GPU's ledger at its first launch or allocation there and keeps
+ * its own gate, windows, helper thread and connection (struct device).
  * Without GPUSCOPE_SHARE_TENANT the library passes everything through silently; with it but no
  * controller, or once the controller is gone, it passes through and says so once on stderr.
  */
