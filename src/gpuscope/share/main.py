@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     except LedgerError as exc:
         parser.error(str(exc))
     except ValueError as exc:
-        parser.error(f"--share.policy-file {args.policy_file}: {exc}")
+        parser.error(f"--share.policy-file {args.policy_file}: {exc}" if args.policy_file else str(exc))
     except OSError as exc:
         parser.error(f"cannot create the ledger at {args.ledger}: {exc.strerror or exc}")
     for note in notes:

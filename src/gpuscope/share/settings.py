@@ -69,8 +69,9 @@ class ShareSettings:
         "token buckets fed by NVML utilization every 100 ms (what the peer projects do)")
     policy_file: str = setting(
         "--share.policy-file", "", "a YAML file of the tenants (shares, priorities, memory caps, admission "
-        "rules) instead of --share and --share.allow; a change is applied within half a second (or at "
-        "SIGHUP), after validation, without restarting anything")
+        "rules, gangs; sections for GPUs whose tenants differ) instead of --share, --share.allow and "
+        "--share.gang; a change is applied within half a second (or at SIGHUP), after validation, without "
+        "restarting anything")
     ledger: str = setting("--share.ledger", DEFAULT_LEDGER, "path prefix of the shared-memory ledger "
                           "(tenants set GPUSCOPE_SHARE_LEDGER to it)")
     slice: float = setting("--share.slice", DEFAULT_SLICE_S, "length of one tenant's turn while shares bind",
