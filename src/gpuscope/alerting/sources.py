@@ -510,9 +510,9 @@ GPUSCOPE_SHARE = Source(
              "unmanaged_processes": m.SHARE_UNMANAGED_PROCESSES,
              "unmanaged_memory": m.SHARE_UNMANAGED_MEMORY,
          }.items()}},
-    notes=("Tenants are processes on one GPU (`gpuscope share`): the GPU seconds the controller charged "
-           "each, target shares and the backlog (threads held at the gate); no requests, tokens or "
-           "latency, so a tenant held at every sample of the window counts as starved (no tokens are "
+    notes=("Tenants are processes on a node's GPUs (`gpuscope share`, series per `gpu` and `uuid`): the "
+           "GPU seconds the controller charged each, target shares and the backlog (threads held at the "
+           "gate); no requests, tokens or latency, so a tenant held at every sample of the window counts as starved (no tokens are "
            "ever generated).",
            "Its own series: each tenant's device memory against its cap and the allocations refused at "
            "the cap (GPUTenantNearMemoryCap, GPUTenantAllocationsRefused), processes on the GPU that "
