@@ -512,8 +512,8 @@ GPUSCOPE_SHARE = Source(
          }.items()}},
     notes=("Tenants are processes on a node's GPUs (`gpuscope share`, series per `gpu` and `uuid`): the "
            "GPU seconds the controller charged each, target shares and the backlog (threads held at the "
-           "gate); no requests, tokens or latency, so a tenant held at every sample of the window counts as starved (no tokens are "
-           "ever generated).",
+           "gate); no requests, tokens or latency, so a tenant held at every sample of the window counts "
+           "as starved (no tokens are ever generated).",
            "Its own series: each tenant's device memory against its cap and the allocations refused at "
            "the cap (GPUTenantNearMemoryCap, GPUTenantAllocationsRefused), processes on the GPU that "
            "never joined the controller (GPUShareUnmanagedProcesses), and the tenants' GPU time as NVML "
