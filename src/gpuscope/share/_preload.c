@@ -271,19 +271,22 @@ static struct {
     device_uuid_fn uuid;
 } ctxcalls;
 static pthread_once_t ctxcalls_once = PTHREAD_ONCE_INIT;
+static _Atomic int ctxcalls_ready; /* all three looked up (a thread must not see one without the others) */
 
 static void load_ctxcalls(void) {
     ctxcalls.get_ctx = (ctx_fn)driver_symbol("cuCtxGetCurrent");
     ctxcalls.get_device = (ctx_device_fn)driver_symbol("cuCtxGetDevice");
     ctxcalls.uuid = (device_uuid_fn)driver_symbol("cuDeviceGetUuid_v2");
     if (!ctxcalls.uuid) ctxcalls.uuid = (device_uuid_fn)driver_symbol("cuDeviceGetUuid");
+    atomic_store_explicit(&ctxcalls_ready, 1, memory_order_release);
 }
 
 static __thread CUcontext last_ctx __attribute__((tls_model("initial-exec")));
 static __thread device_t *last_dev __attribute__((tls_model("initial-exec")));
 
 static device_t *dev_here(void) {
-    if (__builtin_expect(!ctxcalls.get_ctx, 0)) pthread_once(&ctxcalls_once, load_ctxcalls);
+    if (__builtin_expect(!atomic_load_explicit(&ctxcalls_ready, memory_order_acquire), 0))
+        pthread_once(&ctxcalls_once, load_ctxcalls);
     CUcontext c = NULL;
     if (!ctxcalls.get_ctx || ctxcalls.get_ctx(&c) != 0 || !c) return &devs[0]; /* no context: the call fails anyway */
     if (__builtin_expect(c == last_ctx, 1)) return last_dev;
