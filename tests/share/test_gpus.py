@@ -16,7 +16,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuscope.share.gpus import Gpu, parse_gpus
+from gpuscope.share.gpus import NO_INDEX, Gpu, parse_gpus
 from gpuscope.share.gpus import select as select_gpus
 from gpuscope.share.joins import format_uuid
 from gpuscope.share.ledger import LedgerFiles, Policy, TenantPolicy
@@ -245,6 +245,16 @@ def test_the_gpus_flag_and_nvml(capsys):
     assert select_gpus((1,), lambda: uuids) == [Gpu(1, "GPU-b")]
     with pytest.raises(ValueError, match="no GPU 2"):
         select_gpus((2,), lambda: uuids)
+    # by UUID: a GPU's is looked up, a MIG instance's taken as named (NVML lists whole GPUs)
+    gpu1, mig = GPUS[1].uuid, "MIG-" + GPUS[0].uuid[4:]
+    assert parse_gpus(f"{gpu1},{mig}") == (gpu1, mig)
+    assert select_gpus((gpu1, mig), lambda: ["GPU-a", gpu1]) == [Gpu(1, gpu1), Gpu(NO_INDEX, mig)]
+    assert Gpu(NO_INDEX, mig).uuid_bytes == fake_uuid(0) and Gpu(NO_INDEX, mig).label == ""
+    with pytest.raises(ValueError, match="no GPU GPU-"):
+        select_gpus((gpu1,), lambda: uuids)
+    for bad in ("GPU-zz", f"0,{gpu1},{gpu1}"):
+        with pytest.raises(ValueError):
+            parse_gpus(bad)
 
     def no_nvml() -> list[str]:
         raise OSError("NVML Shared Library Not Found")

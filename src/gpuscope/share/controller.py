@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from gpuscope.share.access import Access
 from gpuscope.share.charging import Charger
 from gpuscope.share.gangs import Gangs, GangView
-from gpuscope.share.gpus import Gpu
+from gpuscope.share.gpus import NO_INDEX, Gpu
 from gpuscope.share.ledger import (
     KEEPER_OFFSETS,
     MAX_TENANTS,
@@ -122,7 +122,8 @@ class Controller:
         ``files``, the lock and join socket, between them); none: the one GPU of the ledger."""
         self.log = log or (lambda line: sys.stderr.write(line + "\n"))
         self.settings = settings
-        self.gpu = gpu or Gpu(settings.gpus[0] if isinstance(settings.gpus, tuple) else 0)
+        first = settings.gpus[0] if isinstance(settings.gpus, tuple) else 0
+        self.gpu = gpu or (Gpu(first) if isinstance(first, int) else Gpu(NO_INDEX, first))
         self.policy = Policy(prefix, tenants, mode=str(settings.accounting),
                              window_us=int(settings.window * 1e6), inflight_slice=settings.queued_windows,
                              access=access, log=self.log, files=files, uuid=self.gpu.uuid_bytes)

@@ -29,7 +29,7 @@ from gpuscope.contract import catalogue as cat
 from gpuscope.share.crosscheck import SAMPLE_EVERY_S as CROSSCHECK_EVERY_S
 from gpuscope.share.crosscheck import ReportCheck, nvml_mean_utilization
 from gpuscope.share.files import LedgerError
-from gpuscope.share.gpus import Gpu, select
+from gpuscope.share.gpus import NO_INDEX, Gpu, select
 from gpuscope.share.metrics import GpuWatch, ShareCollector
 from gpuscope.share.node import Node
 from gpuscope.share.nvml_source import nvml_utilization
@@ -103,6 +103,9 @@ def main(argv: list[str]) -> int:
     def utilization(gpu: Gpu):
         if args.accounting != Accounting.NVML:
             return None
+        if gpu.index == NO_INDEX:
+            parser.error(f"--share.accounting nvml needs NVML's per-process utilization, which {gpu.uuid} "
+                         "(a MIG instance) does not have")
         try:
             return nvml_utilization(gpu.index)
         except Exception as exc:  # NVML missing or no such GPU: one line, not a traceback
@@ -140,7 +143,7 @@ def main(argv: list[str]) -> int:
     server.serve_in_thread()
     shares = ", ".join(f"{t.name}={t.share:g}:{t.priority}" + (f":{t.memory:g}" if t.memory else "")
                        + (":gang" if t.gang else "") for t in spec.tenants)
-    held = ", ".join(str(g.index) for g in gpus) if gpus[0].uuid else "the one each process uses"
+    held = ", ".join(g.name for g in gpus) if gpus[0].uuid else "the one each process uses"
     own = f" ({len(spec.gpus)} with shares of their own)" if spec.gpus else ""
     sys.stderr.write(f"gpuscope share: {shares}; GPUs {held}{own}; ledger {args.ledger}; accounting "
                      f"{args.accounting}; /metrics on {server.url}/metrics\n")
@@ -160,6 +163,10 @@ def _watch(controller, interval_s: float, log: Callable[[str], None]) -> GpuWatc
     """NVML's view of one GPU: its processes that never joined, and the cross-check of what its
     tenants report (none where NVML cannot list the GPU's processes)."""
     index = controller.gpu.index
+    if index == NO_INDEX:
+        log(f"gpuscope share: NVML does not list {controller.gpu.uuid}'s processes (a MIG instance): "
+            "processes that never joined go unseen")
+        return GpuWatch(None, None)
     check = ReportCheck(log=log)
     try:
         sampled = nvml_mean_utilization(index)

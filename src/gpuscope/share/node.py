@@ -102,13 +102,13 @@ class Node:
         parts = []
         for c in self.controllers:
             shares = ", ".join(f"{t.name}={t.share:g}" for t in c.tenants if t.share > 0)
-            parts.append(shares if len(self.controllers) == 1 else f"GPU {c.gpu.index}: {shares}")
+            parts.append(shares if len(self.controllers) == 1 else f"GPU {c.gpu.name}: {shares}")
         self.log(f"gpuscope share: {self.policy_file.path} applied: {'; '.join(parts)}")
 
     # --- running --------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Each GPU's loop in a thread of its own; this one watches the policy file."""
-        loops = [threading.Thread(target=c.run, args=(stop,), name=f"gpuscope-share-gpu{c.gpu.index}",
+        loops = [threading.Thread(target=c.run, args=(stop,), name=f"gpuscope-share-gpu{c.gpu.name}",
                                   daemon=True) for c in self.controllers]
         for t in loops:
             t.start()

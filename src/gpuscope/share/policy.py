@@ -141,7 +141,8 @@ class PolicySpec:
         for key in self.gpus:
             held = [g for g in gpus if key in (g.uuid, str(g.index))]
             if not held:
-                names = ", ".join(f"{g.index}" + (f" ({g.uuid})" if g.uuid else "") for g in gpus)
+                names = ", ".join(g.name + (f" ({g.uuid})" if g.uuid and g.uuid != g.name else "")
+                                  for g in gpus)
                 raise ValueError(f"gpus: {key} is not a GPU this controller holds ({names})")
         for g in gpus:
             if g.uuid and g.uuid in self.gpus and str(g.index) in self.gpus:

@@ -97,9 +97,10 @@ class ShareSettings:
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
                                   "windows a slice holder may have queued: bounds the work a hand-over "
                                   "overlaps or waits for")
-    gpus: str | tuple[int, ...] = setting(
+    gpus: str | tuple[int | str, ...] = setting(
         "--share.gpus", ALL, "the GPUs held, each with a ledger, shares and caps of its own: all (every GPU "
-        "NVML lists) or NVML indices such as 0,1; a tenant process is held on each GPU it uses by that "
+        "NVML lists), or NVML indices such as 0,1, or UUIDs (GPU-..., a MIG instance's MIG-...); a tenant "
+        "process is held on each GPU it uses by that "
         "GPU's shares (one GPU, whichever each process uses, where NVML cannot be read)", parse=parse_gpus)
     gangs: tuple[str, ...] = setting(
         "--share.gang", (), "tenants that are one group across GPUs (the ranks of a job that runs "
