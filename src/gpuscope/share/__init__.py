@@ -1,1 +1,1 @@
-"""GPU-time shares between separate processes on one GPU (`gpuscope share`, docs/share.md)."""
+"""GPU-time shares between separate processes on a node's GPUs (`gpuscope share`, docs/share.md)."""
