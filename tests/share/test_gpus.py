@@ -334,6 +334,9 @@ def run_ranks(fake_cuda, tmp_path, gang: bool) -> tuple[list[float], Node]:
                        RENDEZVOUS=str(rendezvous))
             procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(device), str(STEPS)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if gang:  # the C turn keeper steps aside where a gang has processes: the loops follow the lead
+            wait_for(lambda: all(c.gang_slots() for c in node.controllers), what="the ranks to join")
+            assert not any(c.keeps_turns() for c in node.controllers)
         ranks = []
         for p in procs[2:]:
             out, err = p.communicate(timeout=60)
