@@ -74,7 +74,8 @@ class Gangs:
         for c in self.controllers:
             view = c.gang_view
             slot = self._slot(c, name)
-            if slot is None or name not in view.attached or not view.binding:
+            # a GPU whose policy removed the gang (share 0) never leads: its turns there would be none
+            if slot is None or name not in view.attached or not view.binding or c.tenants[slot].share <= 0:
                 continue
             key = (c.tenants[slot].share, c.gpu.index)
             if best_key is None or key < best_key:
