@@ -18,7 +18,9 @@ blocks; per pass it reports the main thread's CPU (``time.thread_time``) as the 
 blocks of: ``untimed_us``, ``timed_us``, ``extra_us`` (their paired difference), and
 ``per_marker_us`` = (``extra_us`` − ``pass_us``) / markers, where ``pass_us`` is the timed pass's own
 bookkeeping outside the markers (``timed_call`` around a callable that does nothing). The report
-gives the median over rounds of each. GPU figures come from compile_timing_bench.py.
+gives the median over rounds of each, and ``records``: the events the markers record per timed pass
+(layers + 1 where each layer's end marker and the next layer's start share one event). GPU figures
+come from compile_timing_bench.py.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def measure(library: str, layers: int, passes: int, blocks: int) -> dict[str, fl
             for _ in range(3):  # compile both graphs, and leave the first timed calls' uncached compiles
                 block(True)
                 block(False)
+            # events the markers recorded in the last timed pass (a tree without the count: None)
+            records = getattr(regions.marks, "records", None)
             timed, untimed = [], []
             for index in range(blocks):
                 order = (True, False) if index % 2 == 0 else (False, True)
@@ -99,7 +103,7 @@ def measure(library: str, layers: int, passes: int, blocks: int) -> dict[str, fl
         markers = 2 * layers
         return {"untimed_us": statistics.median(untimed), "timed_us": statistics.median(timed),
                 "extra_us": extra, "pass_us": pass_us, "per_marker_us": (extra - pass_us) / markers,
-                "markers": markers}
+                "markers": markers, "records": records}
     finally:
         timer.close(timeout=1.0)
 
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {round_index + 1}/{args.rounds}")
     medians = {tree: {field: rnd(statistics.median(r[field] for r in rounds), 2) for field in FIELDS}
                for tree, rounds in runs.items()}
+    for tree, rounds in runs.items():  # event records per timed pass (the same every round)
+        medians[tree]["records"] = rounds[0].get("records")
     report: dict = {"layers": args.layers, "passes": args.passes, "blocks": args.blocks,
                     "rounds": args.rounds, "markers": 2 * args.layers, "trees": medians}
     print(f"{'tree':<40} " + " ".join(f"{f:>14}" for f in FIELDS))

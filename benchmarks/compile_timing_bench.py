@@ -258,8 +258,16 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
         result["stray_marks"] = inst.compiled.stray_marks
         # the markers' path: one C call from the emitted code (RegionMarks, called directly) or not
+        # events per timed pass: recorded by the markers of the last one run from Python (default
+        # compile), event nodes in each captured timed graph (reduce-overhead); 2 per region where
+        # no two markers share one
+        shapes = getattr(inst.compiled, "_shapes", {}).values()
         result["markers"] = {"kind": type(inst.compiled.marks).__name__,
-                             "called_directly": fusion.calls_directly()}
+                             "called_directly": fusion.calls_directly(),
+                             "marker_calls_per_timed_pass": 2 * len(inst.compiled.names),
+                             "records_per_timed_pass": getattr(inst.compiled.marks, "records", None),
+                             "graph_event_nodes": sorted(getattr(g, "nodes", len(g.events)) for g in shapes
+                                                         if g.events)}
         result["fusion_analysis_failures"] = fusion.analysis_failures[0]
     inst.remove()
     timer.close()

@@ -55,3 +55,45 @@ def test_a_compiled_model_is_timed_without_graph_breaks(mode):
             assert shapes.events, "the timed CUDA graph holds no event nodes"
         assert timer.dropped["error"] == 0
         inst.remove()
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, d: int = 1024) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_compiled_chain_shares_one_event_per_boundary(mode):
+    """Layer i's end and layer i+1's start touch: N + 1 events (or event nodes) for N layers, every
+    layer still timed, and every pooled event back once."""
+    n = 4
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Layer() for _ in range(n))).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with Timer(CollectorRegistry(), sample_rate=1.0, calibrate_every=0) as timer, torch.no_grad():
+        compiled = torch.compile(model, mode=mode)
+        inst = timer.instrument(compiled, include=tuple(str(i) for i in range(n)))
+        records = []
+        for _ in range(12):
+            compiled(x)
+            records.append(inst.compiled.marks.records)
+            torch.cuda.synchronize()
+            assert timer.flush(30)
+        merged = inst.compiled.merged()
+        got = samples(timer)
+        if not merged:
+            assert all(got[str(i)] >= 8 for i in range(n)), got
+            if mode == "default":
+                assert records[-1] == n + 1, records
+            else:
+                shapes = next(iter(inst.compiled._shapes.values()))
+                assert shapes.nodes == n + 1, shapes.events
+        assert timer.dropped["error"] == 0
+        pool = timer.core.pools[timer.core.current_device()]
+        assert len({id(event) for event in pool}) == len(pool) == timer.core.pool_size
+        inst.remove()

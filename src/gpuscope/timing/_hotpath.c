@@ -1514,26 +1514,51 @@ static PyTypeObject SplitForwardType = {
 /* wrapper code calls the MarkTable directly at each marker (fusion.py rewrites the line it emits    */
 /* for the marker op), so a marker costs one C call: no op dispatch, no Python frame.                */
 
+/* Where two markers touch (no kernel emitted between them: compiled.py decides per graph), the later
+ * one records no event of its own but reuses the earlier one's. The earlier marker is always an end,
+ * so the shared event is the end of a queued pair, kept (END_KEEP / keep_end) until the later pair
+ * that uses it (as its end, or as its start) is read, exactly as a Sequence's boundary is. An action
+ * is (group, op) or (group, op, reuse_from, keep): ``reuse_from`` the slot (2 x index + is_end) whose
+ * event this marker reuses, or -1; ``keep`` whether a later marker reuses this end's event. */
+#define OWNED (-3)  /* a boundary or start event in no queued pair: ours to give back */
+
 typedef struct {
     PyObject_HEAD
     PyObject *hot;        /* the core's C HotPath */
-    PyObject *actions;    /* list, two per region (start, end): None, or (group, op) */
+    PyObject *actions;    /* list, two per region (start, end): None, or (group, op[, reuse_from, keep]) */
     PyObject *tokens;     /* list, one per region: the open start token of the group it roots, or None */
     PyObject *captured;   /* captured(index, is_end): a marker met while a CUDA graph is captured */
+    PyObject *bnd_event, *bnd_device, *bnd_stream;  /* the last end's event, kept for the next marker */
+    Py_ssize_t bnd_pos;   /* its pair's position (recycler's ring >= 0, Python ring -2) */
+    Py_ssize_t bnd_at;    /* the slot that recorded or last used it */
     unsigned long owner;  /* the thread whose pass is timed; 0 while none is */
-    long long eager_marks, stray_marks;
+    long long eager_marks, stray_marks, records;
 } RegionMarks;
 
 static PyTypeObject RegionMarksType;
 
-/* A start token that will never be ended: its event goes back to its free list (0, or -1). */
+/* Give back an event that is the end of the queued pair at ``pos`` (kept for a later pair that will
+ * not come) or, with ``pos`` OWNED, in no pair at all. 0, or -1 with a Python error. */
+static int release_event(HotPath *h, PyObject *event, PyObject *device, PyObject *stream, Py_ssize_t pos) {
+    if (pos == OWNED) return give_back(h, device, event);
+    if (pos >= 0 && h->recycler != NULL) return release_shared(h, event, device, (size_t)pos);
+    PyObject *item = pending(h, NULL, device, stream, event, NULL, NULL, NULL, 0);
+    return item == NULL ? -1 : ring_push(h, item);
+}
+
+/* Token of a start: (event, device, stream) recorded by it, or (event, device, stream, pos) reused
+ * from the end of the queued pair at ``pos``. */
+static Py_ssize_t token_pos(PyObject *token) {
+    if (PyTuple_GET_SIZE(token) != 4) return OWNED;
+    return PyLong_AsSsize_t(PyTuple_GET_ITEM(token, 3));
+}
+
+/* A start token that will never be ended: its event goes back (0, or -1). */
 static int drop_token(HotPath *h, PyObject *token) {
-    if (!PyTuple_CheckExact(token) || PyTuple_GET_SIZE(token) != 3) return 0;
-    PyObject *free = free_list(h, PyTuple_GET_ITEM(token, 1));
-    if (free == NULL) return -1;
-    int rc = PyList_Append(free, PyTuple_GET_ITEM(token, 0));
-    Py_DECREF(free);
-    return rc;
+    if (!PyTuple_CheckExact(token) || PyTuple_GET_SIZE(token) < 3) return 0;
+    Py_ssize_t pos = token_pos(token);
+    if (pos == -1 && PyErr_Occurred()) return -1;
+    return release_event(h, PyTuple_GET_ITEM(token, 0), PyTuple_GET_ITEM(token, 1), PyTuple_GET_ITEM(token, 2), pos);
 }
 
 /* Set tokens[group] to ``token`` (a new reference, stolen), giving back a start left open there. */
@@ -1542,6 +1567,93 @@ static int put_token(RegionMarks *m, Py_ssize_t group, PyObject *token) {
     PyList_SET_ITEM(m->tokens, group, token);
     int rc = is_none(old) ? 0 : drop_token((HotPath *)m->hot, old);
     Py_XDECREF(old);
+    return rc;
+}
+
+/* The kept boundary event, if any, given back (no marker will reuse it). 0, or -1. */
+static int release_boundary(RegionMarks *m) {
+    if (m->bnd_event == NULL) return 0;
+    PyObject *event = m->bnd_event, *device = m->bnd_device, *stream = m->bnd_stream;
+    m->bnd_event = m->bnd_device = m->bnd_stream = NULL;
+    int rc = release_event((HotPath *)m->hot, event, device, stream, m->bnd_pos);
+    Py_DECREF(event);
+    Py_DECREF(device);
+    Py_DECREF(stream);
+    return rc;
+}
+
+/* End a group: record its end (or reuse the kept boundary) and queue the pair, keeping the end for
+ * the next marker when ``keep``. Steals ``token``. 0, or -1 with a Python error. */
+static int marks_end(RegionMarks *m, PyObject *op, PyObject *token, Py_ssize_t at, int reuse, int keep) {
+    HotPath *h = (HotPath *)m->hot;
+    int rc = -1;
+    PyObject *end = NULL, *free = NULL;
+    Py_ssize_t end_pos = OWNED;
+    if (as_op_state(op, "end()") == NULL || !PyTuple_Check(token) || PyTuple_GET_SIZE(token) < 3) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "end(): not a start token");
+        drop_token(h, token);
+        Py_DECREF(token);
+        return -1;
+    }
+    PyObject *start = PyTuple_GET_ITEM(token, 0), *device = PyTuple_GET_ITEM(token, 1),
+             *stream = PyTuple_GET_ITEM(token, 2);
+    if (reuse && m->bnd_event != NULL) {
+        int same = PyObject_RichCompareBool(m->bnd_stream, stream, Py_EQ);
+        if (same < 0) goto done;
+        if (same > 0) same = PyObject_RichCompareBool(m->bnd_device, device, Py_EQ);
+        if (same < 0) goto done;
+        if (same > 0) {
+            end = m->bnd_event;
+            end_pos = m->bnd_pos;
+            Py_CLEAR(m->bnd_device);
+            Py_CLEAR(m->bnd_stream);
+            m->bnd_event = NULL;
+        }
+    }
+    if (release_boundary(m) < 0) goto done;
+    take_back(h);
+    free = PyDict_GetItemWithError(h->pools, device);
+    if (free == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, device);
+        goto done;
+    }
+    Py_INCREF(free);
+    Py_ssize_t waiting = queued(h, 0);
+    if (waiting < 0) goto done;
+    if (waiting >= h->ring_size || (end == NULL && PyList_GET_SIZE(free) == 0)) {
+        if (bump(h->dropped, waiting >= h->ring_size ? s_ring_full : s_pool_empty) < 0) goto done;
+        if (drop_token(h, token) < 0) goto done;
+        if (end != NULL && release_event(h, end, device, stream, end_pos) < 0) goto done;
+        rc = 0;
+        goto done;
+    }
+    if (end == NULL) {
+        if ((end = pop_event(free)) == NULL) goto done;
+        int err = record(h, end, stream);
+        if (err != 0) {
+            if (err > 0 && PyList_Append(free, end) == 0 && drop_token(h, token) == 0 && record_failed(h) == 0) rc = 0;
+            goto done;
+        }
+        m->records++;
+    }
+    PyObject *trace = trace_id(h);
+    if (trace == NULL) goto done;
+    Py_ssize_t position = queue_pair(h, op, device, stream, start, end, trace, NULL, keep);
+    Py_DECREF(trace);
+    if (position == -1) goto done;
+    if (keep) {
+        m->bnd_event = end;
+        end = NULL;
+        m->bnd_device = Py_NewRef(device);
+        m->bnd_stream = Py_NewRef(stream);
+        m->bnd_pos = position;
+        m->bnd_at = at;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(end);
+    Py_XDECREF(free);
+    Py_DECREF(token);
     return rc;
 }
 
@@ -1567,24 +1679,55 @@ static int marks_mark(RegionMarks *m, Py_ssize_t index, int is_end) {
     Py_ssize_t at = 2 * index + is_end;
     if (at < 0 || at >= PyList_GET_SIZE(m->actions)) return 0;
     PyObject *action = PyList_GET_ITEM(m->actions, at);
-    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 2) return 0;  /* inside a merged group */
+    Py_ssize_t size = PyTuple_Check(action) ? PyTuple_GET_SIZE(action) : 0;
+    if (size != 2 && size != 4) return 0;  /* inside a merged group */
     Py_ssize_t group = PyLong_AsSsize_t(PyTuple_GET_ITEM(action, 0));
     if (group == -1 && PyErr_Occurred()) return -1;
     if (group < 0 || group >= PyList_GET_SIZE(m->tokens)) return 0;
+    Py_ssize_t reuse_from = -1;
+    int keep = 0;
+    if (size == 4) {
+        reuse_from = PyLong_AsSsize_t(PyTuple_GET_ITEM(action, 2));
+        keep = PyObject_IsTrue(PyTuple_GET_ITEM(action, 3));
+        if ((reuse_from == -1 && PyErr_Occurred()) || keep < 0) return -1;
+    }
+    /* the kept event serves this marker only if the marker that kept it ran last */
+    int reuse = reuse_from >= 0 && m->bnd_event != NULL && m->bnd_at == reuse_from;
+    if (!reuse && release_boundary(m) < 0) return -1;
     if (!is_end) {
-        PyObject *token = HotPath_record_start(h, NULL);
-        return token == NULL ? -1 : put_token(m, group, token);
+        PyObject *token;
+        if (reuse) {
+            PyObject *pos = PyLong_FromSsize_t(m->bnd_pos);
+            if (pos == NULL) return -1;
+            token = PyTuple_Pack(4, m->bnd_event, m->bnd_device, m->bnd_stream, pos);
+            Py_DECREF(pos);
+            if (token == NULL) return -1;
+            Py_CLEAR(m->bnd_event);
+            Py_CLEAR(m->bnd_device);
+            Py_CLEAR(m->bnd_stream);
+        } else {
+            token = HotPath_record_start(h, NULL);
+            if (token == NULL) return -1;
+            if (PyTuple_Check(token)) m->records++;
+        }
+        return put_token(m, group, token);
     }
     PyObject *token = PyList_GET_ITEM(m->tokens, group);
-    if (is_none(token)) return 0;
+    if (is_none(token)) return release_boundary(m);
     PyList_SET_ITEM(m->tokens, group, Py_NewRef(Py_None));  /* the list's reference is ours now */
     Py_INCREF(action);  /* the op stays alive while end() may run Python */
-    PyObject *end_args[3] = {PyTuple_GET_ITEM(action, 1), token, Py_None};
-    PyObject *ended = HotPath_end(h, end_args, 3);
-    Py_XDECREF(ended);
+    int rc;
+    if ((PyObject *)Py_TYPE(token) == h->graph_token_type) {  /* a captured region's (graphs.py) */
+        PyObject *end_args[3] = {PyTuple_GET_ITEM(action, 1), token, Py_None};
+        PyObject *ended = HotPath_end(h, end_args, 3);
+        Py_XDECREF(ended);
+        Py_DECREF(token);
+        rc = ended == NULL ? -1 : 0;
+    } else {
+        rc = marks_end(m, PyTuple_GET_ITEM(action, 1), token, at, reuse, keep);
+    }
     Py_DECREF(action);
-    Py_DECREF(token);
-    return ended == NULL ? -1 : 0;
+    return rc;
 }
 
 static PyObject *RegionMarks_mark(RegionMarks *m, PyObject *const *args, Py_ssize_t nargs) {
@@ -1598,13 +1741,15 @@ static PyObject *RegionMarks_mark(RegionMarks *m, PyObject *const *args, Py_ssiz
     return marks_mark(m, index, is_end) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
-/* Starts left open by the last pass give their events back (a pass that raised half-way). */
+/* Starts left open by the last pass, and a boundary kept for a marker that never ran, give their
+ * events back (a pass that raised half-way). */
 static int clear_tokens(RegionMarks *m) {
     int rc = 0;
     if (m->tokens == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "RegionMarks: not initialised");
         return -1;
     }
+    if (release_boundary(m) < 0) rc = -1;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(m->tokens); i++)
         if (!is_none(PyList_GET_ITEM(m->tokens, i)) && put_token(m, i, Py_NewRef(Py_None)) < 0) rc = -1;
     return rc;
@@ -1613,6 +1758,7 @@ static int clear_tokens(RegionMarks *m) {
 static PyObject *RegionMarks_arm(RegionMarks *m, PyObject *Py_UNUSED(ignored)) {
     m->owner = PyThread_get_thread_ident();
     m->eager_marks = 0;
+    m->records = 0;
     return clear_tokens(m) < 0 ? NULL : Py_NewRef(Py_None);
 }
 
@@ -1664,7 +1810,7 @@ static PyObject *RegionMarks_get_armed(RegionMarks *m, void *Py_UNUSED(closure))
     return PyBool_FromLong(m->owner != 0);
 }
 
-#define REGION_MARKS_OBJECTS(X) X(hot) X(actions) X(tokens) X(captured)
+#define REGION_MARKS_OBJECTS(X) X(hot) X(actions) X(tokens) X(captured) X(bnd_event) X(bnd_device) X(bnd_stream)
 GC_FUNCTIONS(RegionMarks, REGION_MARKS_OBJECTS)
 
 static PyMethodDef RegionMarks_methods[] = {
@@ -1680,11 +1826,14 @@ static PyMemberDef RegionMarks_members[] = {
      "markers of the armed pass that ran from Python (not captured into a CUDA graph)"},
     {"stray_marks", T_LONGLONG, offsetof(RegionMarks, stray_marks), 0,
      "markers reached from a thread whose pass is not timed (ignored)"},
+    {"records", T_LONGLONG, offsetof(RegionMarks, records), 0,
+     "events recorded by the markers of the armed pass (a marker that reuses its neighbour's records none)"},
     {NULL}};
 
 static PyGetSetDef RegionMarks_getset[] = {
     {"actions", (getter)RegionMarks_get_actions, (setter)RegionMarks_set_actions,
-     "two per region (start, end): None (inside a merged group) or (group, op)", NULL},
+     "two per region (start, end): None (inside a merged group), (group, op) or (group, op, reuse_from, "
+     "keep)", NULL},
     {"armed", (getter)RegionMarks_get_armed, NULL, "whether a timed pass is running", NULL},
     {NULL}};
 

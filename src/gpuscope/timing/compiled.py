@@ -24,12 +24,18 @@ became a graph break (and, under ``mode="reduce-overhead"``, a split CUDA graph)
   re-records it on the GPU with no Python. After a timed call whose graph was replayed, ``pass_call``
   records a fence; the resolver reads the pairs once it completes and only then lets the timed graph
   run again (meanwhile sampled passes run untimed and count ``graph_busy``).
+- **Markers that touch share one event.** Where no kernel is emitted between two markers (a region's
+  end and the next region's start, a nested region's end and its parent's), decided per graph from
+  the positions fusion.py reports (``_touching``), the later marker reuses the earlier one's event:
+  on the default-compile path only after an end (its event is kept, ``keep_end``, for the pair that
+  reuses it, as a sequence's boundary is: hot.py), under capture after any marker (one event node).
 
 Per pass that is not timed: one Python frame, a countdown and the dynamo guard on ``timed``.
 A timed pass costs two marker calls per region from Inductor's Python wrapper code (default compile;
 with the C extension each is one C call, ``region_mark``, which the emitted code calls directly:
-``fusion.call_directly``) or two event nodes per region on the GPU (reduce-overhead); the overhead
-budget sets how often (``budget.py``).
+``fusion.call_directly``) and up to two event records per region (N + 1 for a chain of N regions
+that touch), or up to two event nodes per region on the GPU (reduce-overhead); the overhead budget
+sets how often (``budget.py``).
 
 One thread at a time per compiled model: markers run only for the thread whose pass is timed (a
 marker reached from another thread is counted in ``stray_marks`` and does nothing).
@@ -37,6 +43,7 @@ marker reached from another thread is counted in ``stray_marks`` and does nothin
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -57,6 +64,9 @@ MARK_OP_NAME = "gpuscope::region_mark"
 #: Input shapes whose timed graphs get their own preallocated event nodes (a model served at a
 #: handful of batch sizes has a handful); passes of further shapes run untimed under CUDA graphs.
 MAX_GRAPH_SHAPES = 16
+#: Graphs whose marker layouts a compiled model follows to decide which markers share an event;
+#: past that (a model recompiled for many shapes) no marker shares.
+MAX_LAYOUTS = 64
 #: Timed calls of a new input shape compiled with Inductor's caches off: a graph loaded from a
 #: cache skips the code generation where region merges are checked (fusion.py).
 UNCACHED_TIMED_CALLS = 3
@@ -147,8 +157,20 @@ def _on_graph(starts: dict[int, int], ends: dict[int, int], kernels: list[fusion
         for r, (regions, index, _) in members:
             if r in starts and r in ends:
                 positions.setdefault(id(regions), {})[index] = (starts[r], ends[r])
+    # where each marker sits: (emission position, kernels emitted before it); two markers with
+    # the same count have no kernel between them and may share one event
+    kernel_positions = sorted(k.position for k in kernels)
+    layouts: dict[int, dict[tuple[int, int], tuple[int, int]]] = {}
+    # none where a region misses a marker (e.g. after a failed analysis: fusion._markers_only)
+    complete = starts.keys() == ends.keys()
+    for is_end, where in ((0, starts), (1, ends)) if complete else ():
+        for r, position in where.items():
+            entry = _regions[r] if r < len(_regions) else None
+            if entry is not None:
+                layouts.setdefault(id(entry[0]), {})[(entry[1], is_end)] = (
+                    position, bisect.bisect_left(kernel_positions, position))
     for key, (owner, owner_groups) in by_owner.items():
-        owner.add_graph(owner_groups, positions.get(key, {}))
+        owner.add_graph(owner_groups, positions.get(key, {}), layouts.get(key))
 
 
 # --- which callable is the compiled one ---------------------------------------------------------
@@ -283,22 +305,39 @@ class ShapeGraphs:
         self.recorder = GraphRecorder(regions.core, device, 2 * len(regions.names) + 2)
         self.replay = GraphReplay(self, self.recorder, None, None)
         self.events: dict[tuple[int, int], Any] = {}  # (index, is_end) → event node
+        self.last: tuple[tuple[int, int], int, Any] | None = None  # the last marker met, its stream and node
         self.calls = 0
         self.replays = self.counted_replays = 0  # entered counts are kept by pass_call
         self.baseline_s: float | None = None
         self.retired: list[GraphRecorder] = []
 
     def take(self, index: int, is_end: int, stream: int) -> None:
-        """A marker met while its graph is captured: an event node for this (index, end)."""
-        if (index, is_end) in self.events:
+        """A marker met while its graph is captured: an event node for this (index, end), or the
+        node of the marker just before it where no kernel lies between them (``capture_reuse``)."""
+        key = (index, is_end)
+        if key in self.events:
             # re-captured (CUDA graph trees record again, e.g. after a new path): fresh events
             self.retired.append(self.recorder)
             self.recorder = GraphRecorder(self.regions.core, self.recorder.device, len(self.recorder.events))
             self.replay = GraphReplay(self, self.recorder, None, None)
             self.events = {}
+            self.last = None
+        last = self.last
+        if last is not None and self.regions.capture_reuse.get(key) == last[0] and last[1] == stream:
+            self.events[key] = last[2]
+            self.last = (key, stream, last[2])
+            return
         event = self.recorder.take(stream)
         if event is not None:
-            self.events[(index, is_end)] = event
+            self.events[key] = event
+            self.last = (key, stream, event)
+        else:
+            self.last = None
+
+    @property
+    def nodes(self) -> int:
+        """Event-record nodes in the captured timed graph."""
+        return len({id(event) for event in self.events.values()})
 
     def pairs(self) -> list[tuple[Any, Any, Any]]:
         events, out = self.events, []
@@ -341,6 +380,11 @@ class CompiledRegions:
         self._groups: dict[int, list[int]] = {i: [i] for i in range(len(names))}
         self._merged_ops: dict[tuple[int, ...], Any] = {}
         self._positions: dict[int, tuple[int, int]] = {}  # index → (start, end) emission positions
+        #: per graph analysed: (index, is_end) → (emission position, kernels emitted before it)
+        self._layouts: dict[tuple, dict[tuple[int, int], tuple[int, int]]] = {}
+        self._layouts_full = False
+        #: (index, is_end) → the marker whose event it reuses under CUDA graph capture
+        self.capture_reuse: dict[tuple[int, int], tuple[int, int]] = {}
         self.graphs_checked = 0
         self._bounds: list[tuple[int, int, Any]] = []
         self._rebuild()
@@ -350,13 +394,23 @@ class CompiledRegions:
 
     # groups ------------------------------------------------------------------------------------
 
-    def add_graph(self, groups: list[list[int]], positions: dict[int, tuple[int, int]] | None = None) -> None:
-        """fusion.py's groups for one graph (indices of this instrumentation) and where each region's
-        markers were emitted. Merges are sticky: a region merged in any graph of this model stays
+    def add_graph(self, groups: list[list[int]], positions: dict[int, tuple[int, int]] | None = None,
+                  layout: dict[tuple[int, int], tuple[int, int]] | None = None) -> None:
+        """fusion.py's groups for one graph (indices of this instrumentation), where each region's
+        markers were emitted and, per marker (index, is_end), its (emission position, kernels emitted
+        before it) in that graph. Merges are sticky: a region merged in any graph of this model stays
         merged in all of them."""
         self.graphs_checked += 1
         self._positions.update(positions or {})
         changed = bool(positions) and any(len(g) > 1 for g in self._groups.values())
+        if layout:
+            key = tuple(sorted(layout.items()))
+            if key not in self._layouts and len(self._layouts) < MAX_LAYOUTS:
+                self._layouts[key] = layout
+                changed = True
+            elif key not in self._layouts:  # too many graphs to follow: no marker shares any more
+                self._layouts_full = True
+                changed = True
         for group in groups:
             roots = {self._find(i) for i in group}
             if len(roots) > 1:
@@ -394,7 +448,50 @@ class CompiledRegions:
             actions[2 * last + 1] = (root, op)
             bounds.append((first, last, op))
         self._bounds = bounds
+        # markers that touch share one event: on the eager path a marker reuses the event of the
+        # end just before it (an end's event can be kept for the next pair, as a sequence's
+        # boundary is); under capture any marker reuses its neighbour's node
+        eager = self._touching([slot for slot, action in enumerate(actions) if action is not None], True)
+        if eager:
+            kept = set(eager.values())
+            actions = [None if action is None else (*action, eager.get(slot, -1), slot in kept)
+                       for slot, action in enumerate(actions)]
+        captured = self._touching(list(range(2 * len(self.names))), False)
+        self.capture_reuse = {(slot >> 1, slot & 1): (previous >> 1, previous & 1)
+                              for slot, previous in captured.items()}
         self.marks.actions = actions
+
+    def _touching(self, slots: list[int], after_end_only: bool) -> dict[int, int]:
+        """slot → the slot just before it (of ``slots``, in emission order) with no kernel emitted
+        between them, where that holds in every analysed graph holding the slot (a slot that has no
+        such neighbour in one graph shares in none). ``after_end_only``: the earlier one must be an
+        end."""
+        if self._layouts_full:
+            return {}
+        wanted = set(slots)
+        found: dict[int, int | None] = {}
+        for layout in self._layouts.values():
+            here = sorted(((position, seg, 2 * index + is_end) for (index, is_end), (position, seg)
+                           in layout.items() if 2 * index + is_end in wanted))
+            previous = None
+            for position, seg, slot in here:
+                candidate = None
+                if previous is not None and previous[1] == seg and (not after_end_only or previous[2] & 1):
+                    candidate = previous[2]
+                if found.get(slot, candidate) != candidate:
+                    candidate = None
+                found[slot] = candidate
+                previous = (position, seg, slot)
+        shared = {slot: previous for slot, previous in found.items() if previous is not None}
+        # an event serves at most two markers in a row on the eager path: a reused end may be kept
+        # again for the next marker (a chain of ends, then a start), never two reusers of one event
+        users: dict[int, int] = {}
+        for slot, previous in sorted(shared.items()):
+            if previous in users:
+                del shared[slot]
+            else:
+                users[previous] = slot
+        return shared
 
     def _merged_op(self, members: list[int]) -> Any:
         key = tuple(members)

@@ -211,18 +211,30 @@ class PyRegionMarks:
     """The markers of one compiled model (``compiled.py``), in Python: what a marker in the compiled
     code does (``mark``) and the timed pass around them (``arm``/``disarm``). The C version
     (``_hotpath.RegionMarks``) does the same steps; Inductor's code calls it through
-    ``_hotpath.MarkTable`` with no Python frame."""
+    ``_hotpath.MarkTable`` with no Python frame.
+
+    Where two markers touch (no kernel emitted between them), the later one reuses the earlier
+    one's event: an action ``(group, op, reuse_from, keep)`` names the slot (2 × index + is_end)
+    whose event it reuses (-1: none) and whether a later marker reuses this end's event. The earlier
+    marker is always an end, so the shared event is the end of a queued pair kept (``keep_end``)
+    until the later pair that uses it is read, as a sequence's boundary is; a kept event no marker
+    takes goes back in order (a pair without an op on the ring)."""
 
     def __init__(self, hot: Any, regions: int, captured: Any) -> None:
         self.hot = hot
         self.core = hot.core
-        #: two per region (start, end): None (inside a merged group) or (group, op)
+        #: two per region (start, end): None (inside a merged group), (group, op) or
+        #: (group, op, reuse_from, keep)
         self.actions: list[Any] = [None] * (2 * regions)
-        self.tokens: list[Any] = [None] * regions  # the open start of each group, by its root region
+        #: the open start of each group, by its root region: (event, device, stream) recorded by
+        #: it, or (event, device, stream, shared) reused from a queued pair's end
+        self.tokens: list[Any] = [None] * regions
         self.captured = captured
         self.owner: int | None = None
         self.eager_marks = 0
         self.stray_marks = 0
+        self.records = 0  # events recorded by the armed pass's markers
+        self._boundary: tuple[Any, int, Any, int] | None = None  # (event, device, stream, kept by slot)
 
     @property
     def armed(self) -> bool:
@@ -237,27 +249,90 @@ class PyRegionMarks:
             self.captured(index, is_end)
             return
         self.eager_marks += 1
-        action = self.actions[2 * index + is_end]
+        at = 2 * index + is_end
+        action = self.actions[at]
         if action is None:  # inside a merged group
             return
-        group, op = action
+        group, op = action[0], action[1]
+        reuse_from, keep = (action[2], action[3]) if len(action) == 4 else (-1, False)
+        boundary = self._boundary
+        reuse = boundary is not None and reuse_from >= 0 and boundary[3] == reuse_from
+        if boundary is not None and not reuse:
+            self._release_boundary()
         tokens = self.tokens
         if not is_end:
-            self._put(group, core.record_start())
+            if reuse:
+                self._boundary = None
+                self._put(group, (*boundary[:3], True))
+                return
+            token = core.record_start()
+            if token.__class__ is tuple:
+                self.records += 1
+            self._put(group, token)
             return
         token = tokens[group]
-        if token is not None:
-            tokens[group] = None
+        if token is None:
+            self._release_boundary()
+            return
+        tokens[group] = None
+        if token.__class__ is not tuple:  # a captured region's token (graphs.py)
             core.end(op, token, None)
+            return
+        self._end(op, token, at, reuse, keep)
+
+    def _end(self, op: Any, token: tuple, at: int, reuse: bool, keep: bool) -> None:
+        hot = self.hot
+        start, device, stream = token[0], token[1], token[2]
+        end = None
+        boundary = self._boundary
+        if reuse and boundary is not None and boundary[1] == device and boundary[2] == stream:
+            end, self._boundary = boundary[0], None
+        self._release_boundary()
+        free = hot.pools[device]
+        if len(hot.ring) >= hot.ring_size or (end is None and not free):
+            hot.dropped["ring_full" if len(hot.ring) >= hot.ring_size else "pool_empty"] += 1
+            self._drop(token)
+            if end is not None:
+                self._release(end, device, stream, True)
+            return
+        if end is None:
+            end = free.pop()
+            if hot.record(end, stream):
+                free.append(end)
+                self._drop(token)
+                self.core.record_failed()
+                return
+            self.records += 1
+        hot.ring.append(hot.pending_type(op, device, stream, start, end, hot.trace_id(), None, keep))
+        if keep:
+            self._boundary = (end, device, stream, at)
+
+    def _release(self, event: Any, device: int, stream: Any, shared: bool) -> None:
+        """Give back an event: at once, or when it is a queued pair's kept end, once that pair is
+        read (a pair without an op releases it in order)."""
+        hot = self.hot
+        if shared:
+            hot.ring.append(hot.pending_type(None, device, stream, event, None, None, None, False))
+        else:
+            hot.free_list(device).append(event)
+
+    def _release_boundary(self) -> None:
+        boundary, self._boundary = self._boundary, None
+        if boundary is not None:
+            self._release(boundary[0], boundary[1], boundary[2], True)
+
+    def _drop(self, token: tuple) -> None:
+        self._release(token[0], token[1], token[2], len(token) == 4)
 
     def _put(self, group: int, token: Any) -> None:
         old, self.tokens[group] = self.tokens[group], token
         if old.__class__ is tuple:  # a start that never ended (a pass that raised half-way)
-            self.hot.free_list(old[1]).append(old[0])
+            self._drop(old)
 
     def arm(self) -> None:
         self.owner = threading.get_ident()
         self.eager_marks = 0
+        self.records = 0
         self._clear()
 
     def disarm(self) -> None:
@@ -265,6 +340,7 @@ class PyRegionMarks:
         self._clear()
 
     def _clear(self) -> None:
+        self._release_boundary()
         for group, token in enumerate(self.tokens):
             if token is not None:
                 self._put(group, None)
