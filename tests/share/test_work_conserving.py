@@ -69,6 +69,9 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
     assert 0 < shown["gpuscope_share_lent_turns"] <= c.stats.lends  # /metrics shows them
     assert 0 < shown["gpuscope_share_reclaimed_turns"] <= c.stats.reclaims
     if handover == Handover.DRAIN:  # exact charges (overlapping hand-overs split concurrent time evenly)
-        # charged its kernels' time, not the host work between them: 3 ms a step
+        # charged its kernels' time, not the host work between them. A step is 3 ms of kernels and
+        # 3 ms on the host, so charging the host work too reads about twice the kernels' time; the
+        # bounds sit between the two, with room for a busy machine descheduling the fake GPU's
+        # tenants inside a window (that time reads as GPU time, as on a real host it would not)
         gpu_s = steps * BURST * KERNEL_US / 1e6
-        assert c.stats.charged_s["train"] == pytest.approx(gpu_s, rel=0.3)
+        assert 0.7 * gpu_s <= c.stats.charged_s["train"] <= 1.55 * gpu_s, (c.stats.charged_s, gpu_s)
