@@ -31,12 +31,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from benchlib import logger, rnd, write_json
-from timer_cpu_bench import build_fake_cuda, fake_route, package_root
+from timer_cpu_bench import fake_route, measure_trees, package_root
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("untimed_us", "timed_us", "extra_us", "pass_us", "per_marker_us")
@@ -136,17 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args.library, args.layers, args.passes, args.blocks)))
         return 0
-    trees = [tree.resolve() for tree in args.tree or [ROOT]]
-    for tree in trees:
-        if package_root(tree) is None:
-            parser.error(f"--tree {tree}: not a gpuscope source tree (no src/ or exporter/ gpuscope/timing)")
-    with tempfile.TemporaryDirectory() as folder:
-        library = build_fake_cuda(folder)
-        runs: dict[str, list[dict]] = {str(tree): [] for tree in trees}
-        for round_index in range(args.rounds):
-            for tree in trees if round_index % 2 == 0 else trees[::-1]:
-                runs[str(tree)].append(run_tree(tree, args, library))
-            log(f"round {round_index + 1}/{args.rounds}")
+    runs = measure_trees(parser, args.tree, args.rounds,
+                         lambda tree, library: run_tree(tree, args, library), log)
+    trees = list(runs)  # as given, the first the old one when two are compared
     medians = {tree: {field: rnd(statistics.median(r[field] for r in rounds), 2) for field in FIELDS}
                for tree, rounds in runs.items()}
     for tree, rounds in runs.items():  # event records per timed pass (the same every round)
@@ -157,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for tree, figures in report["trees"].items():
         print(f"{tree[-40:]:<40} " + " ".join(f"{figures[f]:>14}" for f in FIELDS))
     if len(trees) == 2:
-        old, new = (report["trees"][str(tree)] for tree in trees)
+        old, new = (report["trees"][tree] for tree in trees)
         report["new_over_old"] = {f: rnd(new[f] / old[f], 3) if old[f] else None
                                   for f in ("extra_us", "per_marker_us")}
         print("new / old:", json.dumps(report["new_over_old"]))

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchlib import logger, rnd, write_json
@@ -179,6 +180,24 @@ def package_root(tree: Path) -> Path | None:
     return next((root for root in roots if (root / "gpuscope" / "timing").is_dir()), None)
 
 
+def measure_trees(parser: argparse.ArgumentParser, tree_args: list[Path] | None, rounds: int,
+                  run: Callable[[Path, str], dict], log: Callable[[str], None]) -> dict[str, list[dict]]:
+    """``run(tree, fake_library)`` for each source tree (default: this one), ``rounds`` times, the
+    trees' order alternating each round (the shared host's speed drifts between rounds)."""
+    trees = [tree.resolve() for tree in tree_args or [ROOT]]
+    for tree in trees:
+        if package_root(tree) is None:
+            parser.error(f"--tree {tree}: not a gpuscope source tree (no src/ or exporter/ gpuscope/timing)")
+    with tempfile.TemporaryDirectory() as folder:
+        library = build_fake_cuda(folder)
+        runs: dict[str, list[dict]] = {str(tree): [] for tree in trees}
+        for round_index in range(rounds):
+            for tree in trees if round_index % 2 == 0 else trees[::-1]:
+                runs[str(tree)].append(run(tree, library))
+            log(f"round {round_index + 1}/{rounds}")
+    return runs
+
+
 def run_tree(tree: Path, args: argparse.Namespace, library: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(package_root(tree))}
     command = [sys.executable, __file__, "--child", "--library", library, "--regions", str(args.regions),
@@ -210,17 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds, --regions and --block must be positive, and --regions at least --block")
     if args.child:
         return child(args)
-    trees = [tree.resolve() for tree in args.tree or [ROOT]]
-    for tree in trees:
-        if package_root(tree) is None:
-            parser.error(f"--tree {tree}: not a gpuscope source tree (no src/ or exporter/ gpuscope/timing)")
-    with tempfile.TemporaryDirectory() as folder:
-        library = build_fake_cuda(folder)
-        runs: dict[str, list[dict]] = {str(tree): [] for tree in trees}
-        for round_index in range(args.rounds):
-            for tree in trees if round_index % 2 == 0 else trees[::-1]:
-                runs[str(tree)].append(run_tree(tree, args, library))
-            log(f"round {round_index + 1}/{args.rounds}")
+    runs = measure_trees(parser, args.tree, args.rounds,
+                         lambda tree, library: run_tree(tree, args, library), log)
+    trees = list(runs)  # as given, the first the old one when two are compared
     report: dict = {"regions": args.regions, "block": args.block, "rounds": args.rounds, "trees": {}}
     for tree, rounds in runs.items():
         report["trees"][tree] = {path: {field: rnd(statistics.median(r[path][field] for r in rounds), 1)
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, figures in paths.items():
             print(f"{tree[-40:]:<40} {path:<15} " + " ".join(f"{figures[f]:>12}" for f in FIELDS))
     if len(trees) == 2:
-        old, new = (report["trees"][str(tree)] for tree in trees)
+        old, new = (report["trees"][tree] for tree in trees)
         report["new_over_old"] = {path: {f: rnd(new[path][f] / old[path][f], 3) if old[path][f] else None
                                          for f in ("hot_ns", "resolve_ns", "total_ns")}
                                   for path in new if path in old}
