@@ -9,8 +9,8 @@
 #     local wheel where the machine has one, else from torch's CPU index, so pip does not fetch a
 #     multi-GB CUDA build) and gpuscope with its extras;
 #   - npm packages for the LogQL syntax check;
-# then ruff, and pytest (GPU tests skip without a GPU; distro-binary tests fail instead of skipping
-# when GPUSCOPE_STRICT=1).
+# then ruff, and pytest in two worker processes (GPU tests skip without a GPU; distro-binary tests
+# fail instead of skipping when GPUSCOPE_STRICT=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,4 +68,7 @@ step "ruff"
 .venv/bin/ruff check .
 
 step "pytest"
-exec .venv/bin/python -m pytest "$@"
+# Two worker processes (pytest-xdist): most long tests wait on the services they start, so the other
+# worker runs tests meanwhile. A file's tests stay in one worker (its module fixtures start once), and
+# files with slow or distro-binary tests go first (tests/conftest.py). A later `-n 0` runs in one process.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

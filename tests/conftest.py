@@ -28,7 +28,22 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        # A worker of `pytest -n` (scripts/test.sh, which hands out whole files: a module's fixture, a
+        # fleet or a server, is started once). Files that start real services (slow tests, mostly
+        # waiting) or distro binaries (promtool, the longest fixtures) go first, so that they overlap
+        # the rest instead of ending the run. Every worker sorts alike; a file keeps its own order.
+        def rank(item: pytest.Item) -> int:
+            return 0 if module_of(item) in slow else 1 if module_of(item) in distro else 2
+
+        slow = {module_of(item) for item in items if "slow" in item.keywords}
+        distro = {module_of(item) for item in items if "distro" in item.keywords}
+        items.sort(key=rank)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run the gpu-marked tests on a GPU host)")

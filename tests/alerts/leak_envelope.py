@@ -108,7 +108,7 @@ def _first_page(leak: Leak, profile: str) -> float | None:
     p = next(x for x in PROFILES if x.name == profile)
     root = Path(__file__).resolve().parent / "cases"
     folder = root / "test-profile" if profile == "test" else root
-    with tempfile.NamedTemporaryFile("w", suffix=".test.yml", dir=folder, delete=True) as fh:
+    with tempfile.NamedTemporaryFile("w", suffix=".leak.yml", dir=folder, delete=True) as fh:
         fh.write(render([leak], profile))
         fh.flush()
         result = subprocess.run(["promtool", "test", "rules", Path(fh.name).name], cwd=folder,

@@ -85,6 +85,7 @@ def unit_test_runs(request: pytest.FixtureRequest) -> dict[Path, tuple[int | Non
 
 
 @pytest.mark.distro
+@pytest.mark.timeout(900)  # the first one waits for every promtool run, beside other tests under `pytest -n`
 @pytest.mark.parametrize("path", UNIT_TESTS + TEST_PROFILE_CASES,
                          ids=lambda p: p.relative_to(p.parents[1]).as_posix())
 def test_promtool_unit_tests(path: Path, unit_test_runs) -> None:
@@ -267,6 +268,7 @@ def covered_pages(request: pytest.FixtureRequest) -> dict[str, float | None]:
     return leak_envelope.first_pages(leaks)
 
 
+@pytest.mark.timeout(900)  # the first one waits for every promtool run, beside other tests under `pytest -n`
 @pytest.mark.parametrize("leak", leak_envelope.COVERED, ids=lambda leak: leak.name)
 def test_covered_linear_leaks_page_five_minutes_before_exhaustion(leak, covered_pages) -> None:
     """The production rules under promtool: each leak of the envelope pages with the lead to spare
