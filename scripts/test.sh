@@ -18,7 +18,7 @@ step() { printf '\n==> %s\n' "$*"; }
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   need=()
-  for pair in prometheus:prometheus promtool:prometheus alertmanager:prometheus-alertmanager \
+  for pair in prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
               amtool:prometheus-alertmanager prometheus-node-exporter:prometheus-node-exporter \
               docker-compose:docker-compose node:nodejs npm:npm victoria-metrics:victoria-metrics \
               vmagent:victoria-metrics vmalert:victoria-metrics openssl:openssl; do
