@@ -11,7 +11,6 @@ import select
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -327,7 +326,8 @@ def run_ranks(fake_cuda, tmp_path, gang: bool) -> tuple[list[float], Node]:
                        FAKE_CUDA_DEVICE=str(device), WORKLOAD_BURST="8", WORKLOAD_KERNEL_US="500")
             procs.append(subprocess.Popen([sys.executable, str(HERE / "workload.py"), "busy", "60"], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        time.sleep(0.3)  # the hogs first: shares bind on both GPUs when the ranks start
+        # the hogs first, joined on both GPUs: shares bind on each as soon as a rank launches there
+        wait_for(lambda: all(c.procs for c in node.controllers), what="the hogs to join both GPUs")
         for device in (0, 1):
             env = child_env(fake_cuda, os.devnull, tenant="train", ledger=prefix)
             env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(tmp / "gpu"),
