@@ -292,3 +292,40 @@ def test_regions_fused_by_inductor_are_reported_merged_and_never_apart(make_time
     else:  # kept apart: every kernel of each region lies between its own markers
         assert merged == []
         assert names["a"] == 3 and names["b"] == 3
+
+
+@needs_compiler
+def test_every_pass_sampled_times_every_pass_and_measures_its_cost_one_in_eight(make_timer):
+    # The pass wrapper reads the thread clock around a sampled pass only every 8th pass when every
+    # pass is sampled; the regions are timed on every one of them all the same.
+    timer = make_timer(sample_rate=1.0)
+    torch._dynamo.reset()
+    _, compiled, inst = compiled_and_instrumented("compile, then instrument", timer)
+    x = torch.randn(4, 32)
+    passes = 3 + 40  # the first three compile, with their caches off, and are never measured
+    with torch.no_grad():
+        for _ in range(passes):
+            compiled(x)
+    assert inst.sampled_passes == passes
+    assert inst.cost.n_sampled == 40 // 8
+    timed = counts(timer)
+    groups = inst.compiled.merged()
+    for name in OPS:
+        if not any(name in group for group in groups):
+            assert timed[name] == passes, name
+    assert sum(timer.core.dropped.values()) == 0
+    pool = timer.core.pools[timer.core.current_device()]
+    assert len({id(event) for event in pool}) == len(pool) == timer.core.pool_size  # every event back, once
+
+
+@needs_compiler
+def test_at_the_budget_s_periods_every_sampled_pass_is_measured(make_timer):
+    timer = make_timer(sample_rate=1 / 8)
+    torch._dynamo.reset()
+    _, compiled, inst = compiled_and_instrumented("compile, then instrument", timer)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for _ in range(8 * 10):
+            compiled(x)
+    assert inst.sampled_passes == 10
+    assert inst.cost.n_sampled == 10 - 3  # all but the three that compile
