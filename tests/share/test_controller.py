@@ -130,9 +130,13 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
             # probe on a busy machine may see none of its launches, 2 ms apart when sleeps keep time:
             # probes come every second, and their running estimate takes the next one that does)
             wait_for(lambda: c.prober.busy_ratio.get(1, 0.0) > 0, what="a probe's busy fraction")
-            assert c.stats.probes >= 1 and c.policy.busy_mask == 0  # the probe is over
+            assert c.stats.probes >= 1
             # 5 µs kernels about 2 ms apart (sleeps overshoot on a busy machine): about 0.25% busy
             assert c.prober.busy_ratio[1] < 0.01
+            # the hog is probed too (one tenant a probe, with online running beside it): it keeps the
+            # GPU busy, so it takes turns and never runs beside
+            wait_for(lambda: 0 in c.prober.busy_ratio, what="the hog's probe")
+            assert c.prober.busy_ratio[0] > 0.5 and 0 not in c.beside
             for p in (hog, online):
                 _, err = p.communicate(timeout=30)
                 assert p.returncode == 0 and err == ""
@@ -146,9 +150,10 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
         assert sum(c.stats.charged_s.values()) <= wall
         online_counters = c.stats.departed["online"]
         assert online_counters["launches"] > 0 and online_counters["waits"] == 0  # never held at the gate
-        # only the probes timed its launches one by one; the holder was never timed that way
+        # only the probes timed its launches one by one, and the holder's only in its own probes
         assert 0 < online_counters["busy_launches"] < online_counters["launches"]
-        assert c.stats.departed["batch"]["busy_launches"] == 0
+        batch_counters = c.stats.departed["batch"]
+        assert 0 < batch_counters["busy_launches"] < batch_counters["launches"]
         # charged its measured busy fraction of the time it ran beside, not the gaps between kernels
         assert 0 < c.stats.charged_s["online"] <= 0.01 * wall
         assert c.stats.charged_s["batch"] > c.stats.charged_s["online"]

@@ -52,7 +52,7 @@ def test_higher_priority_tenants_within_their_share_run_beside_the_holder():
                         TenantPolicy("batch", 0.2, 0)])
     assert s.beside({0}) == set() and s.beside({1}) == set()  # alone: nothing to run beside
     assert s.beside({0, 1}) == {1}
-    assert s.beside({0, 2}) == set()  # equal priorities take turns in slices
+    assert s.beside({0, 2}) == set()  # equal priorities, never probed: they take turns in slices
     s.charge(0, 0.09, 0.0)
     s.charge(1, 0.01, 0.0)  # a latency-bound tenant: little busy time
     assert s.beside({0, 1}) == {1}
@@ -72,7 +72,35 @@ def test_higher_priority_tenants_within_their_share_run_beside_the_holder():
     s2.charge(1, 1.0, 0.0)
     assert s2.beside({0, 1}, busy={1: 0.55}) == {1}  # within its share of busy time
     assert s2.beside({0, 1}, busy={1: 0.9}) == set()  # GPU-bound beyond its share: turns, not a duty
-    assert s.beside({0, 2}, busy={2: 0.01}) == set()  # equal priorities take turns whatever they use
+
+
+def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_whatever_its_priority():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("train", 0.7, 0),
+                        TenantPolicy("encoder", 0.3, 0)])
+    assert s.beside({0, 2}) == set()  # never probed: equal priorities take turns
+    # busy at most its share and at most half the time: beside, the GPU fills its gaps with the hog's
+    assert s.beside({0, 2}, busy={0: 1.0, 2: 0.25}) == {2}
+    # up to twice its share (held to it by a duty cycle), never more than half the time
+    assert s.beside({0, 2}, busy={0: 1.0, 2: 0.45}) == {2}
+    assert s.beside({0, 2}, busy={0: 1.0, 2: 0.55}) == set()
+    assert s.beside({0, 2}, busy={0: 1.0, 2: 0.55}, now_beside={2}) == {2}  # probe noise: it stays
+    assert s.beside({0, 2}, busy={0: 1.0, 2: 0.7}, now_beside={2}) == set()
+    # a large share does not let a tenant that keeps the GPU busy most of the time beside: time-sliced
+    # with the holder it would get about half of what it needs
+    assert s.beside({0, 1}, busy={0: 1.0, 1: 0.6}) == set()
+    assert s.beside({0, 1}, busy={0: 1.0, 1: 0.4}) == {1}
+    # several that leave the GPU idle all run beside, and nobody takes turns
+    assert s.beside({0, 1, 2}, busy={0: 0.2, 1: 0.3, 2: 0.1}) == {0, 1, 2}
+
+
+def test_a_duty_holds_a_tenant_back_only_while_the_gpu_is_oversubscribed():
+    s = SliceScheduler([TenantPolicy("train", 0.7, 0), TenantPolicy("small", 0.3, 0)])
+    # over its 30%, but the two together need less than the GPU: nobody is held back
+    assert s.duty(1, {0, 1}, 0.45, {0: 0.4, 1: 0.45}) == 1.0
+    # together more than the GPU: held to its share
+    assert s.duty(1, {0, 1}, 0.45, {0: 0.7, 1: 0.45}) == pytest.approx(0.3 / 0.45)
+    # a tenant not yet probed counts as keeping the GPU busy
+    assert s.duty(1, {0, 1}, 0.45, {1: 0.45}) == pytest.approx(0.3 / 0.45)
 
 
 def test_a_tenant_beside_the_holder_over_its_share_launches_for_its_share_of_the_time():

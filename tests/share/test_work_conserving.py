@@ -20,18 +20,22 @@ from gpuscope.share.settings import Handover, Turns
 from tests.share.fakecuda import HERE, child_env, running_controller
 
 SECONDS = 3.0
-BURST, KERNEL_US, GAP_MS = 10, 300, 3  # a step: 3 ms of GPU work, a sync, 3 ms on the host
+#: Training-like steps: (kernels a step, each kernel's µs, host work in ms). One keeps the GPU busy
+#: about two thirds of its time (it takes turns, and lends them while on the host), the other about a
+#: quarter (its probes let it run beside the hog, which fills its gaps).
+KERNEL_HEAVY, HOST_HEAVY = (13, 300, 2), (5, 300, 4)
 
 
 def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None,
-        ledger: str | None = None) -> list[int]:
+        ledger: str | None = None, shape: tuple[int, int, int] = KERNEL_HEAVY) -> list[int]:
     """Each kind as a process on one fake GPU for SECONDS; the steps each finished."""
     gpu = tmp_path / f"gpu-{'-'.join(kinds)}-{'managed' if tenants else 'plain'}"
+    burst, kernel_us, gap_ms = shape
     procs = []
     for i, kind in enumerate(kinds):
         env = child_env(fake, os.devnull, tenant=tenants[i] if tenants else None, ledger=ledger)
-        env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu), WORKLOAD_BURST=str(BURST),
-                   WORKLOAD_KERNEL_US=str(KERNEL_US), WORKLOAD_GAP_MS=str(GAP_MS))
+        env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu), WORKLOAD_BURST=str(burst),
+                   WORKLOAD_KERNEL_US=str(kernel_us), WORKLOAD_GAP_MS=str(gap_ms))
         argv = [sys.executable, str(HERE / "workload.py"), kind, str(SECONDS)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -44,10 +48,10 @@ def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None,
 
 
 @pytest.fixture(scope="module")
-def alone(fake_cuda, tmp_path_factory) -> dict[str, int]:
+def alone(fake_cuda, tmp_path_factory) -> dict[tuple, int]:
     """Each workload's steps alone on the fake GPU (the library loaded, no controller)."""
-    tmp = tmp_path_factory.mktemp("alone")
-    return {kind: run(fake_cuda, tmp, [kind])[0] for kind in ("steps", "busy")}
+    return {(kind, shape): run(fake_cuda, tmp_path_factory.mktemp("alone"), [kind], shape=shape)[0]
+            for kind, shape in (("steps", KERNEL_HEAVY), ("steps", HOST_HEAVY), ("busy", KERNEL_HEAVY))}
 
 
 @pytest.mark.parametrize("handover, turns", [(Handover.DRAIN, Turns.C), (Handover.DRAIN, Turns.PYTHON),
@@ -60,9 +64,11 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
                             handover=handover, turns=turns, drain_timeout=2.0) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger)
         shown = {m.name: m.samples[0].value for m in ShareCollector(c).collect() if "turns" in m.name}
-    train, hog = steps / alone["steps"], kernels / alone["busy"]
-    # alone the training tenant keeps the GPU busy about half the time: at 0.7 it needs a third of
-    # it, and the hog has the rest (exclusive turns gave it 0.3 of its steps and idled the GPU)
+    train, hog = steps / alone[("steps", KERNEL_HEAVY)], kernels / alone[("busy", KERNEL_HEAVY)]
+    # alone the training tenant keeps the GPU busy about two thirds of the time: at 0.7 it needs
+    # about half of it, and the hog has the rest (exclusive turns gave it 0.3 of its steps and idled
+    # the GPU). Busy more than half the time, it takes turns rather than running beside the hog
+    assert 0 not in c.beside, c.prober.busy_ratio
     assert train >= 0.6, (train, hog, c.stats)
     assert hog >= 0.22, (train, hog, c.stats)
     assert c.stats.lends > 0 and c.stats.reclaims > 0
@@ -73,5 +79,23 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
         # 3 ms on the host, so charging the host work too reads about twice the kernels' time; the
         # bounds sit between the two, with room for a busy machine descheduling the fake GPU's
         # tenants inside a window (that time reads as GPU time, as on a real host it would not)
-        gpu_s = steps * BURST * KERNEL_US / 1e6
+        burst, kernel_us, _ = KERNEL_HEAVY
+        gpu_s = steps * burst * kernel_us / 1e6
         assert 0.7 * gpu_s <= c.stats.charged_s["train"] <= 1.55 * gpu_s, (c.stats.charged_s, gpu_s)
+
+
+def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_path, alone):
+    """Busy a quarter of its time, the training tenant runs beside the hog instead of taking turns: the
+    GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn."""
+    ledger = str(tmp_path / "ledger")
+    with running_controller(ledger, [TenantPolicy("train", 0.5), TenantPolicy("hog", 0.5)], slice=0.03,
+                            drain_timeout=2.0) as c:
+        steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
+        busy = dict(c.prober.busy_ratio)
+    train, hog = steps / alone[("steps", HOST_HEAVY)], kernels / alone[("busy", KERNEL_HEAVY)]
+    # its probes found it busy under half the time and the hog busy most of it
+    assert busy[0] <= 0.5 * 1.25 and busy[1] > 0.5, busy
+    assert c.stats.probes >= 2
+    # beside the hog it keeps most of its alone rate (at least its share), and the hog uses the gaps
+    assert train >= 0.5, (train, hog, busy, c.stats)
+    assert hog >= 0.45, (train, hog, busy, c.stats)

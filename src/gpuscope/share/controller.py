@@ -101,7 +101,7 @@ class Snapshot:
     tenants: tuple[TenantPolicy, ...]
     processes: tuple[tuple[str, int, dict[str, int]], ...]  # tenant, pid, counters (and "waiting")
     stats: Stats
-    busy_ratio: dict[str, float]  # tenant -> busy fraction of its probes (tenants beside the holder)
+    busy_ratio: dict[str, float]  # tenant -> busy fraction of its probes (running alone)
     duty: dict[str, float]  # tenant beside the holder -> its duty
     joins: dict[str, int]
     memory: tuple[tuple[str, int, int, int], ...]  # tenant, bytes held, refusals, cap in bytes (0: none)
@@ -109,7 +109,7 @@ class Snapshot:
 
 class Controller:
     """The loop that decides who may launch: it holds the ledger (``policy``), the joined processes
-    (``processes``), the charges (``charger``), the probes of tenants beside the holder (``prober``)
+    (``processes``), the charges (``charger``), the probes of each tenant's busy fraction (``prober``)
     and the scheduler, and hands turns over itself or through the turn keeper in C."""
 
     def __init__(self, prefix: str, tenants: list[TenantPolicy], settings: ShareSettings = DEFAULTS, *,
@@ -142,7 +142,7 @@ class Controller:
         self.lend_end = 0.0
         self.slice_end = 0.0
         self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
-        self.beside: set[int] = set()  # slots running beside the holder (higher priority, within share)
+        self.beside: set[int] = set()  # slots running beside the holder (SliceScheduler.beside)
         self.duty: dict[int, float] = {}  # slot -> part of the time it may launch, beside (below 1: over)
         self.lock = threading.Lock()  # /metrics reads the processes while the loop changes them
         self.processes = ProcessTable(self.policy, self.lock, lambda slot: self.tenants[slot].name,
@@ -218,9 +218,12 @@ class Controller:
         return gen
 
     def _set_duties(self, active: set[int]) -> None:
-        """Hold each tenant beside the holder to its share by its duty (``SliceScheduler.duty``)."""
+        """Hold each tenant beside the holder to its share by its duty (``SliceScheduler.duty``), while
+        the active tenants' summed demand is more than the GPU."""
+        busy = self.prober.busy_ratio
+        demand = {slot: busy[slot] for slot in active if slot in busy}
         for slot in range(len(self.tenants)):
-            duty = (self.scheduler.duty(slot, active, self.prober.busy_ratio.get(slot))
+            duty = (self.scheduler.duty(slot, active, busy.get(slot), demand)
                     if slot in self.beside else 1.0)
             if duty != self.duty.get(slot, 1.0):
                 self.policy.set_duty(slot, duty)
@@ -233,7 +236,6 @@ class Controller:
         """Let ``beside`` run next to the holder (untimed, never drained); the gate follows."""
         if beside == self.beside:
             return
-        self.prober.newly_beside(beside - self.beside, now)
         self.beside = beside
         self.policy.set_beside_mask(self._beside_bits())
         if self.holder in beside:
@@ -302,10 +304,10 @@ class Controller:
         self.slice_end = end
         return True
 
-    def _drain(self, slots: set[int]) -> None:
+    def _drain(self, slots: set[int], running: int | None = None) -> None:
         """Close the gate to ``slots`` and wait until their processes have nothing queued (the
-        tenants beside the holder keep running)."""
-        gen = self._set_mask(self._beside_bits())
+        tenants beside the holder keep running, or those in the mask ``running``)."""
+        gen = self._set_mask(self._beside_bits() if running is None else running)
         for state in self.processes:
             if state.view.slot not in slots:
                 continue
@@ -324,13 +326,16 @@ class Controller:
         self.slice_end = now + self.scheduler.quantum(self.holder, wanting | {self.holder}, self.slice_s)
         self.stats.slices[self.tenants[self.holder].name] += 1
 
-    # --- probes: the busy fraction of the tenants beside the holder ----------------------------
-    def _start_probe(self) -> None:
-        """Pause the holder (its queued work drained first) and have the tenants beside it time each
-        launch, running alone."""
-        self._drain(set(range(len(self.tenants))) - self.beside - set(self.gang_slots()))
+    # --- probes: how busy each tenant keeps the GPU, running alone --------------------------------
+    def _start_probe(self, slot: int) -> None:
+        """Pause every other tenant (the turn-takers' queued work drained first; a tenant beside the
+        holder launches untimed, with nothing to drain) except those beside it of higher priority than
+        ``slot``, and have ``slot`` time each launch."""
+        keep = {s for s in self.beside if self.tenants[s].priority > self.tenants[slot].priority}
+        running = sum(1 << s for s in keep | {slot})
+        self._drain(set(range(len(self.tenants))) - self.beside - set(self.gang_slots()) - {slot}, running)
         self.holder = None
-        self.prober.start(self.beside, time.monotonic())
+        self.prober.start(slot, time.monotonic())
         self.stats.probes += 1
 
     # --- gang tenants: one turn on all their GPUs at once (gangs.py) --------------------------
@@ -400,11 +405,12 @@ class Controller:
         probe_left = self.prober.advance(now)
         if probe_left is not None:
             return probe_left
-        # a gang never runs beside a holder: its ranks on other GPUs could not follow it there
+        # a gang never runs beside a holder, nor is probed: its ranks on other GPUs could not follow
         self._set_beside(self.scheduler.beside(active, self.prober.busy_ratio, self.beside) - set(gangs), now)
         self._set_duties(active)
-        if self.prober.due(now, self.beside):
-            self._start_probe()
+        probed = self.prober.due(now, active - set(gangs))
+        if probed is not None:
+            self._start_probe(probed)
             return PROBE_S
         contenders = active - self.beside
         wanting = self.processes.wanting_slots(self.holder) - self.beside
@@ -422,9 +428,12 @@ class Controller:
             nxt = self.scheduler.pick(wanting or contenders, now)
             if nxt is not None:
                 self._grant(nxt, now, wanting or contenders)
-            elif self._mask == OPEN_MASK:
+                return self.slice_s
+            if self._mask != self._beside_bits():
                 self._set_mask(self._beside_bits())
-            return self.slice_s
+            # every active tenant runs beside (none takes turns): nothing to decide until the next
+            # probe, or until a tenant held at the gate rings (nobody holds it)
+            return max(0.0, min(OPEN_POLL_S, self.prober.next_probe(active - set(gangs), now) - now))
         # a gang's turns are not lent: its ranks on the other GPUs hold theirs meanwhile
         lends = self.holder not in gangs and self.lender not in gangs
         if lends and self._lend_or_reclaim(now, wanting):
@@ -578,10 +587,9 @@ class Controller:
         ``KEEPER_RETURN_S``, or the next probe), or until a tenant rings the bell (``seen``: the bell's
         value before the last step). Returns how long to sleep on the bell afterwards."""
         now = time.monotonic()
-        until = now + KEEPER_RETURN_S
-        if self.beside:
-            until = min(until, self.prober.next_probe)
         with self.lock:
+            candidates = self.processes.active_slots() - set(self.gang_slots())
+            until = min(now + KEEPER_RETURN_S, self.prober.next_probe(candidates, now))
             procs = self.processes.keeper_view()
             used = self.scheduler.usage(now, self._pending(now))
         policy = self.policy

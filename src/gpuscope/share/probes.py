@@ -1,13 +1,19 @@
-"""The share controller's prober: the busy fraction of the tenants that run beside the holder.
+"""The share controller's prober: how busy each active tenant keeps the GPU when it runs alone.
 
-A tenant beside the holder (higher priority, within its share) is never drained or timed, so what it
-uses is estimated: now and then the controller pauses the holder (its queued work drained first) and
-the tenants beside it time each launch, running alone; their busy time over the probe's wall time is
-their busy fraction, folded into a running estimate.
+Whether a tenant takes turns or runs beside the holder, and what a tenant beside the holder is
+charged, depend on the part of the time its kernels keep the GPU busy (a launch-bound loop's events
+would span the gaps between its kernels; a tenant beside the holder launches untimed). So now and
+then the controller pauses the other tenants (their queued work drained first) and one tenant times
+each launch, running alone; its busy time over the probe's wall time is its busy fraction, folded
+into a running estimate. One tenant per probe, the one probed longest ago (one never probed first,
+soon after it starts): probed together, tenants' kernels would wait for each other's and read busier
+than they are. Tenants of higher priority than the probed one keep running (a latency tenant is never
+paused for another's probe; the probed one then reads a little busy, never idle).
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 
 from gpuscope.share.ledger import Policy
@@ -20,11 +26,12 @@ PROBE_WEIGHT = 0.5
 
 @dataclass
 class Probe:
-    """A pause of the holder while the tenants beside it time their launches alone."""
+    """A pause of the other tenants while one tenant times its launches."""
 
+    slot: int
     until: float
     started: float
-    busy_ns: dict[int, int]  # slot -> its processes' busy_ns when the probe began
+    busy_ns: int  # the slot's processes' busy_ns when the probe began
     read_at: float = 0.0  # once ended: when its windows have been posted
 
 
@@ -33,23 +40,36 @@ class Prober:
         self.policy = policy
         self.table = table
         self.every_s = every_s
-        self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in probes (beside tenants)
+        self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in its probes
         self.probe: Probe | None = None
-        self.next_probe = 0.0
+        self.last_probed: dict[int, float] = {}  # slot -> when its last probe began
+        self.first_seen: dict[int, float] = {}  # slot never probed -> when it was first a candidate
+        self.last_end = float("-inf")
 
-    def newly_beside(self, slots: set[int], now: float) -> None:
-        """``slots`` start running beside the holder: one never probed is probed soon."""
-        if any(slot not in self.busy_ratio for slot in slots):
-            first = now + PROBE_FIRST_S
-            self.next_probe = first if self.next_probe <= now else min(self.next_probe, first)
+    def next_probe(self, candidates: Set[int], now: float) -> float:
+        """When the next probe of one of ``candidates`` is due: ``every_s`` after the last one, or
+        ``PROBE_FIRST_S`` after a candidate never probed was first seen (and after the last probe)."""
+        fresh = [s for s in candidates if s not in self.last_probed]
+        for slot in fresh:
+            self.first_seen.setdefault(slot, now)
+        if fresh:
+            first = min(self.first_seen[s] for s in fresh)
+            return max(self.last_end, first) + PROBE_FIRST_S
+        return self.last_end + self.every_s
 
-    def due(self, now: float, beside: set[int]) -> bool:
-        return bool(beside) and self.probe is None and now >= self.next_probe
+    def due(self, now: float, candidates: Set[int]) -> int | None:
+        """The slot to probe now, if a probe is due: the candidate never probed, else probed longest ago."""
+        if self.probe is not None or not candidates or now < self.next_probe(candidates, now):
+            return None
+        return min(candidates, key=lambda s: (self.last_probed.get(s, float("-inf")), s))
 
-    def start(self, beside: set[int], now: float) -> None:
-        """Have ``beside`` time each launch from ``now`` (the holder already drained and paused)."""
-        self.probe = Probe(until=now + PROBE_S, started=now, busy_ns=self.table.busy_ns(beside))
-        self.policy.set_busy_mask(sum(1 << s for s in beside))
+    def start(self, slot: int, now: float) -> None:
+        """Have ``slot`` time each launch from ``now`` (the others already drained and paused)."""
+        self.probe = Probe(slot=slot, until=now + PROBE_S, started=now,
+                           busy_ns=self.table.busy_ns({slot})[slot])
+        self.last_probed[slot] = now
+        self.first_seen.pop(slot, None)
+        self.policy.set_busy_mask(1 << slot)
 
     def advance(self, now: float) -> float | None:
         """Move a probe along: end it when its time is up, read it once its windows are posted.
@@ -62,20 +82,19 @@ class Prober:
                 return probe.until - now
             self.policy.set_busy_mask(0)
             probe.until, probe.read_at = now, now + PROBE_READ_LAG_S
-            self.next_probe = now + self.every_s
+            self.last_end = now
         elif now >= probe.read_at:
             self._read(probe)
         return None
 
     def _read(self, probe: Probe) -> None:
-        """Each probed tenant's busy fraction, folded into its running estimate."""
+        """The probed tenant's busy fraction, folded into its running estimate."""
         self.probe = None
         wall = max(probe.until - probe.started, 1e-6)
-        after = self.table.busy_ns(set(probe.busy_ns))
-        for slot, before in probe.busy_ns.items():
-            measured = min(1.0, (after[slot] - before) / 1e9 / wall)
-            old = self.busy_ratio.get(slot)
-            self.busy_ratio[slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
+        after = self.table.busy_ns({probe.slot})[probe.slot]
+        measured = min(1.0, max(0.0, after - probe.busy_ns) / 1e9 / wall)  # an exit drops a process's count
+        old = self.busy_ratio.get(probe.slot)
+        self.busy_ratio[probe.slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
 
     def stop(self) -> None:
         if self.probe is not None:

@@ -3,12 +3,14 @@
 Two policies on the same gate:
 
 - ``SliceScheduler`` (``--share.accounting events``): one tenant holds the GPU at a time, in slices,
-  whenever two or more want it. Each slice's GPU time, measured by the holder's CUDA events, is
-  that tenant's own (nobody else had work queued), and is charged to it. The next holder is the
-  tenant furthest below its share (deficit round robin on decayed GPU seconds). A tenant of higher
-  priority than the lowest active one runs *beside* the holder while it is within its share: its
-  work is admitted at once, the GPU time-slices it with the holder's, and it is charged its busy
-  time (a latency-bound tenant holding the GPU alone would keep it idle between its small kernels).
+  whenever two or more GPU-bound tenants want it. Each slice's GPU time, measured by the holder's CUDA
+  events, is that tenant's own (nobody else had work queued), and is charged to it. The next holder
+  is the tenant furthest below its share (deficit round robin on decayed GPU seconds). A tenant that
+  leaves the GPU idle most of the time it runs (its probes show it busy at most half the time), or
+  one of higher priority than the lowest active one that is within its share, runs *beside* the
+  holder: its work is admitted at once, the GPU time-slices it with the holder's (filling the gaps
+  between its kernels with the holder's), and it is charged its busy time. Holding the GPU alone,
+  such a tenant would keep it idle between its kernels and be charged for the idle time.
 - ``TokenBuckets`` (``--share.accounting nvml``): what the peer projects do. Each tenant's bucket
   fills at its share and drains by its processes' NVML utilization, sampled every 100 ms; a tenant
   whose bucket is empty is held until it refills. Several tenants launch at once.
@@ -72,39 +74,63 @@ class SliceScheduler:
 
     def beside(self, active: Iterable[int], busy: Mapping[int, float] | None = None,
                now_beside: Set[int] = frozenset()) -> set[int]:
-        """Tenants that run beside the slice holder: of higher priority than the lowest among
-        ``active``, and either within their share of what the active tenants used, or (``busy``: the
-        fraction of the time each one kept the GPU busy, measured alone) busy for no more than their
-        share, or for up to ``DUTY_MAX_OVER`` times it and at most ``DUTY_MAX_BUSY`` (held to its share
-        by ``duty``; ``DUTY_STAY_MARGIN`` more for those in ``now_beside``). The second keeps a
-        latency-bound tenant from being trapped in turns: taking turns it is charged its holding time,
-        which is its share, so it would never fall back within it."""
+        """Tenants that run beside the slice holder instead of taking turns (``busy``: the fraction of
+        the time each one kept the GPU busy in its probes; ``now_beside``: those beside now, which stay
+        up to ``DUTY_STAY_MARGIN`` past the limits, so that probe noise does not move them back and
+        forth). Among the ``active`` tenants, two kinds:
+
+        - one that leaves the GPU idle most of the time it runs (a launch-bound inference loop, a
+          training step with host work, a decode loop): busy for no more than its share, or up to
+          ``DUTY_MAX_OVER`` times it (held to its share by ``duty``), and in either case at most
+          ``DUTY_MAX_BUSY`` of the time. Taking turns it would hold the GPU idle between its kernels
+          and be charged for it; beside the holder the GPU fills those gaps with the holder's work.
+        - one of higher priority than the lowest among ``active``: within its share of what the
+          active tenants used, or busy for no more than its share, or for up to ``DUTY_MAX_OVER``
+          times it and at most ``DUTY_MAX_BUSY``. The first needs no probe (a latency tenant runs
+          beside from its first launch); the second keeps it from being trapped in turns: taking turns
+          it is charged its holding time, which is its share, so it would never fall back within it.
+
+        A tenant never probed takes turns unless its priority lets it beside."""
         active = set(active)
         if len(active) < 2:
             return set()
         busy = busy or {}
         low = min(self.tenants[s].priority for s in active)
 
+        def limit(s: int) -> float:
+            return DUTY_STAY_MARGIN if s in now_beside else 1.0
+
+        def idles(s: int) -> bool:  # leaves the GPU idle most of the time it runs
+            fair = self.fair_fraction(s, active)
+            return s in busy and busy[s] <= limit(s) * min(max(fair, DUTY_MAX_OVER * fair), DUTY_MAX_BUSY)
+
         def fits(s: int) -> bool:
             fair = self.fair_fraction(s, active)
-            margin = DUTY_STAY_MARGIN if s in now_beside else 1.0
-            return s in busy and busy[s] <= max(fair, margin * min(DUTY_MAX_OVER * fair, DUTY_MAX_BUSY))
+            return s in busy and busy[s] <= max(fair, limit(s) * min(DUTY_MAX_OVER * fair, DUTY_MAX_BUSY))
 
         return {s for s in active
-                if self.tenants[s].priority > low and (self.within_share(s, active) or fits(s))}
+                if idles(s) or (self.tenants[s].priority > low and (self.within_share(s, active) or fits(s)))}
 
     def fair_fraction(self, slot: int, active: Iterable[int]) -> float:
         """``slot``'s share of the GPU among the ``active`` tenants."""
         total_share = sum(self.tenants[s].share for s in set(active) | {slot})
         return self.tenants[slot].share / max(total_share, 1e-9)
 
-    def duty(self, slot: int, active: Iterable[int], busy: float | None) -> float:
+    def duty(self, slot: int, active: Iterable[int], busy: float | None,
+             demand: Mapping[int, float] | None = None) -> float:
         """The part of the time tenant ``slot``, beside the holder and busy ``busy`` of the time it
         launches, may launch: all of it while that fits its share, else its share over ``busy`` (a
         decode loop that needs 40% of the GPU on a 30% share runs 75% of the time, its steps about
-        a third slower, rather than waiting for the holder's turns)."""
+        a third slower, rather than waiting for the holder's turns).
+
+        ``demand``: the busy fraction of the active tenants probed so far. While their summed demand
+        (an unprobed one counted as keeping the GPU busy) fits the GPU, nobody is held back: a
+        tenant over its share then uses time that nobody else wants."""
+        active = set(active)
         fair = self.fair_fraction(slot, active)
         if busy is None or busy <= fair:
+            return 1.0
+        if demand is not None and sum(demand.get(s, 1.0) for s in active | {slot}) <= 1.0:
             return 1.0
         return max(1.0 / (DUTY_MAX_OVER * DUTY_STAY_MARGIN), fair / busy)
 
