@@ -485,8 +485,9 @@ SHARE_STATE_SECONDS = _m("gpuscope_share_state_seconds_total", "counter",
                          "kernel) or `held` (waiting for a turn).", "seconds", ("tenant", "state", *_G),
                          area=SHARE)
 SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
-                      "Busy fraction of a tenant that runs beside the slice holder, measured while the "
-                      "holder is paused (a probe): the share of the wall time it is charged.", "ratio",
+                      "Busy fraction of a tenant, measured while it runs alone (a probe, one tenant at a "
+                      "time): at most half decides that it runs beside the slice holder, and there it is "
+                      "the share of the wall time it is charged.", "ratio",
                       _TG, area=SHARE)
 SHARE_DUTY_RATIO = _m("gpuscope_share_duty_ratio", "gauge",
                       "Part of each 10 ms a tenant beside the slice holder may launch in: below 1 while its "

@@ -22,10 +22,11 @@ from gpuscope.util.settings import setting
 #: other's turn: latency tenants get a priority.
 DEFAULT_SLICE_S = 0.03
 #: A tenant beside the holder launches untimed (an event between its small kernels costs it a context
-#: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S
-#: the holder is paused for PROBE_S and the tenants beside it, running alone, time each launch: the busy
-#: fraction they are charged until the next probe. The first probe comes PROBE_FIRST_S after a tenant
-#: goes beside; its windows are read PROBE_READ_LAG_S after the probe (the helper posts in batches).
+#: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S one active
+#: tenant runs alone for PROBE_S and times each launch: its busy fraction, which decides whether it
+#: takes turns or runs beside the holder, and what it is charged there. A tenant's first probe comes
+#: PROBE_FIRST_S after it starts; a probe's windows are read PROBE_READ_LAG_S after it (the helper
+#: posts in batches).
 PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
 
 
@@ -88,9 +89,10 @@ class ShareSettings:
     drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
                                    "before a drain hand-over or a probe", parse=parse_duration)
     probe_every: float = setting(
-        "--share.probe-every", PROBE_EVERY_S, "how often tenants running beside the slice holder are probed "
-        f"(the holder paused for {PROBE_S * 1e3:g} ms while they time each launch) for the busy fraction "
-        "they are charged: longer costs less CPU and holder time, shorter follows a changing workload sooner",
+        "--share.probe-every", PROBE_EVERY_S, "how often one tenant, in turn, is probed (the others paused "
+        f"for {PROBE_S * 1e3:g} ms while it times each launch) for its busy fraction: whether it takes turns "
+        "or runs beside the holder, and what it is charged there; longer costs less CPU and paused time, "
+        "shorter follows a changing workload sooner",
         parse=parse_duration)
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
