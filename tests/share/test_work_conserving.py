@@ -17,6 +17,7 @@ import pytest
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.settings import Handover, Turns
+from tests.conftest import wait_for
 from tests.share.fakecuda import HERE, child_env, running_controller
 
 SECONDS = 3.0
@@ -86,16 +87,24 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
 
 def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_path, alone):
     """Busy a quarter of its time, the training tenant runs beside the hog instead of taking turns: the
-    GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn."""
+    GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn. The hog, holding
+    the GPU with a tenant beside it, keeps a short queue, so the training tenant's bursts wait little
+    behind it (with the hog's usual queue of two 2 ms windows it fell under its share)."""
     ledger = str(tmp_path / "ledger")
-    with running_controller(ledger, [TenantPolicy("train", 0.5), TenantPolicy("hog", 0.5)], slice=0.03,
+    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
                             drain_timeout=2.0) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
         busy = dict(c.prober.busy_ratio)
+        wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
+        hog_counters = c.stats.departed["hog"]
     train, hog = steps / alone[("steps", HOST_HEAVY)], kernels / alone[("busy", KERNEL_HEAVY)]
     # its probes found it busy under half the time and the hog busy most of it
     assert busy[0] <= 0.5 * 1.25 and busy[1] > 0.5, busy
     assert c.stats.probes >= 2
-    # beside the hog it keeps most of its alone rate (at least its share), and the hog uses the gaps
-    assert train >= 0.5, (train, hog, busy, c.stats)
-    assert hog >= 0.45, (train, hog, busy, c.stats)
+    # beside the hog it keeps most of its alone rate (its share, give or take a busy machine), and the
+    # hog uses the gaps
+    assert train >= 0.65, (train, hog, busy, c.stats)
+    assert hog >= 0.3, (train, hog, busy, c.stats)
+    # the hog's windows were short while the training tenant ran beside it: its 300 µs kernels came
+    # about one a window (a 2 ms window holds six or seven)
+    assert hog_counters["launches"] <= 2.5 * hog_counters["windows"], hog_counters
