@@ -138,12 +138,17 @@ def paired(twin, inst_fn, steps: int, rounds: int, inst=None) -> dict:
             "instrumented_steps_per_s": rnd(statistics.median(on), 1), "rounds": rounds}
 
 
+def _is_kernel(event) -> bool:
+    """A GPU kernel's record (memory copies and sets left out)."""
+    name = event.name().lower()
+    return (event.device_type() == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in name and "memset" not in name)
+
+
 def kernel_count(prof) -> int | None:
-    """GPU kernels in a torch.profiler run (memory copies and sets left out)."""
+    """GPU kernels in a torch.profiler run."""
     try:
-        return sum(1 for e in prof.profiler.kineto_results.events()
-                   if e.device_type() == torch.autograd.DeviceType.CUDA
-                   and "memcpy" not in e.name().lower() and "memset" not in e.name().lower())
+        return sum(1 for event in prof.profiler.kineto_results.events() if _is_kernel(event))
     except Exception:
         return None
 
@@ -157,8 +162,7 @@ def kernel_seconds(prof) -> tuple[float, float | None]:
     total = 0.0
     try:
         for event in prof.profiler.kineto_results.events():
-            name = event.name().lower()
-            if event.device_type() != torch.autograd.DeviceType.CUDA or "memcpy" in name or "memset" in name:
+            if not _is_kernel(event):
                 continue
             total += event.duration_ns() * 1e-9
             spans.append((event.start_ns(), event.start_ns() + event.duration_ns()))

@@ -104,7 +104,7 @@ def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_pa
     # beside the hog it keeps most of its alone rate (its share, give or take a busy machine), and the
     # hog uses the gaps
     assert train >= 0.65, (train, hog, busy, c.stats)
-    assert hog >= 0.3, (train, hog, busy, c.stats)
+    assert hog >= 0.45, (train, hog, busy, c.stats)
     # the hog's windows were short while the training tenant ran beside it: its 300 µs kernels came
-    # about one a window (a 2 ms window holds six or seven)
+    # about one a window (about four with the usual 2 ms windows)
     assert hog_counters["launches"] <= 2.5 * hog_counters["windows"], hog_counters

@@ -170,7 +170,7 @@ typedef struct {
     int ptsz;
     int end_recorded; /* the end event already follows the window's last launch (busy-time windows) */
     int busy;         /* a launch timed on its own: its time also goes to busy_ns */
-    int lent;         /* opened in a turn another tenant lent (LENT_WINDOW_US) */
+    int lent;         /* opened with the short queue (short_queue(): LENT_WINDOW_US) */
     uint64_t started_ns; /* busy-time windows: host clock just before the start event was recorded... */
     uint64_t submit_ns;  /* ...and from then until the launch call returned (see busy_window_ms) */
 } window_t;
@@ -720,8 +720,7 @@ static inline uint32_t inflight_limit(void) {
      * it has a window per launch, and the ring is what bounds those */
     if (busy_accounting()) return POOL - 1;
     uint32_t lim = binding ? D->s.policy->inflight_slice : (D->s.policy ? D->s.policy->inflight_open : DEFAULT_INFLIGHT_OPEN);
-    /* running in another tenant's lent turn: that tenant waits for this queue when it takes the turn
-     * back, so only one window is queued */
+    /* in a lent turn or with a tenant beside: that tenant waits behind this queue (short_queue()) */
     if (binding && short_queue()) lim = LENT_INFLIGHT;
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
