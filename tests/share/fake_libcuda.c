@@ -2,7 +2,8 @@
  * the caller's sequence number in gridDimX) to the file named by FAKE_CUDA_LOG, serves
  * cuGetProcAddress / cuGetProcAddress_v2 like the real driver (base names, the per-thread flag picks
  * the _ptsz variant), and keeps a fake GPU clock so event pairs have durations: a launch takes
- * blockDimX microseconds of "GPU time" on that clock, a graph launch 100. Prototypes follow cuda.h.
+ * blockDimX microseconds of "GPU time" on that clock, a graph launch 100 (FAKE_CUDA_GRAPH_US to
+ * change it: a replayed graph is few long launches). Prototypes follow cuda.h.
  *
  * With FAKE_CUDA_REALTIME=1 the clock is the wall clock instead: the process's "GPU" runs one launch
  * after another, each taking its blockDimX microseconds from when the previous one ends (or from its
@@ -164,9 +165,15 @@ LAUNCH(cuLaunchKernel_ptsz)
 LAUNCH_EX(cuLaunchKernelEx)
 LAUNCH_EX(cuLaunchKernelEx_ptsz)
 
+static uint64_t graph_ns(void) {
+    static long us = -1;
+    if (us < 0) us = getenv("FAKE_CUDA_GRAPH_US") ? atol(getenv("FAKE_CUDA_GRAPH_US")) : 100;
+    return (uint64_t)us * 1000;
+}
+
 #define GRAPH(NAME)                                                                                    \
     CUresult NAME(void *g, CUstream s) {                                                               \
-        run_for(100000);                                                       \
+        run_for(graph_ns());                                                   \
         log_call(#NAME, s, (unsigned)(uintptr_t)g);                                                    \
         return 0;                                                                                      \
     }

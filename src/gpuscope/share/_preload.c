@@ -177,6 +177,16 @@ typedef struct {
 
 #define HELPER_NAP_NS 100000000ull
 #define HELPER_SLEEP_NS 100000000ull /* with nothing to watch: a new window wakes it (wake_helper) */
+/* How often the helper of a slice holder looks whether its process went quiet (the turn is then lent):
+ * every WATCH_NAP_NS, or every WATCH_NAP_TIGHT_NS while the program launches again within QUIET_NS of
+ * each of its waits for the GPU (TIGHT_SYNCS in a row: a replayed graph synced every step). Such a
+ * program is not quiet after its waits, so they do not wake the helper, and the helper looks less
+ * often: on the H200 a graph loop synced about 870 times a second and woke its helper at each. What it
+ * costs: the first time such a program goes quiet it is seen within WATCH_NAP_TIGHT_NS instead of
+ * QUIET_NS, and lends that turn that much later; its next waits wake the helper at once again. */
+#define WATCH_NAP_NS 1000000ull
+#define WATCH_NAP_TIGHT_NS 10000000ull
+#define TIGHT_SYNCS 8
 
 /* Everything this process keeps about one GPU. Each GPU has a controller of its own (one `gpuscope
  * share` process holds them all, a ledger each), so a process that uses two GPUs joins twice, and is
@@ -216,6 +226,11 @@ struct device {
     /* When the program's last wait for the GPU (a stream, context or event synchronize) returned,
      * while it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
     _Atomic uint64_t synced_ns;
+    /* When the program's last wait for the GPU returned while it held the GPU (0 once its next launch
+     * has looked), and how many of its last waits it followed with a launch within QUIET_NS (at most
+     * TIGHT_SYNCS): note_relaunch, syncs_tight. Launching threads write them; a race only miscounts. */
+    _Atomic uint64_t last_sync_ns;
+    _Atomic int tight_syncs;
     int conn_fd;           /* the connection to the controller: open while joined (its end tells either side) */
     _Atomic uint32_t *bell; /* the controller's doorbell, a page it handed over when this process joined */
     _Atomic uint64_t duty_started_ns; /* keep_duty */
@@ -254,6 +269,8 @@ static void reset_dev(device_t *d, int ordinal) {
     d->chain.valid = 0;
     atomic_store(&d->yielded_gen, 0);
     atomic_store(&d->synced_ns, 0);
+    atomic_store(&d->last_sync_ns, 0);
+    atomic_store(&d->tight_syncs, 0);
     d->conn_fd = -1;
     d->bell = NULL;
 }
@@ -738,6 +755,24 @@ static void wake_helper(int need) {
     futex((void *)&D->s.policy->gate, FUTEX_WAKE_BITSET, 1, NULL, D->helper_bit);
 }
 
+/* At each launch: whether it followed the program's last wait for the GPU within QUIET_NS. */
+static inline void note_relaunch(uint64_t at) {
+    uint64_t synced = atomic_load_explicit(&D->last_sync_ns, memory_order_relaxed);
+    if (!synced) return;
+    atomic_store_explicit(&D->last_sync_ns, 0, memory_order_relaxed);
+    int tight = atomic_load_explicit(&D->tight_syncs, memory_order_relaxed);
+    if (at - synced >= QUIET_NS) tight = 0; /* it went to the host after that wait: watch the next ones */
+    else if (tight < TIGHT_SYNCS) tight++;
+    atomic_store_explicit(&D->tight_syncs, tight, memory_order_relaxed);
+}
+
+/* Whether the program's last TIGHT_SYNCS waits for the GPU were each followed by a launch at once. */
+static inline int syncs_tight(void) {
+    return atomic_load_explicit(&D->tight_syncs, memory_order_relaxed) >= TIGHT_SYNCS;
+}
+
+static inline uint64_t watch_nap(void) { return syncs_tight() ? WATCH_NAP_TIGHT_NS : WATCH_NAP_NS; }
+
 /* Whether work on `stream` is being captured into a graph: no events go there (an event recorded in
  * a capture is a graph node, and waiting on it would invalidate the capture); the graph's launches
  * are accounted when it is replayed. */
@@ -1007,9 +1042,10 @@ static void *helper_main(void *arg) {
             futex((void *)&D->s.proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
-        /* while the gate binds and a window is open, look again soon: a quiet holder is handed on */
-        int watching = resolved_at || (binding && D->win_open);
-        uint64_t nap = resolved_at ? QUIET_NS : watching ? 1000000ull : HELPER_SLEEP_NS;
+        /* while the gate binds and a window is open, look again soon: a quiet holder is handed on; so
+         * too while a holder whose waits do not wake this thread (syncs_tight) waits for the GPU */
+        int watching = resolved_at || (binding && (D->win_open || (allowed && syncs_tight())));
+        uint64_t nap = resolved_at ? QUIET_NS : watching ? watch_nap() : HELPER_SLEEP_NS;
         /* with the gate open a new window need not wake it either (see above) */
         atomic_store(&D->helper_sleeping, !watching && !open_gate ? ASLEEP : NAPPING);
         pthread_mutex_unlock(&D->wlock);
@@ -1152,6 +1188,7 @@ static void keep_duty(void) {
         if (GRAPH) atomic_fetch_add_explicit(&D->s.proc->graph_launches, 1, memory_order_relaxed);            \
         uint64_t launched_ = now_ns();                                                                   \
         atomic_store_explicit(&D->s.proc->last_launch_ns, launched_, memory_order_relaxed);                   \
+        note_relaunch(launched_);                                                                        \
         if (D->win_open) {                                                                                  \
             window_t *w_ = &D->ring[D->tail % POOL];                                                           \
             D->win_launches += (GRAPH) ? 8 : 1;                                                             \
@@ -1236,8 +1273,11 @@ static void before_sync(void) {
 
 static void after_sync(void) {
     if (!holding_slice()) return;
-    atomic_store(&D->synced_ns, now_ns());
-    wake_helper(WAKE_NOW);
+    uint64_t t = now_ns();
+    atomic_store(&D->synced_ns, t);
+    atomic_store_explicit(&D->last_sync_ns, t, memory_order_relaxed);
+    /* a program that launches again at once after its waits: the helper sees it at its next look */
+    wake_helper(syncs_tight() ? WAKE_IF_ASLEEP : WAKE_NOW);
 }
 
 typedef CUresult (*stream_sync_fn)(CUstream);
