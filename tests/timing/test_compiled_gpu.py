@@ -97,3 +97,35 @@ def test_a_compiled_chain_shares_one_event_per_boundary(mode):
         pool = timer.core.pools[timer.core.current_device()]
         assert len({id(event) for event in pool}) == len(pool) == timer.core.pool_size
         inst.remove()
+
+
+def test_cuda_graph_kernels_are_attributed_to_the_modules_captured_around_them():
+    """Under CUDA graph trees, a kernel busy window gives each module its own kernel time: the graph
+    nodes were labelled at capture (CUPTI callbacks) and the replay's kernel records summed."""
+    pytest.importorskip("cupti")
+    torch.manual_seed(0)
+    model = Model().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with Timer(CollectorRegistry(), sample_rate=1.0, calibrate_every=0) as timer, torch.no_grad():
+        busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
+        assert busy.labels is not None, "CUPTI's graph-node callbacks could not be subscribed"
+        compiled = torch.compile(model, mode="reduce-overhead")
+        inst = timer.instrument(compiled, include=("attn", "mlp"))
+        for _ in range(16):
+            compiled(x)
+            torch.cuda.synchronize()
+            assert timer.flush(30)
+            busy.expire()
+        assert busy.labels.callback_errors == 0
+        assert busy.labels.labels, "no kernel node was labelled at capture"
+        assert busy.windows["ok"] >= 1, busy.windows
+        merged = inst.compiled.merged()
+        for name in ("attn", "mlp"):
+            if any(name in g for g in merged):
+                continue
+            kernel_s = busy.kernel_seconds[(name, "0")]
+            region_s = sum(h.sum for h in timer.core.op_state(name).hists.values()) / samples(timer)[name]
+            assert 0 < kernel_s <= region_s * 1.05, (name, kernel_s, region_s)
+            assert 0 < busy.ratios[(name, "0")] <= 1
+        inst.remove()

@@ -138,6 +138,12 @@ REGION_GPU_BUSY_RATIO = _m(
     "Share of an op's region GPU time its own kernels kept the GPU busy, from the latest sampled "
     "CUPTI window (near 1: GPU-bound; well under 1: waiting for launches). Off unless enabled.",
     "ratio", ("op", "device"), area=TIMING)
+REGION_KERNEL_SECONDS = _m(
+    "gpuscope_region_kernel_seconds", "gauge",
+    "GPU time of an op's own kernels per pass, from the latest sampled CUPTI window: kernels by the "
+    "module that launched them (eager), or by the module captured around them in a compiled model's "
+    "CUDA graph. Excludes the gaps between kernels that region time includes. Off unless enabled.",
+    "seconds", ("op", "device"), area=TIMING)
 TIMER_KERNEL_BUSY_WINDOWS = _m(
     "gpuscope_timer_kernel_busy_windows_total", "counter",
     "Sampled CUPTI windows of the kernel busy ratio, by outcome (ok, timeout, failed).",

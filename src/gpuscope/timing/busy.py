@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from gpuscope.timing.graph_kernels import GraphNodeLabels
+
 log = logging.getLogger("gpuscope.timing")
 
 #: The window's share of the timer's overhead budget (the rest is for the regions themselves).
@@ -51,6 +53,8 @@ WINDOW_TIMEOUT_S = 5.0
 #: Budget assumed when the timer has none (a fixed sampling rate).
 FALLBACK_BUDGET = 0.01
 OUTCOMES = ("ok", "timeout", "failed")
+#: CUDA's CU_GRAPH_NODE_TYPE_KERNEL: the node type whose replays are kernels
+CU_GRAPH_NODE_TYPE_KERNEL = 0
 
 
 class KernelTrace(Protocol):
@@ -72,6 +76,22 @@ class KernelTrace(Protocol):
 
     def stop(self) -> dict[int, int]:
         """Stop recording; return the kernel nanoseconds recorded per external id."""
+        ...
+
+
+class GraphKernelTrace(KernelTrace, Protocol):
+    """A tracer that also sees CUDA graph nodes made and replayed (graph_kernels.py)."""
+
+    def watch_graph_nodes(self, labels: GraphNodeLabels) -> None:
+        """From now on, tell ``labels`` of every graph node created or cloned."""
+        ...
+
+    def start_kernels(self) -> None:
+        """Begin recording kernels only (a replayed graph's kernels need no API records)."""
+        ...
+
+    def stop_graph(self) -> list[tuple[int, int]]:
+        """Stop recording; return (graph node id, duration ns) of each graph kernel recorded."""
         ...
 
 
@@ -157,12 +177,54 @@ class CuptiTrace:
             self._cupti.activity_disable(kind)
 
     def stop(self) -> dict[int, int]:
+        return kernel_ns_by_external_id(self._stop_all(), *self._kept)
+
+    def _stop_all(self) -> list[Any]:
         for kind in self._kinds:
             self._cupti.activity_disable(kind)
         self._cupti.activity_flush_all(1)  # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
         with self._lock:
             records, self._records = self._records, []
-        return kernel_ns_by_external_id(records, *self._kept)
+        return records
+
+    # --- CUDA graphs (graph_kernels.py) -----------------------------------------------------
+
+    def watch_graph_nodes(self, labels: GraphNodeLabels) -> None:
+        """Subscribe to CUPTI's graph-node callbacks (made during capture, cloned at instantiation).
+        CUPTI admits one callback subscriber per process: with another (a profiler), this raises."""
+        cupti = self._cupti
+        resource = cupti.CallbackIdResource
+        self._node_callbacks = (int(resource.GRAPHNODE_CREATED), int(resource.GRAPHNODE_CLONED))
+        self._labels = labels
+        self._subscriber = cupti.subscribe(self._on_resource, None)
+        for cbid in self._node_callbacks:
+            cupti.enable_callback(1, self._subscriber, cupti.CallbackDomain.RESOURCE, cbid)
+
+    def _on_resource(self, userdata: Any, domain: Any, cbid: int, data: Any) -> None:
+        """CUPTI's resource callback (on the thread that made the node): label it. Never raises into
+        CUDA: a failure is counted in the labels' ``callback_errors``."""
+        try:
+            created, cloned = self._node_callbacks
+            cupti = self._cupti
+            resource = data if hasattr(data, "resource_descriptor") else cupti.ResourceData.from_ptr(data)
+            graph = cupti.GraphData.from_ptr(resource.resource_descriptor)
+            node_id = cupti.get_graph_node_id(graph.node)
+            if cbid == created:
+                self._labels.created(node_id, int(graph.node_type) == CU_GRAPH_NODE_TYPE_KERNEL)
+            elif cbid == cloned:
+                self._labels.cloned(node_id, cupti.get_graph_node_id(graph.original_node))
+        except Exception:
+            self._labels.callback_errors += 1
+
+    def start_kernels(self) -> None:
+        with self._lock:
+            self._records.clear()
+        self._cupti.activity_enable(self._kinds[0])
+
+    def stop_graph(self) -> list[tuple[int, int]]:
+        kernel = self._kept[0]
+        return [(record.graph_node_id, record.end - record.start) for record in self._stop_all()
+                if record.kind == kernel and getattr(record, "graph_node_id", 0)]
 
 
 class _Window:
@@ -176,6 +238,20 @@ class _Window:
         self.region_s = [0.0] * len(ops)
         self.expected = 0  # regions whose start was recorded
         self.arrived = 0
+        self.pass_done = False
+        self.pass_cost_s = 0.0
+
+
+class _GraphWindow:
+    """One traced replay of a compiled model's timed CUDA graph (graph_kernels.py)."""
+
+    def __init__(self, ops_by_region: dict[int, Any], replay: Any, device: int, label: str,
+                 opened: float) -> None:
+        self.ops_by_region = ops_by_region  # region id → the op it is reported as
+        self.replay = replay  # its ``busy`` flag drops once the resolver has read the replay's events
+        self.device = device
+        self.label = label
+        self.opened = opened
         self.pass_done = False
         self.pass_cost_s = 0.0
 
@@ -195,14 +271,26 @@ class KernelBusy:
         self.clock = clock
         #: the latest ratio per (op, device label)
         self.ratios: dict[tuple[str, str], float] = {}
+        #: the latest kernel seconds per pass per (op, device label)
+        self.kernel_seconds: dict[tuple[str, str], float] = {}
         self.windows = dict.fromkeys(OUTCOMES, 0)
         self.cost_s = 0.0  # CPU seconds spent on windows so far (traced passes' extra + finishing)
         self.interval_s = min_interval_s
         self._next_at = clock()  # the first sampled pass opens a window
-        self._window: _Window | None = None
+        self._window: _Window | _GraphWindow | None = None
         self._lock = threading.Lock()
         #: each op's histogram (sum, count) at the last window
         self._seen: dict[tuple[str, int], tuple[float, int]] = {}
+        #: labels of compiled models' CUDA graph nodes, where the tracer sees graph nodes
+        self.labels: GraphNodeLabels | None = None
+        watch = getattr(trace, "watch_graph_nodes", None)
+        if watch is not None:
+            labels = GraphNodeLabels()
+            try:
+                watch(labels)
+                self.labels = labels
+            except Exception as exc:  # e.g. a profiler holds CUPTI's one callback subscriber
+                log.warning("gpuscope: kernel time in compiled models' CUDA graphs is off: %r", exc)
 
     @property
     def tracing(self) -> bool:
@@ -214,12 +302,78 @@ class KernelBusy:
         return self._window is None and self.clock() >= self._next_at
 
     def expire(self) -> None:
-        """Give up a window whose regions have not all completed within ``WINDOW_TIMEOUT_S`` (counted
-        as ``timeout``). The resolver thread calls this on each wake-up, so stopping the trace (a
-        flush of CUPTI's buffers) never runs on the inference thread."""
+        """Finish a graph window whose replay the resolver has read, and give up a window whose
+        regions have not all completed within ``WINDOW_TIMEOUT_S`` (counted as ``timeout``). The
+        resolver thread calls this on each wake-up, after reading what completed, so stopping the
+        trace (a flush of CUPTI's buffers) never runs on the inference thread."""
         window = self._window
-        if window is not None and self.clock() - window.opened > WINDOW_TIMEOUT_S:
+        if window is None:
+            return
+        if isinstance(window, _GraphWindow) and window.pass_done and not window.replay.busy:
+            self._finish_graph(window)
+        elif self.clock() - window.opened > WINDOW_TIMEOUT_S:
             self._give_up("timeout")
+
+    # --- a traced replay of a compiled model's CUDA graph (inference thread) -----------------
+
+    def open_graph(self, ops_by_region: dict[int, Any], replay: Any) -> _GraphWindow | None:
+        """Start recording kernels for one replay of a timed graph whose nodes are labelled
+        (``self.labels``); None if tracing could not start (counted)."""
+        device = self.core.current_device()
+        window = _GraphWindow(ops_by_region, replay, device, self.core.device_label(device), self.clock())
+        try:
+            self.trace.start_kernels()
+        except Exception as exc:
+            self._failed(exc)
+            return None
+        self._window = window
+        return window
+
+    def close_graph_pass(self, window: _GraphWindow, extra_cpu_s: float) -> None:
+        """The traced call returned. Its replay is read by the resolver (``replay.busy`` set until
+        then); a replay with nothing queued to read (no fence) cannot say when it completed."""
+        window.pass_cost_s = max(0.0, extra_cpu_s)
+        if not window.replay.busy:
+            self._give_up("failed")
+            return
+        window.pass_done = True
+
+    def _finish_graph(self, window: _GraphWindow) -> None:
+        with self._lock:
+            if self._window is not window:
+                return
+            self._window = None
+        t0 = time.thread_time()
+        try:
+            kernels = self.trace.stop_graph()
+        except Exception as exc:
+            self._failed(exc)
+            return
+        labels = self.labels
+        ns_by_op, replays = labels.kernel_ns(kernels, window.ops_by_region.get) if labels else ({}, 0)
+        if not replays:  # no labelled kernel replayed: the graph was captured before the labels
+            self.windows["failed"] += 1
+            self._schedule(window.pass_cost_s + time.thread_time() - t0)
+            return
+        for op, ns in ns_by_op.items():
+            seconds = ns * 1e-9
+            self.kernel_seconds[(op.name, window.label)] = seconds
+            region_s = self._mean_region_s(op, window.device)
+            if region_s > 0:
+                self.ratios[(op.name, window.label)] = min(1.0, seconds / region_s)
+        self.windows["ok"] += 1
+        self._schedule(window.pass_cost_s + time.thread_time() - t0)
+
+    def _mean_region_s(self, op: Any, device: int) -> float:
+        """The op's mean region time since the last window, the traced replay's included; 0 if none."""
+        hist = op.hists.get(device)
+        if hist is None:
+            return 0.0
+        key = (op.name, device)
+        last_sum, last_count = self._seen.get(key, (0.0, 0))
+        self._seen[key] = (hist.sum, hist.count)
+        count = hist.count - last_count
+        return (hist.sum - last_sum) / count if count > 0 else 0.0
 
     # --- the traced pass (inference thread) ---------------------------------------------------
 
@@ -304,10 +458,11 @@ class KernelBusy:
             self._failed(exc)
             return
         for index, op in enumerate(window.ops):
+            kernel_s = busy_ns.get(index, 0) * 1e-9
+            self.kernel_seconds[(op.name, window.label)] = kernel_s
             region_s = self._typical_region_s(op, window, index)
             if region_s > 0:
-                ratio = busy_ns.get(index, 0) * 1e-9 / region_s
-                self.ratios[(op.name, window.label)] = min(1.0, ratio)
+                self.ratios[(op.name, window.label)] = min(1.0, kernel_s / region_s)
         self.windows["ok"] += 1
         self._schedule(window.pass_cost_s + time.thread_time() - t0)
 

@@ -14,6 +14,7 @@ Exposes (names from the catalogue)::
     gpuscope_timer_pending_samples 12
     gpuscope_timer_backend_info{backend="cudart-ctypes"} 1
     gpuscope_region_gpu_busy_ratio{op="blocks.0.attn",device="0"} 0.31   (kernel busy window on)
+    gpuscope_region_kernel_seconds{op="blocks.0.attn",device="0"} 0.00021
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class TimerCollector(Collector):
             for (op, device), ratio in list(busy.ratios.items()):
                 ratios.add_metric([op, device], ratio)
             yield ratios
+            kernel = c.REGION_KERNEL_SECONDS.family()
+            for (op, device), seconds in list(busy.kernel_seconds.items()):
+                kernel.add_metric([op, device], seconds)
+            yield kernel
             windows = c.TIMER_KERNEL_BUSY_WINDOWS.family()
             for outcome, n in busy.windows.items():
                 windows.add_metric([outcome], n)

@@ -307,6 +307,7 @@ class ShapeGraphs:
         self.events: dict[tuple[int, int], Any] = {}  # (index, is_end) → event node
         self.last: tuple[tuple[int, int], int, Any] | None = None  # the last marker met, its stream and node
         self.calls = 0
+        self.replayed = False  # the last timed call replayed the captured graph (no eager markers)
         self.replays = self.counted_replays = 0  # entered counts are kept by pass_call
         self.baseline_s: float | None = None
         self.retired: list[GraphRecorder] = []
@@ -522,8 +523,12 @@ class CompiledRegions:
         self.marks.mark(index, is_end)
 
     def mark_captured(self, index: int, is_end: int) -> None:
-        """A marker met (on the timed pass's thread) while its CUDA graph is captured."""
+        """A marker met (on the timed pass's thread) while its CUDA graph is captured: the kernel
+        nodes captured from here on belong to the regions it leaves open (graph_kernels.py)."""
         core = self.core
+        labels = core.busy.labels if core.busy is not None else None
+        if labels is not None:
+            labels.mark(self.slots[index][0] >> 1, is_end)
         shapes = self._current
         if shapes is None:
             core.note_capture()
@@ -550,6 +555,13 @@ class CompiledRegions:
             self.core.dropped["graph_busy"] += 1
             return _run_with(callback, compiled, args, kwargs)
         marks = self.marks
+        busy = self.core.busy
+        window = None
+        if busy is not None and busy.labels is not None and shapes is not None and shapes.replayed \
+                and busy.due():
+            t0 = time.thread_time()
+            window = busy.open_graph(self.ops_by_region(), shapes.replay)
+            traced_cpu_s = time.thread_time() - t0
         self._current = shapes
         marks.arm()
         self.timed = True
@@ -564,11 +576,26 @@ class CompiledRegions:
             self.timed = False
             marks.disarm()
             self._current = None
+            if busy is not None and busy.labels is not None:
+                busy.labels.end_capture()
         if shapes is not None:
             shapes.calls += 1
-            if not marks.eager_marks and shapes.events:
+            shapes.replayed = not marks.eager_marks and bool(shapes.events)
+            if shapes.replayed:
                 self._fence(shapes)  # the timed graph was replayed: read its event nodes after it
+        if window is not None:
+            t0 = time.thread_time()
+            busy.close_graph_pass(window, traced_cpu_s + time.thread_time() - t0)
         return out
+
+    def ops_by_region(self) -> dict[int, Any]:
+        """Global region id → the op its kernels are reported as (its merged group's, if merged)."""
+        ops = {}
+        for members in self._groups.values():
+            op = self.ops[members[0]] if len(members) == 1 else self._merged_op(members)
+            for index in members:
+                ops[self.slots[index][0] >> 1] = op
+        return ops
 
     def _fence(self, shapes: ShapeGraphs) -> None:
         core = self.core
