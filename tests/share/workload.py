@@ -7,6 +7,8 @@ argv: KIND SECONDS
 - ``busy``: kernels of ``KERNEL_US`` back to back, in batches of ``BURST``; before queueing a batch
   it waits for the one before the last (a GPU-bound loop that keeps the GPU fed with a bounded
   queue, as a framework's launch queue and syncs bound a real one). A step is one kernel.
+- ``replay``: a graph launch (FAKE_CUDA_GRAPH_US of GPU time) and a context synchronize, again at
+  once: a captured CUDA graph replayed and waited for every step, few long launches.
 Sizes come from the environment (WORKLOAD_BURST, WORKLOAD_KERNEL_US, WORKLOAD_GAP_MS)."""
 
 import ctypes
@@ -39,6 +41,10 @@ while time.monotonic() < end:
             launch(i)
         cuda.cuStreamSynchronize(ctypes.c_void_p(1))  # as loss.item() waits for the step
         time.sleep(gap_s)
+        steps += 1
+    elif kind == "replay":
+        assert cuda.cuGraphLaunch(ctypes.c_void_p(1), ctypes.c_void_p(1)) == 0
+        cuda.cuCtxSynchronize()
         steps += 1
     else:
         batch = steps // burst

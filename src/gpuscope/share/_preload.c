@@ -755,7 +755,7 @@ static void wake_helper(int need) {
     futex((void *)&D->s.policy->gate, FUTEX_WAKE_BITSET, 1, NULL, D->helper_bit);
 }
 
-/* At each launch: whether it followed the program's last wait for the GPU within QUIET_NS. */
+/* At the first launch call after a wait for the GPU: whether it came within QUIET_NS of it. */
 static inline void note_relaunch(uint64_t at) {
     uint64_t synced = atomic_load_explicit(&D->last_sync_ns, memory_order_relaxed);
     if (!synced) return;
@@ -1164,6 +1164,8 @@ static void keep_duty(void) {
     do {                                                                                                 \
         D = dev_here();                                                                                  \
         ensure_joined();                                                                                 \
+        /* before any wait at the gate: time held there is not the program's own */                     \
+        if (atomic_load_explicit(&D->last_sync_ns, memory_order_relaxed)) note_relaunch(now_ns());       \
         if (!(atomic_load_explicit(D->gate, memory_order_relaxed) & D->s.slot_bit)) wait_turn();                 \
         else if (slice_over()) yield_slice();                                                            \
         else if (beside() && !busy_accounting()) keep_duty();                                            \
@@ -1188,7 +1190,6 @@ static void keep_duty(void) {
         if (GRAPH) atomic_fetch_add_explicit(&D->s.proc->graph_launches, 1, memory_order_relaxed);            \
         uint64_t launched_ = now_ns();                                                                   \
         atomic_store_explicit(&D->s.proc->last_launch_ns, launched_, memory_order_relaxed);                   \
-        note_relaunch(launched_);                                                                        \
         if (D->win_open) {                                                                                  \
             window_t *w_ = &D->ring[D->tail % POOL];                                                           \
             D->win_launches += (GRAPH) ? 8 : 1;                                                             \
