@@ -122,9 +122,13 @@ def main(argv: list[str]) -> int:
     for note in notes:
         log(note)
     stop = threading.Event()
+    def stop_now(*_) -> None:
+        stop.set()
+        node.nudge()
+
     for sig in (signal.SIGTERM, signal.SIGINT):  # before /metrics answers: a stop then is a clean one
-        signal.signal(sig, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: setattr(node, "reload_now", True))  # reread the file now
+        signal.signal(sig, stop_now)
+    signal.signal(signal.SIGHUP, lambda *_: node.request_reload())  # reread the file now
     watches = [_watch(c, args.watch_interval, log) for c in node.controllers]
     registry = CollectorRegistry()
     registry.register(ShareCollector(node, watches))

@@ -11,6 +11,9 @@ both, and each GPU's gate holds its launches there. Gang tenants are held as one
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import sys
 import threading
 import time
@@ -38,7 +41,10 @@ class Node:
         spec.check_gpus(gpus)
         self.gpus = list(gpus)
         self.policy_file = policy_file
-        self.reload_now = False  # set by SIGHUP: reread the policy file now
+        self.reload_now = False  # set by SIGHUP (request_reload): reread the policy file now
+        # wakes the thread that looks at the policy file (run): a pipe, since a signal handler writes
+        # it (an Event's lock, taken in a handler that interrupted its holder, would deadlock)
+        self._nudge_r, self._nudge_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.policy_reloads = {"applied": 0, "refused": 0}
         self.files = LedgerFiles(prefix, log=self.log)
         self.controllers: list[Controller] = []
@@ -106,15 +112,35 @@ class Node:
         self.log(f"gpuscope share: {self.policy_file.path} applied: {'; '.join(parts)}")
 
     # --- running --------------------------------------------------------------------------------
+    def request_reload(self) -> None:
+        """Reread the policy file now, changed or not (SIGHUP)."""
+        self.reload_now = True
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Wake the thread in ``run`` now: a reload was asked for, or ``stop`` was set."""
+        with contextlib.suppress(BlockingIOError):  # full: it is woken anyway
+            os.write(self._nudge_w, b"\0")
+
+    def _sleep(self, seconds: float) -> None:
+        """Until ``seconds`` have passed or ``nudge`` was called."""
+        ready, _, _ = select.select([self._nudge_r], [], [], max(0.0, seconds))
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._nudge_r, 4096)
+
     def run(self, stop: threading.Event) -> None:
-        """Each GPU's loop in a thread of its own; this one watches the policy file."""
+        """Each GPU's loop in a thread of its own; this one looks at the policy file every
+        POLICY_CHECK_S, and at once when nudged. It sleeps in between: looking every 50 ms whether a
+        reload was asked for cost an idle controller 20 wake-ups a second (0.14% of a core on the CPU
+        host), for a file looked at twice a second."""
         loops = [threading.Thread(target=c.run, args=(stop,), name=f"gpuscope-share-gpu{c.gpu.name}",
                                   daemon=True) for c in self.controllers]
         for t in loops:
             t.start()
         last = time.monotonic()
         while not stop.is_set():
-            stop.wait(0.05)
+            self._sleep(last + POLICY_CHECK_S - time.monotonic())
             now = time.monotonic()
             if self.reload_now or now - last >= POLICY_CHECK_S:
                 last = now
@@ -126,3 +152,7 @@ class Node:
         for c in self.controllers:
             c.close()
         self.files.close()
+        for fd in (self._nudge_r, self._nudge_w):
+            with contextlib.suppress(OSError):  # closed already
+                os.close(fd)
+        self._nudge_r = self._nudge_w = -1
