@@ -9,10 +9,14 @@ variant of the controller's flags:
 - ``turns``: two GPU-bound loops (ten 1.4 ms kernels, then a sync) at 70/30, equal priority: the
   tenants take turns, handed over by the controller;
 - ``beside``: a latency-bound loop (steps of 300 launches of 5 µs kernels with 20 µs of CPU between,
-  a sync per step; share 0.3, priority 1) beside such a GPU-bound loop (0.7).
+  a sync per step; share 0.3, priority 1) beside such a GPU-bound loop (0.7);
+- ``graph``: the H200's train+encoder+graph mix in shape: a training-like loop (ten 300 µs kernels, a
+  sync, 6 ms on the host: it runs beside the holder) at 0.5, a GPU-bound loop at 0.3 and a graph
+  replayed and synced every step (400 µs, then a context synchronize) at 0.2; the two GPU-bound
+  tenants take turns.
 
     PYTHONPATH=src python benchmarks/share_controller_cpu.py \
-        --out benchmarks/results/share-controller-cpu-fifth.json
+        --rounds 2 --out benchmarks/results/share-controller-cpu-sixth.json
 
 Reported per round: the controller's CPU (% of a core), its wake-ups a second (voluntary context
 switches of all its threads) and CPU per wake-up; each tenant's share of the rounds' iterations; the
@@ -59,7 +63,17 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
     stamps, steps = [], []
     end = time.time() + seconds
     while time.time() < end:
-        if kind == "hog":
+        if kind == "graph":  # few long launches, each waited for
+            cuda.cuGraphLaunch(None, None)
+            cuda.cuCtxSynchronize()
+            stamps.append(time.time())
+        elif kind == "train":
+            for _ in range(10):
+                launch(None, 1, 1, 1, 300, 1, 1, 0, None, None, None)
+            sync()
+            time.sleep(0.006)
+            stamps.append(time.time())
+        elif kind == "hog":
             for _ in range(10):
                 launch(None, 1, 1, 1, 1400, 1, 1, 0, None, None, None)
             sync()
@@ -93,6 +107,7 @@ def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) ->
     from gpuscope.share.preload import library_path
 
     env = dict(os.environ, LD_PRELOAD=library_path(), LD_LIBRARY_PATH=fake, FAKE_CUDA_REALTIME="1",
+               FAKE_CUDA_GRAPH_US="400",
                FAKE_CUDA_LOG="/dev/null", GPUSCOPE_SHARE_TENANT=tenant, GPUSCOPE_SHARE_LEDGER=LEDGER)
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", kind, str(seconds),
                              str(start_at)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -102,6 +117,9 @@ def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) ->
 def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: int) -> dict:
     if scenario == "turns":
         shares, tenants = "a=0.7,b=0.3", [("hog", "a"), ("hog", "b")]
+    elif scenario == "graph":
+        shares = "train=0.5,hog=0.3,graph=0.2"
+        tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
     else:
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("hog", "hog")]
     ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)
@@ -122,6 +140,8 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
+    elif scenario == "graph":
+        out["iterations"] = counts
     else:
         steps = results["llm"]["steps"]
         out.update(llm_steps=len(steps), llm_p50_ms=1e3 * pct(steps, 0.5), llm_p99_ms=1e3 * pct(steps, 0.99),
@@ -137,7 +157,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--scenarios", default="turns,beside")
+    p.add_argument("--scenarios", default="turns,beside,graph")
     p.add_argument("--variant", action="append", default=None,
                    help="controller flags of one variant, space-separated (repeat; default: the defaults)")
     p.add_argument("--port", type=int, default=9417)
@@ -153,6 +173,7 @@ def main() -> None:
                     r["round"] = rnd
                     rows.append(r)
                     extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
+                             f"iterations {r['iterations']}" if scenario == "graph" else
                              f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "

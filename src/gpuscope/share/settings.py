@@ -110,7 +110,8 @@ class ShareSettings:
         "for a turn while its peers hold theirs", parse=parse_gangs)
     watch_interval: float = setting(
         "--share.watch-interval", 0.25, "how often NVML's list of the GPU's processes is compared with the "
-        "ones that joined (a process seen twice without joining is reported)", parse=parse_duration)
+        "ones that joined after a change (a process seen twice without joining is reported); up to 4 times "
+        "less often while the list stays the same", parse=parse_duration)
     allow: dict[str, tuple[Rule, ...]] | None = setting(
         "--share.allow", None, "which processes may join as which tenant: NAME=RULE[|RULE...],... with rules "
         "uid:N, user:NAME, gid:N, group:NAME, cgroup:PATH, any (a tenant not named: the controller's own "

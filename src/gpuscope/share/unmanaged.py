@@ -7,11 +7,11 @@ list (never the controller's loop: an NVML call can stall) and keeps those whose
 A process is reported once it is seen without having joined in two samples in a row (a tenant joins
 within milliseconds of creating its context, at its first allocation or launch), and logged once.
 
-Each sample is an NVML call into the driver (on the H200's host, under its VM, about a millisecond of
-the controller's CPU). So while the list stays the same the watch looks less often, up to
-``BACKOFF`` times its interval, and at a change (a process came or went, one not joined) it looks
-again at its interval: a process that never joins is then reported within ``BACKOFF + 1`` intervals
-of its first appearance on the GPU.
+Each sample is an NVML call into the driver, at four a second by default the controller's most
+frequent work that the CPU host does not show (docs/share.md, "Security model"). So while the list
+stays the same the watch looks less often, up to ``BACKOFF`` times its interval, and at a change (a
+process came or went, one not joined) it looks again at its interval: a process that never joins is
+then reported within ``BACKOFF + 1`` intervals of its first appearance on the GPU.
 """
 
 from __future__ import annotations
