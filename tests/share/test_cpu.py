@@ -94,8 +94,9 @@ def test_the_node_thread_sleeps_between_policy_checks(tmp_path):
         folder = f"/proc/self/task/{tid[0]}"
         before, t0 = voluntary_switches(folder), time.monotonic()
         wait_for(lambda: time.monotonic() - t0 >= 1.5, what="a second and a half")
-        woke = voluntary_switches(folder) - before
-        assert woke <= 2 * (time.monotonic() - t0) + 2, woke  # twice a second (was 20 times)
+        woke, seconds = voluntary_switches(folder) - before, time.monotonic() - t0
+        # twice a second, and a switch now and then for the GIL on a busy machine (it was 20 a second)
+        assert woke < 10 * seconds, (woke, seconds)
     finally:
         stop.set()
         node.nudge()
