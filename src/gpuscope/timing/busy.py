@@ -338,17 +338,26 @@ class KernelBusy:
             return
         window.pass_done = True
 
-    def _finish_graph(self, window: _GraphWindow) -> None:
+    def _stop(self, window: Any, stop: Callable[[], Any]) -> tuple[Any, float] | None:
+        """End ``window`` if it is still the open one: what ``stop`` (the trace's stop) returns and
+        the thread CPU clock before it; None if the window was given up meanwhile or stop failed
+        (counted)."""
         with self._lock:
             if self._window is not window:
-                return
+                return None
             self._window = None
         t0 = time.thread_time()
         try:
-            kernels = self.trace.stop_graph()
+            return stop(), t0
         except Exception as exc:
             self._failed(exc)
+            return None
+
+    def _finish_graph(self, window: _GraphWindow) -> None:
+        stopped = self._stop(window, self.trace.stop_graph)
+        if stopped is None:
             return
+        kernels, t0 = stopped
         labels = self.labels
         ns_by_op, replays = labels.kernel_ns(kernels, window.ops_by_region.get) if labels else ({}, 0)
         if not replays:  # no labelled kernel replayed: the graph was captured before the labels
@@ -447,16 +456,10 @@ class KernelBusy:
             self._finish(window)
 
     def _finish(self, window: _Window) -> None:
-        with self._lock:
-            if self._window is not window:
-                return
-            self._window = None
-        t0 = time.thread_time()
-        try:
-            busy_ns = self.trace.stop()
-        except Exception as exc:
-            self._failed(exc)
+        stopped = self._stop(window, self.trace.stop)
+        if stopped is None:
             return
+        busy_ns, t0 = stopped
         for index, op in enumerate(window.ops):
             kernel_s = busy_ns.get(index, 0) * 1e-9
             self.kernel_seconds[(op.name, window.label)] = kernel_s

@@ -556,7 +556,7 @@ class CompiledRegions:
             return _run_with(callback, compiled, args, kwargs)
         marks = self.marks
         busy = self.core.busy
-        window = None
+        window, traced_cpu_s = None, 0.0
         if busy is not None and busy.labels is not None and shapes is not None and shapes.replayed \
                 and busy.due():
             t0 = time.thread_time()

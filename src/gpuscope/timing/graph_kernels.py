@@ -70,24 +70,21 @@ class GraphNodeLabels:
         """CUPTI made a graph node (any thread, any graph): label it if it is a kernel node created
         by the capturing thread while regions are open."""
         label = self._open_label
-        if not label or not is_kernel or threading.get_ident() != self._capturing_thread:
-            return
-        with self._lock:
-            if len(self.labels) >= self.max_nodes:
-                self.unlabelled_full += 1
-                return
-            self.labels[node_id] = label
+        if label and is_kernel and threading.get_ident() == self._capturing_thread:
+            self._store(node_id, label)
 
     def cloned(self, node_id: int, original_id: int) -> None:
         """CUPTI cloned a node (graph instantiation): the clone is labelled as its original."""
         label = self.labels.get(original_id)
-        if label is None:
-            return
+        if label is not None:
+            self._store(node_id, label)
+
+    def _store(self, node_id: int, label: tuple[int, ...]) -> None:
         with self._lock:
             if len(self.labels) >= self.max_nodes:
                 self.unlabelled_full += 1
-                return
-            self.labels[node_id] = label
+            else:
+                self.labels[node_id] = label
 
     # --- a sampled replay (the resolver thread) -------------------------------------------
 
