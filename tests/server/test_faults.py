@@ -148,14 +148,17 @@ def test_error_burst_logs_oom_lines_and_fails_requests(fault_server):
 def test_fault_expires_by_itself(fault_server, monkeypatch):
     # The injector's clock, held by the test: the fault is active until its time has passed, however
     # long the machine takes between two lines.
-    now = [time.monotonic()]
+    # (the instants are set from the start, not added step by step: start + 0.29 + 0.01 can round
+    # below start + 0.3, the expiry)
+    start = time.monotonic()
+    now = [start]
     monkeypatch.setattr(fault_server.service.faults, "_clock", lambda: now[0])
     r = post_fault(fault_server, "latency_spike", {"duration_s": 0.3, "extra_passes": 1})
     assert r.json()["remaining_s"] == 0.3
     assert fault_server.metric("gpuscope_fault_active", {"fault": "latency_spike"}) == 1
-    now[0] += 0.29
+    now[0] = start + 0.29
     assert fault_server.metric("gpuscope_fault_active", {"fault": "latency_spike"}) == 1
-    now[0] += 0.01
+    now[0] = start + 0.3
     assert fault_server.metric("gpuscope_fault_active", {"fault": "latency_spike"}) == 0
     listed = requests.get(fault_server.url + "/admin/faults", headers=AUTH, timeout=5).json()["active"]
     assert listed == []
