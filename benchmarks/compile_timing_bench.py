@@ -11,7 +11,8 @@ Workloads (bf16, one GPU, random weights, nothing downloaded):
 - ``resnet50``: torchvision's ResNet-50, batch 32 × 224², channels-last; regions: every top-level
   child (stem, the four stages, pooling, head).
 
-For each workload and each mode (``torch.compile`` default, ``mode="reduce-overhead"``): the model is
+For each workload and each mode (``torch.compile`` default, ``mode="reduce-overhead"``; also ``eager``
+and ``attribution``, below): the model is
 compiled twice, an untimed twin and the instrumented copy (``torch.compile(m)`` then
 ``timer.instrument(compiled)``). Throughput in interleaved paired rounds (the order alternates each
 round): twin vs instrumented at the default budget, then twin vs instrumented with every pass
@@ -24,10 +25,18 @@ the budget's sampling period, and regions vs CUPTI (torch.profiler) kernel time 
 (every pass timed, each read before the next; regions cover only the instrumented modules, so glue
 kernels outside them are in CUPTI's sum only).
 
+Two more modes. ``eager``: the uncompiled model instrumented, default budget and every pass sampled
+against itself detached, with what a timed pass adds in µs per pass and per region (the same cost
+is a larger share of a shorter compiled pass). ``attribution``: under CUDA graph trees with the
+kernel busy window on, each region's kernel time from CUPTI's records of a traced replay
+(``gpuscope_region_kernel_seconds``) against its event time and against all the replay's kernel
+time (needs ``cupti-python``).
+
 Writes ``--out`` after every workload (partial results survive a time limit); a table last.
 
     python benchmarks/compile_timing_bench.py --out benchmarks/results/timer-compile-h200.json
     python benchmarks/compile_timing_bench.py --workloads encoder --modes default --rounds 4
+    python benchmarks/compile_timing_bench.py --out X --modes eager,attribution
 """
 
 from __future__ import annotations
@@ -185,6 +194,130 @@ def kernel_seconds(prof) -> tuple[float, float | None]:
 PASS_GAP_NS = 500_000
 
 
+def extra_us(same_model: dict) -> float | None:
+    """What a timed pass added, in µs of wall time per pass, from the median rates of paired rounds
+    of the same model with the timer attached and detached."""
+    on, off = same_model["instrumented_steps_per_s"], same_model["untimed_steps_per_s"]
+    return rnd((1 / on - 1 / off) * 1e6, 1) if on and off else None
+
+
+def build(name: str) -> tuple:
+    """The workload's model (on the device, bf16, eval) and its call's arguments and regions."""
+    torch.manual_seed(0)
+    model, call_args, call_kwargs, include = WORKLOADS[name]()
+    model = model.to(DEVICE, DTYPE).eval()
+    if name == "resnet50":
+        model = model.to(memory_format=torch.channels_last)
+    return model, call_args, call_kwargs, include
+
+
+def run_eager(name: str, args: argparse.Namespace) -> dict:
+    """The same workload uncompiled, instrumented the eager way: the cost each timed region has
+    there, against which the compiled figures are read (a compiled pass is shorter, so the same
+    per-region cost is a larger share of it)."""
+    model, call_args, call_kwargs, include = build(name)
+    timer = Timer(CollectorRegistry(), calibrate_every=0)
+    result: dict = {"workload": name, "mode": "eager"}
+    with torch.no_grad():
+        inst = timer.instrument(model, include=include)
+
+        def run_inst() -> None:
+            model(*call_args, **call_kwargs)
+
+        for _ in range(3):
+            run_inst()
+        steps = max(5, int(args.segment_s * rate(run_inst, 5)))
+        result["steps_per_segment"] = steps
+        warm_until = time.perf_counter() + args.settle_s
+        while time.perf_counter() < warm_until:
+            rate(run_inst, steps)
+        result["budget_same_model"] = paired(run_inst, run_inst, steps, args.rounds, inst=inst)
+        result["budget_same_model"]["period"] = timer.sampling_period()
+        timer.core.fixed_rate = True
+        timer.core.set_period(1)
+        rate(run_inst, steps)
+        result["full_same_model"] = paired(run_inst, run_inst, steps, args.rounds, inst=inst)
+        result["full_same_model"]["extra_us_per_pass"] = extra_us(result["full_same_model"])
+        result["regions"] = len(inst.ops)
+        extra = result["full_same_model"]["extra_us_per_pass"]
+        if extra is not None:
+            result["full_same_model"]["extra_us_per_region"] = rnd(extra / len(inst.ops), 2)
+    inst.remove()
+    timer.close()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_attribution(name: str, args: argparse.Namespace) -> dict:
+    """Under CUDA graph trees with the kernel busy window on: each region's kernel time attributed
+    from CUPTI's records of one traced replay (``gpuscope_region_kernel_seconds``) against its
+    event-node time and against all the kernel time of that replay."""
+    model, call_args, call_kwargs, include = build(name)
+    timer = Timer(CollectorRegistry(), sample_rate=1.0, calibrate_every=0)
+    result: dict = {"workload": name, "mode": "reduce-overhead", "kind": "attribution"}
+    with torch.no_grad():
+        busy = timer.enable_kernel_busy(min_interval_s=0.0, budget_share=1.0)
+        if busy.labels is None:
+            return {**result, "error": "CUPTI's graph-node callbacks could not be subscribed"}
+        seen: dict = {}
+        kernel_ns = busy.labels.kernel_ns
+
+        def counting(kernels, group_of):  # every record of the traced replays, labelled or not
+            kernels = list(kernels)
+            seen["all_ns"] = seen.get("all_ns", 0) + sum(max(0, ns) for _, ns in kernels)
+            seen["records"] = seen.get("records", 0) + len(kernels)
+            out = kernel_ns(kernels, group_of)
+            seen["replays"] = seen.get("replays", 0) + out[1]
+            return out
+
+        busy.labels.kernel_ns = counting
+        compiled = torch.compile(model, mode="reduce-overhead")
+        inst = timer.instrument(compiled, include=include)
+
+        def passes(n: int) -> None:
+            for _ in range(n):
+                compiled(*call_args, **call_kwargs)
+                sync()
+                timer.flush(30)
+                busy.expire()
+
+        def sums() -> dict[str, tuple[float, int]]:
+            return {op: (sum(h.sum for h in timer.core.op_state(op).hists.values()),
+                         sum(h.count for h in timer.core.op_state(op).hists.values())) for op in inst.ops}
+
+        passes(8)  # compile, warm up, capture (the first passes' regions are not replays)
+        before = sums()
+        passes(args.accuracy_passes)
+        after = sums()
+        merged_names = {n for g in inst.compiled.merged() for n in g}
+        regions = []
+        for op in inst.ops:
+            kernel_s = busy.kernel_seconds.get((op, "0"))
+            seconds, count = (a - b for a, b in zip(after[op], before.get(op, (0.0, 0)), strict=True))
+            if kernel_s is None or not count:
+                continue
+            regions.append({"op": op, "merged": op in merged_names or "+" in op,
+                            "region_ms": rnd(seconds / count * 1e3, 4), "kernel_ms": rnd(kernel_s * 1e3, 4)})
+        apart = [r for r in regions if not r["merged"]]
+        attributed = sum(r["kernel_ms"] for r in apart)
+        replays = seen.get("replays", 0)
+        result.update({
+            "windows": dict(busy.windows), "labelled_nodes": len(busy.labels.labels),
+            "callback_errors": busy.labels.callback_errors, "traced_replays": replays,
+            "regions": regions,
+            "apart_kernel_ms": rnd(attributed, 4),
+            "apart_region_ms": rnd(sum(r["region_ms"] for r in apart), 4),
+            "replay_kernel_ms": rnd(seen["all_ns"] / replays * 1e-6, 4) if replays else None,
+            "regions_over_attributed": rnd(sum(r["region_ms"] for r in apart) / attributed, 4)
+            if attributed else None})
+    inst.remove()
+    timer.close()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def region_sums(timer: Timer, names: set[str]) -> tuple[float, int]:
     s = n = 0
     for op in timer.core.ops():
@@ -196,11 +329,11 @@ def region_sums(timer: Timer, names: set[str]) -> tuple[float, int]:
 
 
 def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
-    torch.manual_seed(0)
-    model, call_args, call_kwargs, include = WORKLOADS[name]()
-    model = model.to(DEVICE, DTYPE).eval()
-    if name == "resnet50":
-        model = model.to(memory_format=torch.channels_last)
+    if mode == "eager":
+        return run_eager(name, args)
+    if mode == "attribution":
+        return run_attribution(name, args)
+    model, call_args, call_kwargs, include = build(name)
     twin_model = copy.deepcopy(model)
     compile_mode = None if mode == "default" else mode
     result: dict = {"workload": name, "mode": mode}
@@ -256,6 +389,7 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
         rate(run_inst, steps)
         result["full"] = paired(run_twin, run_inst, steps, args.rounds)
         result["full_same_model"] = paired(run_inst, run_inst, steps, args.rounds, inst=inst)
+        result["full"]["extra_us_per_pass"] = extra_us(result["full_same_model"])
         result["full"]["graph_busy"] = timer.dropped["graph_busy"] - busy0
         result["full"]["sampled_passes"] = inst.sampled_passes - sampled0
         result["full"]["passes"] = inst.passes - passes0
@@ -321,6 +455,9 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
                              "graph_event_nodes": sorted(getattr(g, "nodes", len(g.events)) for g in shapes
                                                          if g.events)}
         result["fusion_analysis_failures"] = fusion.analysis_failures[0]
+        records = result["markers"]["records_per_timed_pass"]
+        if records and result["full"]["extra_us_per_pass"] is not None:
+            result["full"]["extra_us_per_record"] = rnd(result["full"]["extra_us_per_pass"] / records, 2)
     inst.remove()
     timer.close()
     if DEVICE == "cuda":
@@ -334,6 +471,8 @@ def table(results: list[dict]) -> str:
             "| regions / CUPTI pass span |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r["mode"] in ("eager", "attribution") and "error" not in r:
+            continue  # their own tables below
         if "error" in r:
             rows.append(f"| {r['workload']} | {r['mode']} | error: {r['error'][:60]} ||||||||||")
             continue
@@ -347,6 +486,21 @@ def table(results: list[dict]) -> str:
                     f"{pct(same_b)} | {b['period']} | {pct(f['loss'])} | {pct(same_f)} | "
                     f"{r['graph_breaks']} | {len(r['merged'])} | "
                     f"{a['regions_over_cupti']} | {a.get('regions_over_cupti_span')} |")
+    rows += ["", "| workload | eager: default budget (same model) | every pass sampled | µs a pass "
+             "| µs a region |", "|---|---|---|---|---|"]
+    for r in results:
+        if r["mode"] == "eager" and "error" not in r:
+            f = r["full_same_model"]
+            rows.append(f"| {r['workload']} | {100 * r['budget_same_model']['loss']['median']:.2f}% | "
+                        f"{100 * f['loss']['median']:.2f}% | {f['extra_us_per_pass']} | "
+                        f"{f.get('extra_us_per_region')} |")
+    rows += ["", "| workload | traced replays | attributed kernel ms (regions apart) | their event ms "
+             "| all kernel ms of a replay | events / attributed |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if r["mode"] == "attribution" and "error" not in r:
+            rows.append(f"| {r['workload']} | {r['traced_replays']} | {r['apart_kernel_ms']} | "
+                        f"{r['apart_region_ms']} | {r['replay_kernel_ms']} | "
+                        f"{r['regions_over_attributed']} |")
     return "\n".join(rows)
 
 
