@@ -46,7 +46,12 @@ MIXES = {
     "train+encoder+graph 50/30/20": (("train", 0.5), ("encoder", 0.3), ("graph", 0.2)),
     "generate+small+encoder 34/33/33": (("generate", 0.34), ("small", 0.33), ("encoder", 0.33)),
 }
-VARIANTS = ("unmanaged", "drain", "overlap")
+#: managed variants: the controller's flags (``drain`` the default hand-over and queue)
+VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
+            "overlap": ("--share.handover", "overlap"),
+            # the holder's usual queue while a tenant runs beside it (no short queue)
+            "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "4ms"),
+            "drain-queue-1ms": ("--share.handover", "drain", "--share.beside-queue", "1ms")}
 MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
 TIMELINE_S = 1.0
@@ -301,7 +306,7 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
     controller = None
     if variant != "unmanaged":
         shares = ",".join(f"{n}={s}" for n, (_, s) in zip(names, tenants, strict=True))
-        controller = Controller(shares, "events", port, "--share.handover", variant)
+        controller = Controller(shares, "events", port, *VARIANTS[variant])
     procs = [spawn(w, seconds, n if controller else None) for n, (w, _) in zip(names, tenants, strict=True)]
     start = release(procs)
     sleep_until(start)
@@ -381,7 +386,8 @@ def main() -> None:
     p.add_argument("--mixes", default=",".join(MIXES))
     p.add_argument("--latency-rate", type=float, default=150.0, help="the latency tenant's requests/s")
     p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="which of unmanaged, drain, overlap to run")
+    p.add_argument("--variants", default="unmanaged,drain,overlap",
+                   help=f"which of {', '.join(VARIANTS)} to run")
     p.add_argument("--merge", action="store_true", help="add to --out's mixes and latency rows instead of "
                    "starting a new file (a run split in parts)")
     args = p.parse_args()

@@ -24,6 +24,7 @@ POLICY = {
     "P_INFLIGHT_OPEN": "offsetof(policy_t, inflight_open)", "P_STALE_MS": "offsetof(policy_t, stale_ms)",
     "P_BUSY_MASK": "offsetof(policy_t, busy_mask)", "P_BESIDE_MASK": "offsetof(policy_t, beside_mask)",
     "P_SLICE_END": "offsetof(policy_t, slice_end_ns)", "P_LENDER_MASK": "offsetof(policy_t, lender_mask)",
+    "P_BESIDE_QUEUE_US": "offsetof(policy_t, beside_queue_us)",
     "P_TENANTS": "offsetof(policy_t, tenants)", "TENANT_SIZE": "sizeof(((policy_t *)0)->tenants[0])",
     "T_SHARE": "offsetof(policy_t, tenants[0].share_ppm) - offsetof(policy_t, tenants)",
     "T_PRIORITY": "offsetof(policy_t, tenants[0].priority) - offsetof(policy_t, tenants)",
@@ -34,7 +35,7 @@ POLICY = {
     "POLICY_MAGIC": "POLICY_MAGIC", "PROC_MAGIC": "PROC_MAGIC", "TENANT_MAGIC": "TENANT_MAGIC",
     "MEM_CAP_FRACTION": "MEM_CAP_FRACTION", "DEFAULT_WINDOW_US": "DEFAULT_WINDOW_US",
     "DEFAULT_QUEUED_WINDOWS": "DEFAULT_QUEUED_WINDOWS", "DEFAULT_INFLIGHT_OPEN": "DEFAULT_INFLIGHT_OPEN",
-    "DEFAULT_STALE_MS": "DEFAULT_STALE_MS",
+    "DEFAULT_STALE_MS": "DEFAULT_STALE_MS", "DEFAULT_BESIDE_QUEUE_US": "DEFAULT_BESIDE_QUEUE_US",
 }
 PROC = {
     "Q_MAGIC": "offsetof(proc_t, magic)", "Q_VERSION": "offsetof(proc_t, version)",

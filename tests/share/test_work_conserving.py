@@ -108,3 +108,18 @@ def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_pa
     # the hog's windows were short while the training tenant ran beside it: its 300 µs kernels came
     # about one a window (about four with the usual 2 ms windows)
     assert hog_counters["launches"] <= 2.5 * hog_counters["windows"], hog_counters
+
+
+def test_the_holder_keeps_its_usual_queue_where_the_beside_queue_is_set_as_long(fake_cuda, tmp_path):
+    """``--share.beside-queue`` as long as the usual queue (two 2 ms windows) turns the short queue off:
+    the hog holding the GPU beside the training tenant keeps windows of its usual length."""
+    ledger = str(tmp_path / "ledger")
+    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
+                            drain_timeout=2.0, beside_queue=0.004) as c:
+        run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
+        wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
+        hog_counters = c.stats.departed["hog"]
+        busy = dict(c.prober.busy_ratio)
+    assert busy[0] <= 0.5 * 1.25 and busy[1] > 0.5, busy  # the training tenant ran beside the hog
+    # about six 300 µs kernels a 2 ms window (one with the short queue)
+    assert hog_counters["launches"] >= 3.5 * hog_counters["windows"], hog_counters

@@ -25,6 +25,7 @@
 #define DEFAULT_QUEUED_WINDOWS 2u /* finished-but-unresolved windows a slice holder may queue */
 #define DEFAULT_INFLIGHT_OPEN 16u /* the same while shares do not bind */
 #define DEFAULT_STALE_MS 2000u    /* a controller whose heartbeat is older is taken for dead */
+#define DEFAULT_BESIDE_QUEUE_US 500u /* GPU time a slice holder queues while a tenant runs beside it */
 
 typedef struct {
     uint32_t magic, version;
@@ -38,7 +39,8 @@ typedef struct {
     _Atomic uint32_t beside_mask;  /* bit i: slot i runs beside the slice holder, its launches untimed */
     _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
     _Atomic uint32_t lender_mask;  /* bit i: slot i lent the rest of its turn; its first held thread rings */
-    uint32_t reserved[15];
+    uint32_t beside_queue_us;      /* the holder's queue while a tenant runs beside it (short_queue()) */
+    uint32_t reserved[14];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active;
@@ -69,6 +71,7 @@ typedef struct {
 
 _Static_assert(sizeof(policy_t) == 128 + MAX_TENANTS * 64, "policy layout");
 _Static_assert(__builtin_offsetof(policy_t, lender_mask) == 64, "policy lender layout");
+_Static_assert(__builtin_offsetof(policy_t, beside_queue_us) == 68, "policy beside queue layout");
 _Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 128 + 56, "policy tenant layout");
 _Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
 _Static_assert(__builtin_offsetof(proc_t, mem_bytes) == 64 + 14 * 8, "proc memory layout");

@@ -716,18 +716,28 @@ static inline int busy_accounting(void) {
 /* A turn another tenant lent (it was idle) is taken back at that tenant's next launch, after this
  * process's queued work; a tenant beside the holder waits behind the holder's queued work at each of
  * its bursts (the GPU runs queued work first, or switches contexts only at a time slice's end). So in
- * a lent turn, and while another tenant runs beside it, a process queues at most LENT_INFLIGHT
- * windows of about LENT_WINDOW_US of GPU time each (two keep the GPU fed while the launching thread
- * waits for the older one): short_queue(). With the usual two 2 ms windows, a training step beside a
+ * a lent turn a process queues at most LENT_INFLIGHT windows of about LENT_WINDOW_US of GPU time each
+ * (two keep the GPU fed while the launching thread waits for the older one), and while another tenant
+ * runs beside it, windows of that length up to the policy's beside_queue_us: short_queue(). With the usual two 2 ms windows, a training step beside a
  * GPU-bound holder on the fake driver's shared GPU ran at 0.63 of its alone rate, under its 0.7 share;
  * with the short queue, 0.85. */
 #define LENT_INFLIGHT 2
 #define LENT_WINDOW_US 250
-static int short_queue(void) {
-    if (!D->s.policy || beside()) return 0;
+/* The depth of the short queue in windows, 0 where the usual queue applies. Beside another tenant it
+ * is the policy's beside_queue_us (--share.beside-queue) in LENT_WINDOW_US windows, at least
+ * LENT_INFLIGHT; as long as the usual queue or longer, the usual queue. */
+static uint32_t short_queue(void) {
+    const policy_t *p = D->s.policy;
+    if (!p || beside()) return 0;
     uint32_t others = ~D->s.slot_bit;
-    return ((atomic_load_explicit(&D->s.policy->lender_mask, memory_order_relaxed) |
-             atomic_load_explicit(&D->s.policy->beside_mask, memory_order_relaxed)) & others) != 0;
+    if (atomic_load_explicit(&p->lender_mask, memory_order_relaxed) & others) return LENT_INFLIGHT;
+    if (!(atomic_load_explicit(&p->beside_mask, memory_order_relaxed) & others)) return 0;
+    uint32_t us = p->beside_queue_us ? p->beside_queue_us : DEFAULT_BESIDE_QUEUE_US;
+    uint32_t usual = (p->inflight_slice ? p->inflight_slice : DEFAULT_QUEUED_WINDOWS) *
+                     (p->window_us ? p->window_us : DEFAULT_WINDOW_US);
+    if (us >= usual) return 0;
+    uint32_t n = (us + LENT_WINDOW_US - 1) / LENT_WINDOW_US;
+    return n < LENT_INFLIGHT ? LENT_INFLIGHT : n > POOL - 1 ? POOL - 1 : n;
 }
 
 static inline uint32_t inflight_limit(void) {
@@ -738,7 +748,8 @@ static inline uint32_t inflight_limit(void) {
     if (busy_accounting()) return POOL - 1;
     uint32_t lim = binding ? D->s.policy->inflight_slice : (D->s.policy ? D->s.policy->inflight_open : DEFAULT_INFLIGHT_OPEN);
     /* in a lent turn or with a tenant beside: that tenant waits behind this queue (short_queue()) */
-    if (binding && short_queue()) lim = LENT_INFLIGHT;
+    uint32_t short_lim = binding ? short_queue() : 0;
+    if (short_lim) lim = short_lim;
     return lim < 1 ? 1 : (lim > POOL - 1 ? POOL - 1 : lim);
 }
 
@@ -893,7 +904,7 @@ static void open_window(CUstream stream, int ptsz, int busy) {
     w->ptsz = ptsz;
     w->end_recorded = 0;
     w->busy = busy;
-    w->lent = short_queue();
+    w->lent = short_queue() != 0;
     /* before the record call, not after: a thread preempted in it then shows its start event late,
      * which the least-late reference of busy_window_ms is immune to, rather than early */
     w->started_ns = busy ? now_ns() : 0;

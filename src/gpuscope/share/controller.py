@@ -126,6 +126,7 @@ class Controller:
         self.gpu = gpu or (Gpu(first) if isinstance(first, int) else Gpu(NO_INDEX, first))
         self.policy = Policy(prefix, tenants, mode=str(settings.accounting),
                              window_us=int(settings.window * 1e6), inflight_slice=settings.queued_windows,
+                             beside_queue_us=int(settings.beside_queue * 1e6),
                              access=access, log=self.log, files=files, uuid=self.gpu.uuid_bytes)
         self.tenants = tenants
         self.mode = settings.accounting

@@ -64,6 +64,7 @@ P_BUSY_MASK = 48  # slots in a probe: each launch timed on its own (busy time)
 P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches untimed
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
 P_LENDER_MASK = 64  # slots that lent the rest of their turn: their first held thread rings the bell
+P_BESIDE_QUEUE_US = 68  # GPU time (µs) a slice holder queues while a tenant runs beside it
 P_TENANTS, TENANT_SIZE = 128, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
 T_SHARE, T_PRIORITY, T_ACTIVE = NAME_LEN, NAME_LEN + 4, NAME_LEN + 8  # in a tenant's entry
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
@@ -93,6 +94,7 @@ QUIET_NS = 300_000
 #: The accounting window's GPU time and how many windows a slice holder may queue
 #: (``--share.window``, ``--share.queued-windows``: the settings take their defaults from here).
 DEFAULT_WINDOW_US, DEFAULT_QUEUED_WINDOWS, DEFAULT_INFLIGHT_OPEN, DEFAULT_STALE_MS = 2000, 2, 16, 2000
+DEFAULT_BESIDE_QUEUE_US = 500
 
 MODES = {"events": 0, "nvml": 1}
 
@@ -296,7 +298,7 @@ class Policy:
 
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = DEFAULT_WINDOW_US, inflight_slice: int = DEFAULT_QUEUED_WINDOWS,
-                 inflight_open: int = DEFAULT_INFLIGHT_OPEN,
+                 inflight_open: int = DEFAULT_INFLIGHT_OPEN, beside_queue_us: int = DEFAULT_BESIDE_QUEUE_US,
                  stale_ms: int = DEFAULT_STALE_MS, access: Access | None = None,
                  log: Callable[[str], None] | None = None, files: LedgerFiles | None = None,
                  uuid: bytes = b"") -> None:
@@ -312,7 +314,7 @@ class Policy:
         self._own_files = files is None
         self.files = files if files is not None else LedgerFiles(prefix, log=log)
         try:
-            self._build(mode, window_us, inflight_slice, inflight_open, stale_ms)
+            self._build(mode, window_us, inflight_slice, inflight_open, beside_queue_us, stale_ms)
         except BaseException:
             self._close_pages()
             if self._own_files:
@@ -326,7 +328,7 @@ class Policy:
             self.files.start()
 
     def _build(self, mode: str, window_us: int, inflight_slice: int, inflight_open: int,
-               stale_ms: int) -> None:
+               beside_queue_us: int, stale_ms: int) -> None:
         bell_fd, policy_fd = sealed_page("gpuscope-share-bell"), sealed_page("gpuscope-share-policy")
         self._fds += [bell_fd, policy_fd]
         self._fds.append(read_only(policy_fd))
@@ -340,7 +342,8 @@ class Policy:
         m.set_u32(P_NTENANTS, len(self.tenants))
         m.set_u32(P_MODE, MODES[mode])
         for off, value in ((P_WINDOW_US, window_us), (P_INFLIGHT_SLICE, inflight_slice),
-                           (P_INFLIGHT_OPEN, inflight_open), (P_STALE_MS, stale_ms)):
+                           (P_INFLIGHT_OPEN, inflight_open), (P_BESIDE_QUEUE_US, beside_queue_us),
+                           (P_STALE_MS, stale_ms)):
             m.set_u32(off, value)
         self._write_entries()
         self.gen = 1

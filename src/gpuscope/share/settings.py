@@ -9,7 +9,12 @@ from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
 from gpuscope.share.access import Rule, parse_allow
 from gpuscope.share.gpus import ALL, parse_gpus
-from gpuscope.share.ledger import DEFAULT_QUEUED_WINDOWS, DEFAULT_WINDOW_US, TenantPolicy
+from gpuscope.share.ledger import (
+    DEFAULT_BESIDE_QUEUE_US,
+    DEFAULT_QUEUED_WINDOWS,
+    DEFAULT_WINDOW_US,
+    TenantPolicy,
+)
 from gpuscope.share.policy import check_name, parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER
 from gpuscope.util.bounded_http import max_connections_setting, read_timeout_setting
@@ -99,6 +104,12 @@ class ShareSettings:
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
                                   "windows a slice holder may have queued: bounds the work a hand-over "
                                   "overlaps or waits for")
+    beside_queue: float = setting(
+        "--share.beside-queue", DEFAULT_BESIDE_QUEUE_US / 1e6, "GPU time a slice holder may keep queued "
+        "while another tenant runs beside it (in windows of 250 us, at least two): a tenant beside waits "
+        "behind that queue at each of its bursts, the holder keeps the GPU fed through its own wake-ups; "
+        "as long as the usual queue (--share.queued-windows of --share.window) or longer: the usual queue",
+        parse=parse_duration)
     gpus: str | tuple[int | str, ...] = setting(
         "--share.gpus", ALL, "the GPUs held, each with a ledger, shares and caps of its own: all (every GPU "
         "NVML lists), or NVML indices such as 0,1, or UUIDs (GPU-..., a MIG instance's MIG-...); a tenant "
