@@ -51,7 +51,9 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "overlap": ("--share.handover", "overlap"),
             # the holder's usual queue while a tenant runs beside it (no short queue)
             "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "4ms"),
-            "drain-queue-1ms": ("--share.handover", "drain", "--share.beside-queue", "1ms")}
+            "drain-queue-1ms": ("--share.handover", "drain", "--share.beside-queue", "1ms"),
+            # every tenant probed in turn each second, however steady its probes (no back-off)
+            "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1")}
 MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
 TIMELINE_S = 1.0

@@ -243,6 +243,11 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--share.probe-every must be at least 0.1s" in err
+    with pytest.raises(SystemExit) as info:
+        share_main(["--share", "a=0.5", "--share.probe-backoff", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--share.probe-backoff must be between 1 and 64, not 0" in err
 
 
 def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):

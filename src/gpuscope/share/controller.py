@@ -150,7 +150,7 @@ class Controller:
                                       self.stats.departed)
         self._last_state_count = time.monotonic()
         self.charger = Charger(self.processes, self.scheduler, self.stats.charged_s, self._last_state_count)
-        self.prober = Prober(self.policy, self.processes, settings.probe_every)
+        self.prober = Prober(self.policy, self.processes, settings.probe_every, settings.probe_backoff)
         self._last_scan = self._last_zombie_check = 0.0
         self.policy_file = policy_file
         self._last_policy_check = time.monotonic()

@@ -84,6 +84,8 @@ def main(argv: list[str]) -> int:
     if args.probe_every < MIN_PROBE_EVERY_S:
         parser.error(f"--share.probe-every must be at least {MIN_PROBE_EVERY_S:g}s (a probe pauses the slice "
                      f"holder for {PROBE_S:g}s), not {args.probe_every:g}s")
+    if not 1 <= args.probe_backoff <= 64:
+        parser.error(f"--share.probe-backoff must be between 1 and 64, not {args.probe_backoff}")
     if not 1 <= args.max_connections <= 100_000:
         parser.error(f"--web.max-connections must be between 1 and 100000, not {args.max_connections}")
     unknown = sorted(set(allow or {}) - {t.name for t in tenants})

@@ -9,6 +9,12 @@ into a running estimate. One tenant per probe, the one probed longest ago (one n
 soon after it starts): probed together, tenants' kernels would wait for each other's and read busier
 than they are. Tenants of higher priority than the probed one keep running (a latency tenant is never
 paused for another's probe; the probed one then reads a little busy, never idle).
+
+A probe pauses the others, so it costs them GPU time: a tenant whose probes agree with its estimate
+(each within ``STABLE_DELTA`` of it) is probed half as often after each such probe, down to
+``backoff`` times less often than the round; one whose probe moves the estimate is probed at the
+round's rate again. A steady GPU-bound or launch-bound loop soon costs the others little; a tenant
+whose busy fraction changes is followed as before.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from gpuscope.share.settings import PROBE_FIRST_S, PROBE_READ_LAG_S, PROBE_S
 
 #: Weight of a new probe's busy fraction in the running estimate.
 PROBE_WEIGHT = 0.5
+#: A probe within this much of the running estimate agrees with it (a steady loop's probes differ by
+#: a few hundredths; a loop with host gaps of the probe's length differs by tenths and is never
+#: backed off).
+STABLE_DELTA = 0.05
 
 
 @dataclass
@@ -36,10 +46,13 @@ class Probe:
 
 
 class Prober:
-    def __init__(self, policy: Policy, table: ProcessTable, every_s: float) -> None:
+    def __init__(self, policy: Policy, table: ProcessTable, every_s: float, backoff: int = 1) -> None:
         self.policy = policy
         self.table = table
-        self.every_s = every_s
+        self.every_s = every_s  # one probe of some tenant at most this often
+        self.backoff = max(1, backoff)
+        self.spacing: dict[int, int] = {}  # slot -> how many rounds apart its probes are (1..backoff)
+        self.candidates: frozenset[int] = frozenset()  # the last candidates seen
         self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in its probes
         self.probe: Probe | None = None
         self.last_probed: dict[int, float] = {}  # slot -> when its last probe began
@@ -47,21 +60,35 @@ class Prober:
         self.last_end = float("-inf")
 
     def next_probe(self, candidates: Set[int], now: float) -> float:
-        """When the next probe of one of ``candidates`` is due: ``every_s`` after the last one, or
-        ``PROBE_FIRST_S`` after a candidate never probed was first seen (and after the last probe)."""
+        """When the next probe of one of ``candidates`` is due: ``PROBE_FIRST_S`` after a candidate
+        never probed was first seen (and after the last probe); else when the first candidate's own
+        turn comes (a round, ``every_s`` a candidate, times its spacing after its last probe), at least
+        ``every_s`` after the last probe."""
+        for slot in candidates - self.candidates:  # back after a pause: its workload may have changed
+            self.spacing.pop(slot, None)
+        self.candidates = frozenset(candidates)
         fresh = [s for s in candidates if s not in self.last_probed]
         for slot in fresh:
             self.first_seen.setdefault(slot, now)
         if fresh:
             first = min(self.first_seen[s] for s in fresh)
             return max(self.last_end, first) + PROBE_FIRST_S
-        return self.last_end + self.every_s
+        if not candidates:
+            return self.last_end + self.every_s
+        own = min(self._own_due(s, len(candidates)) for s in candidates)
+        return max(self.last_end + self.every_s, own)
+
+    def _own_due(self, slot: int, candidates: int) -> float:
+        return self.last_probed[slot] + self.every_s * candidates * self.spacing.get(slot, 1)
 
     def due(self, now: float, candidates: Set[int]) -> int | None:
-        """The slot to probe now, if a probe is due: the candidate never probed, else probed longest ago."""
+        """The slot to probe now, if a probe is due: the candidate never probed, else the one whose own
+        turn came first (probed longest ago, where none is backed off)."""
         if self.probe is not None or not candidates or now < self.next_probe(candidates, now):
             return None
-        return min(candidates, key=lambda s: (self.last_probed.get(s, float("-inf")), s))
+        if any(s not in self.last_probed for s in candidates):
+            return min(candidates, key=lambda s: (s in self.last_probed, self.first_seen.get(s, now), s))
+        return min(candidates, key=lambda s: (self._own_due(s, len(candidates)), s))
 
     def start(self, slot: int, now: float) -> None:
         """Have ``slot`` time each launch from ``now`` (the others already drained and paused)."""
@@ -95,6 +122,9 @@ class Prober:
         measured = min(1.0, max(0.0, after - probe.busy_ns) / 1e9 / wall)  # an exit drops a process's count
         old = self.busy_ratio.get(probe.slot)
         self.busy_ratio[probe.slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
+        steady = old is not None and abs(measured - old) <= STABLE_DELTA
+        spacing = self.spacing.get(probe.slot, 1)
+        self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1
 
     def stop(self) -> None:
         if self.probe is not None:

@@ -33,6 +33,8 @@ DEFAULT_SLICE_S = 0.03
 #: PROBE_FIRST_S after it starts; a probe's windows are read PROBE_READ_LAG_S after it (the helper
 #: posts in batches).
 PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
+#: A tenant whose probes agree is probed up to this many times less often (docs/share.md, "Probes").
+DEFAULT_PROBE_BACKOFF = 8
 
 
 def parse_gangs(text: str) -> tuple[str, ...]:
@@ -99,6 +101,11 @@ class ShareSettings:
         "or runs beside the holder, and what it is charged there; longer costs less CPU and paused time, "
         "shorter follows a changing workload sooner",
         parse=parse_duration)
+    probe_backoff: int = setting(
+        "--share.probe-backoff", DEFAULT_PROBE_BACKOFF, "a tenant whose probes agree with its estimate is "
+        "probed half as often after each, up to this many times less often than every tenant in turn; a "
+        "probe that moves its estimate, or a pause in its work, brings it back (1: every tenant in turn, "
+        "always)")
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "

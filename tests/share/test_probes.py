@@ -1,0 +1,94 @@
+"""The prober's schedule as pure code: every tenant in turn, and fewer probes of a tenant whose
+probes agree with its estimate (each probe pauses the others)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gpuscope.share.probes import Prober
+from gpuscope.share.settings import PROBE_READ_LAG_S, PROBE_S
+
+
+class Mask:
+    def __init__(self) -> None:
+        self.mask = 0
+
+    def set_busy_mask(self, mask: int) -> None:
+        self.mask = mask
+
+
+class Busy:
+    """Each slot's posted busy time: a slot keeps the GPU busy ``ratio[slot]`` of each probe."""
+
+    def __init__(self, ratio: dict[int, float]) -> None:
+        self.ratio, self.ns = ratio, dict.fromkeys(ratio, 0)
+
+    def busy_ns(self, slots: set[int]) -> dict[int, int]:
+        return {s: self.ns[s] for s in slots}
+
+
+def run(prober: Prober, busy: Busy, candidates: set[int], seconds: float, start: float = 0.0,
+        until=lambda: False) -> tuple[list[tuple[float, int]], float]:
+    """Drive the prober as the controller's loop does for ``seconds`` from ``start`` (or until
+    ``until()``); the probes it started, and when it stopped."""
+    probes, now = [], start
+    while now < start + seconds and not until():
+        left = prober.advance(now)
+        if left is None and prober.probe is None:
+            slot = prober.due(now, candidates)
+            if slot is not None:
+                prober.start(slot, now)
+                busy.ns[slot] += int(busy.ratio[slot] * PROBE_S * 1e9)  # what the probe will post
+                probes.append((now, slot))
+        now += 0.001
+    return probes, now
+
+
+def test_every_tenant_is_probed_in_turn_without_back_off():
+    busy = Busy({0: 0.9, 1: 0.2, 2: 0.5})
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=1)
+    probes, _ = run(prober, busy, {0, 1, 2}, 30.0)
+    slots = [s for _, s in probes]
+    assert slots[:3] == [0, 1, 2] and all(slots.count(s) >= 9 for s in (0, 1, 2))
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(probes)]
+    assert all(g >= 1.0 for g in gaps[3:])  # one probe a second at most
+    assert prober.busy_ratio[1] == pytest.approx(0.2, rel=0.1)  # ends up to a loop step late
+
+
+def test_a_tenant_whose_probes_agree_is_probed_less_often_down_to_the_back_off():
+    busy = Busy({0: 0.95, 1: 0.1, 2: 0.5})
+    fixed, backed = Prober(Mask(), busy, every_s=1.0, backoff=1), Prober(Mask(), busy, every_s=1.0, backoff=8)
+    for prober in (fixed, backed):
+        busy.ns = dict.fromkeys(busy.ratio, 0)
+        prober.probes, _ = run(prober, busy, {0, 1, 2}, 200.0)
+    assert len(fixed.probes) >= 190
+    # steady tenants: 1, 2, 4 rounds apart, then 8 (a round is 3 s with three tenants)
+    assert len(backed.probes) < len(fixed.probes) / 4
+    times = [t for t, s in backed.probes if s == 0]
+    assert 23.0 <= times[-1] - times[-2] <= 26.0  # 8 rounds of 3 s
+    assert backed.spacing == {0: 8, 1: 8, 2: 8}
+
+
+def test_a_probe_that_moves_the_estimate_brings_the_tenant_back_to_every_round():
+    busy = Busy({0: 0.95, 1: 0.1})
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=8)
+    run(prober, busy, {0, 1}, 60.0)
+    assert prober.spacing[1] == 8
+    busy.ratio[1] = 0.9  # the launch-bound loop turns GPU-bound
+    # within 8 rounds of 2 s it is probed again, moves, and is back to every round
+    start = max(prober.last_probed.values())
+    _, now = run(prober, busy, {0, 1}, 40.0, start, until=lambda: prober.spacing.get(1) == 1)
+    assert prober.spacing[1] == 1 and now - start <= 17.0 + PROBE_S + PROBE_READ_LAG_S + 0.01
+    assert prober.busy_ratio[1] > 0.45  # halfway there after one probe (the running estimate)
+
+
+def test_a_tenant_back_after_a_pause_is_probed_at_every_round_again():
+    busy = Busy({0: 0.95, 1: 0.1})
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=8)
+    run(prober, busy, {0, 1}, 60.0)
+    assert prober.spacing == {0: 8, 1: 8}
+    prober.next_probe({0}, 61.0)  # tenant 1 stopped launching
+    prober.next_probe({0, 1}, 62.0)  # and is back
+    assert prober.spacing == {0: 8}
