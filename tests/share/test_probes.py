@@ -20,13 +20,16 @@ class Mask:
 
 
 class Busy:
-    """Each slot's posted busy time: a slot keeps the GPU busy ``ratio[slot]`` of each probe."""
+    """Each slot's posted busy time: a slot keeps the GPU busy ``ratio[slot]`` of each probe, in
+    launches of ``LAUNCH_S`` each."""
+
+    LAUNCH_S = 1e-4
 
     def __init__(self, ratio: dict[int, float]) -> None:
         self.ratio, self.ns = ratio, dict.fromkeys(ratio, 0)
 
-    def busy_ns(self, slots: set[int]) -> dict[int, int]:
-        return {s: self.ns[s] for s in slots}
+    def busy(self, slot: int) -> tuple[int, int]:
+        return self.ns[slot], round(self.ns[slot] / 1e9 / self.LAUNCH_S)
 
 
 def run(prober: Prober, busy: Busy, candidates: set[int], seconds: float, start: float = 0.0,
@@ -55,6 +58,7 @@ def test_every_tenant_is_probed_in_turn_without_back_off():
     gaps = [b - a for (a, _), (b, _) in itertools.pairwise(probes)]
     assert all(g >= 1.0 for g in gaps[3:])  # one probe a second at most
     assert prober.busy_ratio[1] == pytest.approx(0.2, rel=0.1)  # ends up to a loop step late
+    assert prober.launch_s[1] == pytest.approx(Busy.LAUNCH_S, rel=0.01)  # what a beside launch is charged
 
 
 def test_a_tenant_whose_probes_agree_is_probed_less_often_down_to_the_back_off():

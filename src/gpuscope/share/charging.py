@@ -42,29 +42,27 @@ class Charger:
             return {}
         return {holder: max(0.0, now - self.slice_start - self.posted_in_slice)}
 
-    def charge(self, now: float, *, holder: int | None, beside_rates: Mapping[int, float], concurrent: bool,
-               gate_open: bool) -> None:
+    def charge(self, now: float, *, holder: int | None, beside_launch_s: Mapping[int, float],
+               concurrent: bool, gate_open: bool) -> None:
         """Charge the GPU time the processes posted since the last call.
 
-        ``beside_rates``: for each tenant beside the holder, the part of the time it is busy (its probed
-        busy fraction times its duty): only its probes post, so a launching one is charged that rate;
+        ``beside_launch_s``: for each tenant beside the holder, the kernel seconds a launch of its took
+        in its probes: only its probes post, so it is charged that for each launch it made (kernels
+        that wait behind the holder's take no longer on the GPU, and a duty's pauses make none);
         ``concurrent``: whether several tenants ran at once since the last call; ``gate_open``: whether
         shares do not bind (what is posted is shown but held against nobody)."""
         since, self.last_charge = self.last_charge, now
         posted: dict[int, float] = {}
-        launching: set[int] = set()
         for state in self.table:
             slot = state.view.slot
             gpu_ns, launches = state.view.counter("gpu_ns"), state.view.counter("launches")
-            if launches > state.launches_seen:
-                launching.add(slot)
-                state.launches_seen = launches
-            if gpu_ns > state.gpu_ns_seen:
-                if slot not in beside_rates:  # beside: only probes post, and the busy ratio stands for them
-                    posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
-                state.gpu_ns_seen = gpu_ns
-        for slot in beside_rates.keys() & launching:
-            posted[slot] = posted.get(slot, 0.0) + beside_rates[slot] * (now - since)
+            new_launches, state.launches_seen = max(0, launches - state.launches_seen), launches
+            if slot in beside_launch_s:  # only probes post: their kernel time a launch stands for them
+                if new_launches:
+                    posted[slot] = posted.get(slot, 0.0) + beside_launch_s[slot] * new_launches
+            elif gpu_ns > state.gpu_ns_seen:
+                posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
+            state.gpu_ns_seen = max(state.gpu_ns_seen, gpu_ns)
         if not concurrent and self._unscaled_since is None:
             self._apply(posted, now, holder, gate_open)
             return
@@ -75,7 +73,7 @@ class Charger:
         wall = now - self._unscaled_since
         if concurrent and wall < CONCURRENT_PERIOD_S:
             return
-        self._apply(own_time(self._unscaled, wall, set(beside_rates)), now, holder, gate_open)
+        self._apply(own_time(self._unscaled, wall, set(beside_launch_s)), now, holder, gate_open)
         self._unscaled, self._unscaled_since = {}, (now if concurrent else None)
 
     def _apply(self, charged: Mapping[int, float], now: float, holder: int | None, gate_open: bool) -> None:

@@ -198,14 +198,13 @@ class Controller:
 
     def _charge(self, now: float) -> None:
         """Charge what the processes posted since the last call (``Charger.charge``)."""
-        busy_ratio = self.prober.busy_ratio
+        launch_s = self.prober.launch_s
         # several tenants at once: the open gate, tenants beside the holder, or (overlap hand-overs) the
         # previous holder's queued work running beside the next one's
         concurrent = (bin(self._mask & OPEN_MASK).count("1") > 1
                       or (self.handover == Handover.OVERLAP and self._mask != OPEN_MASK))
         self.charger.charge(now, holder=self.holder, concurrent=concurrent, gate_open=self._mask == OPEN_MASK,
-                            beside_rates={slot: busy_ratio.get(slot, 0.0) * self.duty.get(slot, 1.0)
-                                          for slot in self.beside})
+                            beside_launch_s={slot: launch_s.get(slot, 0.0) for slot in self.beside})
 
     def _pending(self, now: float) -> dict[int, float]:
         return self.charger.pending(now, self.holder)

@@ -10,6 +10,11 @@ soon after it starts): probed together, tenants' kernels would wait for each oth
 than they are. Tenants of higher priority than the probed one keep running (a latency tenant is never
 paused for another's probe; the probed one then reads a little busy, never idle).
 
+A probe also gives the tenant's kernel time per launch (its busy time over the launches it timed):
+beside the holder a tenant is charged that for each launch it makes, so a tenant slowed down beside
+a GPU-bound holder (its kernels wait behind the holder's) is charged the kernels it ran, not its busy
+fraction of the wall time as if it ran as fast as alone.
+
 A probe pauses the others, so it costs them GPU time: a tenant whose probes agree with its estimate
 (each within ``STABLE_DELTA`` of it) is probed half as often after each such probe, down to
 ``backoff`` times less often than the round; one whose probe moves the estimate is probed at the
@@ -42,6 +47,7 @@ class Probe:
     until: float
     started: float
     busy_ns: int  # the slot's processes' busy_ns when the probe began
+    busy_launches: int  # and their launches timed on their own
     read_at: float = 0.0  # once ended: when its windows have been posted
 
 
@@ -54,6 +60,7 @@ class Prober:
         self.spacing: dict[int, int] = {}  # slot -> how many rounds apart its probes are (1..backoff)
         self.candidates: frozenset[int] = frozenset()  # the last candidates seen
         self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in its probes
+        self.launch_s: dict[int, float] = {}  # slot -> kernel seconds a launch, measured in its probes
         self.probe: Probe | None = None
         self.last_probed: dict[int, float] = {}  # slot -> when its last probe began
         self.first_seen: dict[int, float] = {}  # slot never probed -> when it was first a candidate
@@ -92,8 +99,9 @@ class Prober:
 
     def start(self, slot: int, now: float) -> None:
         """Have ``slot`` time each launch from ``now`` (the others already drained and paused)."""
-        self.probe = Probe(slot=slot, until=now + PROBE_S, started=now,
-                           busy_ns=self.table.busy_ns({slot})[slot])
+        busy_ns, busy_launches = self.table.busy(slot)
+        self.probe = Probe(slot=slot, until=now + PROBE_S, started=now, busy_ns=busy_ns,
+                           busy_launches=busy_launches)
         self.last_probed[slot] = now
         self.first_seen.pop(slot, None)
         self.policy.set_busy_mask(1 << slot)
@@ -115,13 +123,19 @@ class Prober:
         return None
 
     def _read(self, probe: Probe) -> None:
-        """The probed tenant's busy fraction, folded into its running estimate."""
+        """The probed tenant's busy fraction and kernel time a launch, folded into running estimates."""
         self.probe = None
         wall = max(probe.until - probe.started, 1e-6)
-        after = self.table.busy_ns({probe.slot})[probe.slot]
-        measured = min(1.0, max(0.0, after - probe.busy_ns) / 1e9 / wall)  # an exit drops a process's count
+        busy_ns, busy_launches = self.table.busy(probe.slot)
+        busy_s = max(0, busy_ns - probe.busy_ns) / 1e9  # an exit drops a process's counts
+        measured = min(1.0, busy_s / wall)
         old = self.busy_ratio.get(probe.slot)
         self.busy_ratio[probe.slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
+        launches = busy_launches - probe.busy_launches
+        if launches > 0:  # a probe that saw no launch says nothing of their size
+            per_launch, old_per = busy_s / launches, self.launch_s.get(probe.slot)
+            self.launch_s[probe.slot] = (per_launch if old_per is None
+                                         else old_per + PROBE_WEIGHT * (per_launch - old_per))
         steady = old is not None and abs(measured - old) <= STABLE_DELTA
         spacing = self.spacing.get(probe.slot, 1)
         self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1

@@ -131,13 +131,14 @@ class ProcessTable:
                 return False
         return True
 
-    def busy_ns(self, slots: set[int]) -> dict[int, int]:
-        """Each slot's processes' summed busy time (posted while probed)."""
-        out = dict.fromkeys(slots, 0)
+    def busy(self, slot: int) -> tuple[int, int]:
+        """``slot``'s processes' summed busy time (posted while probed) and launches timed so."""
+        ns = launches = 0
         for state in self.procs.values():
-            if state.view.slot in out:
-                out[state.view.slot] += state.view.counter("busy_ns")
-        return out
+            if state.view.slot == slot:
+                ns += state.view.counter("busy_ns")
+                launches += state.view.counter("busy_launches")
+        return ns, launches
 
     def keeper_view(self) -> tuple[tuple[int, int, int], ...]:
         """(slot, pid, page address) of each process, for the turn keeper in C."""
