@@ -470,8 +470,11 @@ def table(results: list[dict]) -> str:
             "| full loss (q1–q3) | same model | breaks | merged | regions / CUPTI kernel sum "
             "| regions / CUPTI pass span |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def kind(r: dict) -> str:  # attribution runs under reduce-overhead: its own table all the same
+        return r.get("kind", r["mode"])
+
     for r in results:
-        if r["mode"] in ("eager", "attribution") and "error" not in r:
+        if kind(r) in ("eager", "attribution") and "error" not in r:
             continue  # their own tables below
         if "error" in r:
             rows.append(f"| {r['workload']} | {r['mode']} | error: {r['error'][:60]} ||||||||||")
@@ -489,7 +492,7 @@ def table(results: list[dict]) -> str:
     rows += ["", "| workload | eager: default budget (same model) | every pass sampled | µs a pass "
              "| µs a region |", "|---|---|---|---|---|"]
     for r in results:
-        if r["mode"] == "eager" and "error" not in r:
+        if kind(r) == "eager" and "error" not in r:
             f = r["full_same_model"]
             rows.append(f"| {r['workload']} | {100 * r['budget_same_model']['loss']['median']:.2f}% | "
                         f"{100 * f['loss']['median']:.2f}% | {f['extra_us_per_pass']} | "
@@ -497,7 +500,7 @@ def table(results: list[dict]) -> str:
     rows += ["", "| workload | traced replays | attributed kernel ms (regions apart) | their event ms "
              "| all kernel ms of a replay | events / attributed |", "|---|---|---|---|---|---|"]
     for r in results:
-        if r["mode"] == "attribution" and "error" not in r:
+        if kind(r) == "attribution" and "error" not in r:
             rows.append(f"| {r['workload']} | {r['traced_replays']} | {r['apart_kernel_ms']} | "
                         f"{r['apart_region_ms']} | {r['replay_kernel_ms']} | "
                         f"{r['regions_over_attributed']} |")

@@ -108,6 +108,11 @@ class FakeGraphTrace:
 
     def watch_graph_nodes(self, labels: GraphNodeLabels) -> None:
         self.labels = labels
+        self.calls.append("watch")
+
+    def unwatch_graph_nodes(self) -> None:
+        self.labels = None
+        self.calls.append("unwatch")
 
     def start(self) -> None:  # the eager window's: not used here
         self.calls.append("start")
@@ -168,7 +173,7 @@ def test_a_traced_replay_gives_each_op_its_kernel_time_and_busy_ratio(make_timer
     replay.busy = False
     busy.expire()
     assert busy.windows["ok"] == 1
-    assert trace.calls == ["start_kernels", "stop_graph"]
+    assert trace.calls == ["watch", "start_kernels", "stop_graph"]
     assert busy.kernel_seconds[("layer", "cpu")] == pytest.approx(3e-3)
     assert busy.ratios[("layer", "cpu")] == pytest.approx(0.75)
     labels_ = {"op": "layer", "device": "cpu"}
@@ -194,7 +199,7 @@ def test_a_replay_with_nothing_queued_to_read_gives_the_window_up(make_timer):
     window = busy.open_graph({1: timer.core.op_state("layer")}, replay)
     busy.close_graph_pass(window, 0.0)
     assert busy.windows["failed"] == 1 and not busy.tracing
-    assert trace.calls == ["start_kernels", "stop"]
+    assert trace.calls == ["watch", "start_kernels", "stop"]
 
 
 def test_markers_met_during_capture_label_the_compiled_model_s_nodes(make_timer):
@@ -220,3 +225,17 @@ def test_markers_met_during_capture_label_the_compiled_model_s_nodes(make_timer)
     ops = regions.ops_by_region()
     assert ops[first] is ops[second] and ops[first].name == "0+2"
     inst.remove()
+
+
+def test_closing_the_timer_gives_the_graph_node_callbacks_back(make_timer):
+    # CUPTI admits one callback subscriber per process: a second timer (the next model a process
+    # serves, a benchmark's next workload) could not watch graph nodes while the first held it
+    timer, trace, busy = window_timer(make_timer, [])
+    assert trace.calls == ["watch"] and busy.labels is not None
+    timer.close()
+    assert trace.calls == ["watch", "unwatch"] and busy.labels is None and not busy.due()
+    again = FakeGraphTrace([])
+    second = prepared(make_timer(route=FakeClockRoute(), sample_rate=1.0))
+    assert second.enable_kernel_busy(again, clock=Clock()).labels is not None
+    second.close()
+    assert again.calls == ["watch", "unwatch"]

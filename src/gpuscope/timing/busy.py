@@ -86,6 +86,10 @@ class GraphKernelTrace(KernelTrace, Protocol):
         """From now on, tell ``labels`` of every graph node created or cloned."""
         ...
 
+    def unwatch_graph_nodes(self) -> None:
+        """Stop telling (the timer closed): CUPTI's one callback subscriber is free again."""
+        ...
+
     def start_kernels(self) -> None:
         """Begin recording kernels only (a replayed graph's kernels need no API records)."""
         ...
@@ -200,6 +204,11 @@ class CuptiTrace:
         for cbid in self._node_callbacks:
             cupti.enable_callback(1, self._subscriber, cupti.CallbackDomain.RESOURCE, cbid)
 
+    def unwatch_graph_nodes(self) -> None:
+        subscriber, self._subscriber = getattr(self, "_subscriber", None), None
+        if subscriber is not None:
+            self._cupti.unsubscribe(subscriber)
+
     def _on_resource(self, userdata: Any, domain: Any, cbid: int, data: Any) -> None:
         """CUPTI's resource callback (on the thread that made the node): label it. Never raises into
         CUDA: a failure is counted in the labels' ``callback_errors``."""
@@ -291,6 +300,18 @@ class KernelBusy:
                 self.labels = labels
             except Exception as exc:  # e.g. a profiler holds CUPTI's one callback subscriber
                 log.warning("gpuscope: kernel time in compiled models' CUDA graphs is off: %r", exc)
+
+    def close(self) -> None:
+        """The timer closed: end an open window and give CUPTI's callback subscriber back, so that a
+        later timer in this process (or a profiler) can take it. Never raises."""
+        self._give_up("failed")
+        self._next_at = float("inf")  # no window after the timer closed
+        if self.labels is not None:
+            self.labels = None
+            try:
+                self.trace.unwatch_graph_nodes()
+            except Exception as exc:
+                log.warning("gpuscope: CUPTI's graph-node callbacks could not be released: %r", exc)
 
     @property
     def tracing(self) -> bool:

@@ -243,6 +243,8 @@ class Timer:
         if self.core.closed:
             return
         self.core.closed = True
+        if self.core.busy is not None:
+            self.core.busy.close()
         self.resolver.stop(timeout)
         self.core.close_pools()
 
