@@ -49,9 +49,8 @@ MIXES = {
 #: managed variants: the controller's flags (``drain`` the default hand-over and queue)
 VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "overlap": ("--share.handover", "overlap"),
-            # the holder's usual queue while a tenant runs beside it (no short queue)
-            "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "4ms"),
-            "drain-queue-1ms": ("--share.handover", "drain", "--share.beside-queue", "1ms"),
+            # the holder's short queue while a tenant runs beside it (the default keeps the usual one)
+            "drain-short-queue": ("--share.handover", "drain", "--share.beside-queue", "500us"),
             # every tenant probed in turn each second, however steady its probes (no back-off)
             "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1")}
 MANAGED = "drain"  # the default hand-over: the headline figures

@@ -88,11 +88,12 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
 def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_path, alone):
     """Busy a quarter of its time, the training tenant runs beside the hog instead of taking turns: the
     GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn. The hog, holding
-    the GPU with a tenant beside it, keeps a short queue, so the training tenant's bursts wait little
-    behind it (with the hog's usual queue of two 2 ms windows it fell under its share)."""
+    the GPU with a tenant beside it, keeps a short queue (``--share.beside-queue 500us``), so the
+    training tenant's bursts wait little behind it: the fake GPU runs the processes' kernels one after
+    another (with the hog's usual queue of two 2 ms windows it fell under its share there)."""
     ledger = str(tmp_path / "ledger")
     with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
-                            drain_timeout=2.0) as c:
+                            drain_timeout=2.0, beside_queue=0.0005) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
         busy = dict(c.prober.busy_ratio)
         wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
@@ -110,12 +111,13 @@ def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_pa
     assert hog_counters["launches"] <= 2.5 * hog_counters["windows"], hog_counters
 
 
-def test_the_holder_keeps_its_usual_queue_where_the_beside_queue_is_set_as_long(fake_cuda, tmp_path):
-    """``--share.beside-queue`` as long as the usual queue (two 2 ms windows) turns the short queue off:
-    the hog holding the GPU beside the training tenant keeps windows of its usual length."""
+@pytest.mark.parametrize("beside_queue", [0.0, 0.004], ids=["default", "as-long-as-usual"])
+def test_the_holder_keeps_its_usual_queue_unless_a_short_one_is_set(fake_cuda, tmp_path, beside_queue):
+    """``--share.beside-queue`` at 0 (the default) or as long as the usual queue (two 2 ms windows): no
+    short queue, the hog holding the GPU beside the training tenant keeps windows of its usual length."""
     ledger = str(tmp_path / "ledger")
     with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
-                            drain_timeout=2.0, beside_queue=0.004) as c:
+                            drain_timeout=2.0, beside_queue=beside_queue) as c:
         run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
         wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
         hog_counters = c.stats.departed["hog"]

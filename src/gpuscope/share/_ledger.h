@@ -25,7 +25,7 @@
 #define DEFAULT_QUEUED_WINDOWS 2u /* finished-but-unresolved windows a slice holder may queue */
 #define DEFAULT_INFLIGHT_OPEN 16u /* the same while shares do not bind */
 #define DEFAULT_STALE_MS 2000u    /* a controller whose heartbeat is older is taken for dead */
-#define DEFAULT_BESIDE_QUEUE_US 500u /* GPU time a slice holder queues while a tenant runs beside it */
+#define DEFAULT_BESIDE_QUEUE_US 0u /* a slice holder keeps its usual queue beside a tenant (0: no short queue) */
 
 typedef struct {
     uint32_t magic, version;

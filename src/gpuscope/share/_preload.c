@@ -717,10 +717,15 @@ static inline int busy_accounting(void) {
  * process's queued work; a tenant beside the holder waits behind the holder's queued work at each of
  * its bursts (the GPU runs queued work first, or switches contexts only at a time slice's end). So in
  * a lent turn a process queues at most LENT_INFLIGHT windows of about LENT_WINDOW_US of GPU time each
- * (two keep the GPU fed while the launching thread waits for the older one), and while another tenant
- * runs beside it, windows of that length up to the policy's beside_queue_us: short_queue(). With the usual two 2 ms windows, a training step beside a
- * GPU-bound holder on the fake driver's shared GPU ran at 0.63 of its alone rate, under its 0.7 share;
- * with the short queue, 0.85. */
+ * (two keep the GPU fed while the launching thread waits for the older one). While another tenant
+ * runs beside it, windows of that length up to the policy's beside_queue_us where it is set
+ * (--share.beside-queue; 0, the default, keeps the usual queue): short_queue(). On the fake driver's
+ * shared GPU, which runs every process's kernels one after another, a training step beside a
+ * GPU-bound holder ran at 0.63 of its alone rate with the usual two 2 ms windows and 0.85 with a
+ * 500 us queue; on the H200, which time-slices the two contexts, the holder's short queue left the GPU
+ * idle between its helper's wake-ups (an encoder holding the GPU beside two launch-bound tenants got
+ * 0.43 of its alone rate with it, 0.57 without; the tenants beside it 0.63 and 0.56 against 0.59 and
+ * 0.56). */
 #define LENT_INFLIGHT 2
 #define LENT_WINDOW_US 250
 /* The depth of the short queue in windows, 0 where the usual queue applies. Beside another tenant it
@@ -733,6 +738,7 @@ static uint32_t short_queue(void) {
     if (atomic_load_explicit(&p->lender_mask, memory_order_relaxed) & others) return LENT_INFLIGHT;
     if (!(atomic_load_explicit(&p->beside_mask, memory_order_relaxed) & others)) return 0;
     uint32_t us = p->beside_queue_us ? p->beside_queue_us : DEFAULT_BESIDE_QUEUE_US;
+    if (!us) return 0; /* the usual queue */
     uint32_t usual = (p->inflight_slice ? p->inflight_slice : DEFAULT_QUEUED_WINDOWS) *
                      (p->window_us ? p->window_us : DEFAULT_WINDOW_US);
     if (us >= usual) return 0;

@@ -4,6 +4,7 @@ the command (main.py) and the controller (controller.py), enums staying enums.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from gpuscope.contract.choices import Choice
 from gpuscope.contract.parts import LOCAL_HOST, SHARE_PORT
@@ -114,9 +115,11 @@ class ShareSettings:
     beside_queue: float = setting(
         "--share.beside-queue", DEFAULT_BESIDE_QUEUE_US / 1e6, "GPU time a slice holder may keep queued "
         "while another tenant runs beside it (in windows of 250 us, at least two): a tenant beside waits "
-        "behind that queue at each of its bursts, the holder keeps the GPU fed through its own wake-ups; "
-        "as long as the usual queue (--share.queued-windows of --share.window) or longer: the usual queue",
-        parse=parse_duration)
+        "behind that queue at each of its bursts where the GPU runs kernels one after another, the holder "
+        "keeps the GPU fed through its own wake-ups; 0 (the default), or as long as the usual queue "
+        "(--share.queued-windows of --share.window) or longer: the usual queue (on a GPU that time-slices "
+        "the tenants' contexts the short queue left the holder's GPU idle)",
+        parse=partial(parse_duration, allow_zero=True))
     gpus: str | tuple[int | str, ...] = setting(
         "--share.gpus", ALL, "the GPUs held, each with a ledger, shares and caps of its own: all (every GPU "
         "NVML lists), or NVML indices such as 0,1, or UUIDs (GPU-..., a MIG instance's MIG-...); a tenant "
