@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from gpuscope.timing import capture, fusion, hot
+from gpuscope.timing import compiled as compiled_mod
 from gpuscope.timing.fusion import Kernel, merge_groups
 from gpuscope.timing.routes import HostRoute
 from tests.timing.conftest import prepared, require_native
@@ -319,13 +320,39 @@ def test_every_pass_sampled_times_every_pass_and_measures_its_cost_one_in_eight(
 
 
 @needs_compiler
-def test_at_the_budget_s_periods_every_sampled_pass_is_measured(make_timer):
+def test_at_the_budget_s_periods_sampled_passes_come_in_runs_and_are_measured(make_timer):
+    # under default compile, a sampled pass switches the compiled model to its timed graph and back:
+    # runs of TIMED_RUN timed passes in a row switch a TIMED_RUN-th as often, at the same rate
     timer = make_timer(sample_rate=1 / 8)
     torch._dynamo.reset()
     _, compiled, inst = compiled_and_instrumented("compile, then instrument", timer)
     x = torch.randn(4, 32)
+    timed = []
     with torch.no_grad():
-        for _ in range(8 * 10):
+        for _ in range(8 * 40):
+            before = inst.sampled_passes
             compiled(x)
-    assert inst.sampled_passes == 10
-    assert inst.cost.n_sampled == 10 - 3  # all but the three that compile
+            timed.append(inst.sampled_passes > before)
+    assert abs(sum(timed) - 40) <= compiled_mod.TIMED_RUN  # the rate is the period's
+    runs = [len(run) for run in "".join("x" if t else "." for t in timed).split(".") if run]
+    assert runs[0] == 1 and set(runs[1:]) == {compiled_mod.TIMED_RUN}  # the first, before its marks ran
+    # every run is measured once the first ones (which compile, caches off) are over
+    assert inst.cost.n_sampled >= sum(timed) - 3 - compiled_mod.TIMED_RUN
+
+
+def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(countdown=0, period=8)
+    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state,
+                           cost=SimpleNamespace(add=lambda sampled, ns: None))
+    # a replayed graph's marks are nodes, not eager records: eager_marks stays 0
+    regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=0),
+                              timed_call=lambda fn, args, kwargs, callback: fn(*args, **kwargs))
+    call = compiled_mod.pass_call(inst, regions, lambda: None, 8)
+    timed = []
+    for _ in range(64):
+        before = inst.sampled_passes
+        call()
+        timed.append(inst.sampled_passes > before)
+    assert timed == [True, *[False] * 7] * 8

@@ -70,6 +70,13 @@ MAX_LAYOUTS = 64
 #: Timed calls of a new input shape compiled with Inductor's caches off: a graph loaded from a
 #: cache skips the code generation where region merges are checked (fusion.py).
 UNCACHED_TIMED_CALLS = 3
+#: Under default compile, sampled passes come in runs of up to this many in a row (the sampling rate
+#: unchanged): the first timed pass after untimed ones, and the first untimed one after it, pay for
+#: the switch between the two compiled graphs (dynamo's cache entry that fails its guard first, and
+#: the other graph's code and buffers gone cold): on the CPU host 54 and 16 µs, against 21 µs for a
+#: timed pass's own work (docs/design.md, "Runs of timed passes"). Under CUDA graphs a timed graph
+#: runs again only once its last replay was read, so there a run is one pass.
+TIMED_RUN = 8
 
 _lock = threading.Lock()
 #: region id → (CompiledRegions, index, its markers) ; a marker's slot is 2 × region id (+1 for the end)
@@ -671,14 +678,18 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
     clock = time.thread_time_ns
     timed_call = regions.timed_call
     setter = _set_eval_frame
-    # A sampled pass's CPU is measured when ``measure_every`` passes have gone by since the last one
-    # measured: every sampled pass at the budget's periods (8 and longer), every 8th when every pass
-    # is sampled, where the two thread-clock reads (system calls, ~0.4 µs each) and the running
-    # mean's update were a share of what the timed pass costs and a mean over 1 in 8 is as good.
+    marks = regions.marks
+    run_left = run_length = 0  # timed passes left in this run, and the run's length
+    # A run of sampled passes is measured (each pass of it, so that the switch into the run and its
+    # own passes average out) when ``measure_every`` passes have gone by since the last one measured:
+    # every run at the budget's periods (8 and longer), every 8th pass when every pass is sampled,
+    # where the two thread-clock reads (system calls, ~0.4 µs each) and the running mean's update
+    # were a share of what the timed pass costs and a mean over 1 in 8 is as good.
     next_measured = 0
+    measure_run = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal next_measured
+        nonlocal next_measured, run_left, run_length, measure_run
         inst.passes += 1
         countdown = state.countdown
         if countdown:
@@ -689,10 +700,15 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
             out = compiled(*args, **kwargs)
             cost.add(False, clock() - t0)
             return out
-        state.countdown = state.period - 1
         inst.sampled_passes += 1
-        # (not the first ones, which compile and capture)
-        measure = inst.sampled_passes > UNCACHED_TIMED_CALLS and inst.passes >= next_measured
+        if run_left <= 0:  # a run starts: as long as the period allows, if the last timed pass ran eagerly
+            run_length = run_left = min(TIMED_RUN, state.period) if marks.eager_marks else 1
+            # (not the first ones, which compile and capture)
+            measure_run = inst.sampled_passes > UNCACHED_TIMED_CALLS and inst.passes >= next_measured
+        run_left -= 1
+        # within a run the next pass is timed too; after it, the rest of run_length periods untimed
+        state.countdown = 0 if run_left else state.period * run_length - run_length
+        measure = measure_run
         callback = setter(None) if setter is not None else None
         try:
             if not measure:
