@@ -369,6 +369,38 @@ def plot(src: str, dst: str) -> None:
     fig.savefig(dst, dpi=110)
 
 
+def plot_variants(src: str, dst: str) -> None:
+    """One panel per mix: each tenant's fraction of its alone rate under every variant the file holds
+    (bars side by side), its share as a line, and each variant's sum in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(src) as f:
+        data = json.load(f)
+    mixes = data["mixes"]
+    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 3.8), sharey=True, squeeze=False)
+    for ax, mix in zip(axes[0], mixes, strict=True):
+        variants = [k for k, v in mix.items() if isinstance(v, dict) and "tenants" in v]  # as the run named them
+        names = [t["workload"] for t in mix["unmanaged"]["tenants"]]
+        width = 0.8 / len(variants)
+        for j, variant in enumerate(variants):
+            fractions = [100 * t["fraction"] for t in mix[variant]["tenants"]]
+            ax.bar([i + (j - (len(variants) - 1) / 2) * width for i in range(len(names))], fractions, width,
+                   label=f"{variant} (sum {mix[variant]['sum']})", color=f"C{j}")
+        for i, tenant in enumerate(mix["unmanaged"]["tenants"]):
+            ax.hlines(100 * tenant["share"], i - 0.45, i + 0.45, colors="black", linestyles="--")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(mix["name"], fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("% of alone rate (dashed: share)")
+    fig.suptitle(f"gpuscope share variants on realistic tenants, {data['date']}")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(sys.argv[2], float(sys.argv[3]))), flush=True)
@@ -380,6 +412,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plot", metavar="JSON", help="draw a results file instead of measuring")
     p.add_argument("--plot-out", default="share-workloads.png")
+    p.add_argument("--plot-variants", action="store_true",
+                   help="with --plot: each tenant's fraction under every variant, as bars")
     p.add_argument("--out")
     p.add_argument("--port", type=int, default=9494)
     p.add_argument("--seconds", type=float, default=20.0)
@@ -393,7 +427,7 @@ def main() -> None:
                    "starting a new file (a run split in parts)")
     args = p.parse_args()
     if args.plot:
-        plot(args.plot, args.plot_out)
+        (plot_variants if args.plot_variants else plot)(args.plot, args.plot_out)
         return
     if not args.out:
         p.error("--out is required to measure")

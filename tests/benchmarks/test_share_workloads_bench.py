@@ -40,6 +40,19 @@ def test_each_mix_is_drawn_managed_beside_unmanaged(tmp_path: Path) -> None:
     assert out.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_the_variants_of_a_run_are_drawn_side_by_side(tmp_path: Path) -> None:
+    results = {"date": "2026-12-06", "seconds": 4, "alone": {}, "latency": [], "mixes": [
+        mix("train+encoder 70/30", [tenant("t0-train", 0.7, [0.8] * 4), tenant("t1-encoder", 0.3, [0.4] * 4)],
+            [tenant("t0-train", 0.7, [0.7] * 4), tenant("t1-encoder", 0.3, [0.7] * 4)])]}
+    results["mixes"][0]["drain-short-queue"] = results["mixes"][0]["drain"]  # a variant named by its run
+    src, out = tmp_path / "results.json", tmp_path / "variants.png"
+    src.write_text(json.dumps(results))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-variants", "--plot-out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_measuring_needs_an_output_file() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--out is required" in done.stderr
