@@ -382,7 +382,8 @@ def plot_variants(src: str, dst: str) -> None:
     mixes = data["mixes"]
     fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 3.8), sharey=True, squeeze=False)
     for ax, mix in zip(axes[0], mixes, strict=True):
-        variants = [k for k, v in mix.items() if isinstance(v, dict) and "tenants" in v]  # as the run named them
+        # the variants as the run named them (a file keeps its run's names)
+        variants = [k for k, v in mix.items() if isinstance(v, dict) and "tenants" in v]
         names = [t["workload"] for t in mix["unmanaged"]["tenants"]]
         width = 0.8 / len(variants)
         for j, variant in enumerate(variants):
