@@ -53,11 +53,14 @@ def _buckets(srv, name: str, labels: dict[str, str]) -> dict[float, float]:
 def test_latency_spike_slows_timed_mlp_regions_and_requests(fault_server):
     labels = {"op": "blocks.0.mlp", "device": "cpu"}
 
-    def mlp_median_over(requests_n: int) -> float:
-        """Upper bound of the bucket holding the median region time of ``requests_n`` requests.
+    def mlp_quartile_over(requests_n: int) -> float:
+        """Upper bound of the bucket holding the lower quartile of the region times of ``requests_n``
+        requests.
 
-        The median, not the mean: a region of tens of microseconds that a loaded machine preempts
-        once takes milliseconds, and one such sample moves a mean of two dozen by more than 4x.
+        A low quantile, not the mean nor the median: a region of tens of microseconds that a loaded
+        machine preempts takes milliseconds, and a busy two-core machine preempted half of the unspiked
+        regions of one run (median 4x its usual bucket). Load only ever lengthens a region, so the
+        lower quartile stays near what the region costs.
         """
         before = _buckets(fault_server, "gpuscope_region_gpu_seconds", labels)
         for _ in range(requests_n):
@@ -67,15 +70,15 @@ def test_latency_spike_slows_timed_mlp_regions_and_requests(fault_server):
         counts = {le: after[le] - before.get(le, 0.0) for le in sorted(after)}
         total = counts[float("inf")]
         assert total > 0
-        return next(le for le, n in counts.items() if n >= total / 2)
+        return next(le for le, n in counts.items() if n >= total / 4)
 
-    base = mlp_median_over(3)
+    base = mlp_quartile_over(3)
     r = post_fault(fault_server, "latency_spike", {"duration_s": 30, "extra_passes": 16})
     assert r.status_code == 200 and r.json()["name"] == "latency_spike"
     assert fault_server.metric("gpuscope_fault_active", {"fault": "latency_spike"}) == 1
     listed = requests.get(fault_server.url + "/admin/faults", headers=AUTH, timeout=5).json()["active"]
     assert [f["name"] for f in listed] == ["latency_spike"]
-    spiked = mlp_median_over(3)
+    spiked = mlp_quartile_over(3)
     # 17 passes instead of 1; bucket bounds (x2 to x2.5 apart) blur the ratio by 2.5x at most.
     assert spiked > 4 * base, (base, spiked)
     assert requests.delete(fault_server.url + "/admin/faults/latency_spike", headers=AUTH, timeout=5).json()[
