@@ -73,9 +73,9 @@ UNCACHED_TIMED_CALLS = 3
 #: Under default compile, sampled passes come in runs of up to this many in a row (the sampling rate
 #: unchanged): the first timed pass after untimed ones, and the first untimed one after it, pay for
 #: the switch between the two compiled graphs (dynamo's cache entry that fails its guard first, and
-#: the other graph's code and buffers gone cold): on the CPU host 54 and 16 µs, against 21 µs for a
-#: timed pass's own work (docs/design.md, "Runs of timed passes"). Under CUDA graphs a timed graph
-#: runs again only once its last replay was read, so there a run is one pass.
+#: the other graph's code and buffers gone cold): on the CPU host about 200 µs a switch, against
+#: 28 µs for a timed pass's own work (docs/design.md, "Runs of timed passes"). Under CUDA graphs a
+#: timed graph runs again only once its last replay was read, so there a run is one pass.
 TIMED_RUN = 8
 
 _lock = threading.Lock()
