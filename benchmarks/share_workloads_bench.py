@@ -338,9 +338,9 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
             "controller_metrics": [ln for ln in ctl["metrics"] if not ln.startswith("#")] if ctl else None}
 
 
-def plot(src: str, dst: str) -> None:
-    """One panel per mix: each tenant's fraction of its alone rate over time, managed (solid) and
-    unmanaged (dotted), its share as a band."""
+def _panels(src: str, width: float) -> tuple[dict, object, list]:
+    """A results file and a figure with one panel per mix (``width`` inches each): (data, figure,
+    [(axes, mix), ...])."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,8 +349,15 @@ def plot(src: str, dst: str) -> None:
     with open(src) as f:
         data = json.load(f)
     mixes = data["mixes"]
-    fig, axes = plt.subplots(1, len(mixes), figsize=(5.5 * len(mixes), 3.8), sharey=True, squeeze=False)
-    for ax, mix in zip(axes[0], mixes, strict=True):
+    fig, axes = plt.subplots(1, len(mixes), figsize=(width * len(mixes), 3.8), sharey=True, squeeze=False)
+    return data, fig, list(zip(axes[0], mixes, strict=True))
+
+
+def plot(src: str, dst: str) -> None:
+    """One panel per mix: each tenant's fraction of its alone rate over time, managed (solid) and
+    unmanaged (dotted), its share as a band."""
+    data, fig, panels = _panels(src, 5.5)
+    for ax, mix in panels:
         pairs = zip(mix[MANAGED]["tenants"], mix["unmanaged"]["tenants"], strict=True)
         for i, (managed, plain) in enumerate(pairs):
             color = f"C{i}"
@@ -363,7 +370,7 @@ def plot(src: str, dst: str) -> None:
         ax.set_xlabel(f"seconds ({TIMELINE_S:g} s windows)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("% of alone (solid: managed, dotted: unmanaged)")
+    panels[0][0].set_ylabel("% of alone (solid: managed, dotted: unmanaged)")
     fig.suptitle(f"gpuscope share ({MANAGED} hand-overs) on realistic tenants, {data['date']}")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
@@ -372,16 +379,8 @@ def plot(src: str, dst: str) -> None:
 def plot_variants(src: str, dst: str) -> None:
     """One panel per mix: each tenant's fraction of its alone rate under every variant the file holds
     (bars side by side), its share as a line, and each variant's sum in the legend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(src) as f:
-        data = json.load(f)
-    mixes = data["mixes"]
-    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 3.8), sharey=True, squeeze=False)
-    for ax, mix in zip(axes[0], mixes, strict=True):
+    data, fig, panels = _panels(src, 6)
+    for ax, mix in panels:
         # the variants as the run named them (a file keeps its run's names)
         variants = [k for k, v in mix.items() if isinstance(v, dict) and "tenants" in v]
         names = [t["workload"] for t in mix["unmanaged"]["tenants"]]
@@ -396,7 +395,7 @@ def plot_variants(src: str, dst: str) -> None:
         ax.set_title(mix["name"], fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("% of alone rate (dashed: share)")
+    panels[0][0].set_ylabel("% of alone rate (dashed: share)")
     fig.suptitle(f"gpuscope share variants on realistic tenants, {data['date']}")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
