@@ -723,9 +723,9 @@ static inline int busy_accounting(void) {
  * shared GPU, which runs every process's kernels one after another, a training step beside a
  * GPU-bound holder ran at 0.63 of its alone rate with the usual two 2 ms windows and 0.85 with a
  * 500 us queue; on the H200, which time-slices the two contexts, the holder's short queue left the GPU
- * idle between its helper's wake-ups (an encoder holding the GPU beside two launch-bound tenants got
- * 0.43 of its alone rate with it, 0.57 without; the tenants beside it 0.63 and 0.56 against 0.59 and
- * 0.56). */
+ * idle between its helper's wake-ups (an encoder holding the GPU for 20 s beside two launch-bound
+ * tenants got 0.37 of its alone rate with it, 0.57 without; the tenants beside it 0.58 and 0.65
+ * against 0.56 and 0.59: docs/share.md, "Work-conserving turns"). */
 #define LENT_INFLIGHT 2
 #define LENT_WINDOW_US 250
 /* The depth of the short queue in windows, 0 where the usual queue applies. Beside another tenant it

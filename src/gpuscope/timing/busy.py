@@ -135,6 +135,7 @@ class CuptiTrace:
             raise RuntimeError("kernel busy ratios need CUPTI's Python package: "
                                "pip install 'gpuscope[cupti]' (cupti-python)") from exc
         self._cupti = cupti
+        self._subscriber: Any = None  # CUPTI's callback subscriber while graph nodes are watched
         kinds = cupti.ActivityKind
         kernel, correlation = kinds.CONCURRENT_KERNEL, kinds.EXTERNAL_CORRELATION
         self._kept = (int(kernel), int(correlation))
@@ -205,7 +206,7 @@ class CuptiTrace:
             cupti.enable_callback(1, self._subscriber, cupti.CallbackDomain.RESOURCE, cbid)
 
     def unwatch_graph_nodes(self) -> None:
-        subscriber, self._subscriber = getattr(self, "_subscriber", None), None
+        subscriber, self._subscriber = self._subscriber, None
         if subscriber is not None:
             self._cupti.unsubscribe(subscriber)
 
