@@ -96,3 +96,17 @@ def test_a_tenant_back_after_a_pause_is_probed_at_every_round_again():
     prober.next_probe({0}, 61.0)  # tenant 1 stopped launching
     prober.next_probe({0, 1}, 62.0)  # and is back
     assert prober.spacing == {0: 8}
+
+
+def test_a_probe_that_saw_no_launch_leaves_the_estimate_alone():
+    # a GPU-bound loop still warming up (or waiting for its start) when its first probe comes: read
+    # as idle, it would run beside the holder for its first rounds
+    busy = Busy({0: 0.0, 1: 0.95})
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=8)
+    probes, _ = run(prober, busy, {0, 1}, 1.0)
+    assert [s for _, s in probes][:2] == [0, 1]  # both probed once, tenant 0 while it launched nothing
+    assert 0 not in prober.busy_ratio and 0 not in prober.launch_s
+    assert prober.spacing[0] == 1  # probed again at its next turn
+    busy.ratio[0] = 0.98  # it starts its loop
+    run(prober, busy, {0, 1}, 4.0, start=1.0)
+    assert prober.busy_ratio[0] == pytest.approx(0.98, abs=0.05)  # its first probe with launches

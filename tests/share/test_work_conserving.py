@@ -87,13 +87,13 @@ def test_a_tenant_with_host_gaps_gets_its_share_beside_a_gpu_bound_one(fake_cuda
 
 def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_path, alone):
     """Busy a quarter of its time, the training tenant runs beside the hog instead of taking turns: the
-    GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn. The hog, holding
-    the GPU with a tenant beside it, keeps a short queue (``--share.beside-queue 500us``), so the
-    training tenant's bursts wait little behind it: the fake GPU runs the processes' kernels one after
-    another (with the hog's usual queue of two 2 ms windows it fell under its share there)."""
+    GPU fills its host work with the hog's kernels and nobody lends or reclaims a turn. Of higher
+    priority, it has the hog holding the GPU keep a short queue (``--share.beside-queue``, 500 µs by
+    default), so its bursts wait little behind the hog: the fake GPU runs the processes' kernels one
+    after another (with the hog's usual queue of two 2 ms windows it fell under its share there)."""
     ledger = str(tmp_path / "ledger")
-    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
-                            drain_timeout=2.0, beside_queue=0.0005) as c:
+    with running_controller(ledger, [TenantPolicy("train", 0.7, priority=1), TenantPolicy("hog", 0.3)],
+                            slice=0.03, drain_timeout=2.0) as c:
         steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
         busy = dict(c.prober.busy_ratio)
         wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
@@ -111,13 +111,17 @@ def test_a_tenant_that_leaves_the_gpu_idle_runs_beside_the_hog(fake_cuda, tmp_pa
     assert hog_counters["launches"] <= 2.5 * hog_counters["windows"], hog_counters
 
 
-@pytest.mark.parametrize("beside_queue", [0.0, 0.004], ids=["default", "as-long-as-usual"])
-def test_the_holder_keeps_its_usual_queue_unless_a_short_one_is_set(fake_cuda, tmp_path, beside_queue):
-    """``--share.beside-queue`` at 0 (the default) or as long as the usual queue (two 2 ms windows): no
-    short queue, the hog holding the GPU beside the training tenant keeps windows of its usual length."""
+@pytest.mark.parametrize(("priority", "beside_queue"), [(0, None), (1, 0.0), (1, 0.004)],
+                         ids=["equal-priority", "queue-0", "as-long-as-usual"])
+def test_the_holder_keeps_its_usual_queue_unless_a_latency_tenant_is_beside(fake_cuda, tmp_path, priority,
+                                                                           beside_queue):
+    """Beside a tenant of its own priority (the default 500 µs applies only to a tenant of higher
+    priority), or with ``--share.beside-queue`` at 0 or as long as the usual queue (two 2 ms windows):
+    no short queue, the hog holding the GPU beside the training tenant keeps windows of its usual length."""
     ledger = str(tmp_path / "ledger")
-    with running_controller(ledger, [TenantPolicy("train", 0.7), TenantPolicy("hog", 0.3)], slice=0.03,
-                            drain_timeout=2.0, beside_queue=beside_queue) as c:
+    queue = {} if beside_queue is None else {"beside_queue": beside_queue}
+    with running_controller(ledger, [TenantPolicy("train", 0.7, priority=priority), TenantPolicy("hog", 0.3)],
+                            slice=0.03, drain_timeout=2.0, **queue) as c:
         run(fake_cuda, tmp_path, ["steps", "busy"], ["train", "hog"], ledger, HOST_HEAVY)
         wait_for(lambda: "hog" in c.stats.departed, what="the hog's counters")
         hog_counters = c.stats.departed["hog"]

@@ -19,13 +19,14 @@
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
 #define MEM_CAP_FRACTION 0x8000000000000000ull
 /* Defaults, the controller's and the library's (the library uses them where the policy page leaves a
- * word 0, and before it has a page): ledger.py and preload.py read the same figures. */
+ * word 0, and before it has a page; beside_queue_us 0 means the usual queue): ledger.py and preload.py
+ * read the same figures. */
 #define DEFAULT_LEDGER "/dev/shm/gpuscope-share" /* path prefix, when GPUSCOPE_SHARE_LEDGER is unset */
 #define DEFAULT_WINDOW_US 2000u   /* GPU time one accounting window aims at */
 #define DEFAULT_QUEUED_WINDOWS 2u /* finished-but-unresolved windows a slice holder may queue */
 #define DEFAULT_INFLIGHT_OPEN 16u /* the same while shares do not bind */
 #define DEFAULT_STALE_MS 2000u    /* a controller whose heartbeat is older is taken for dead */
-#define DEFAULT_BESIDE_QUEUE_US 0u /* a slice holder keeps its usual queue beside a tenant (0: no short queue) */
+#define DEFAULT_BESIDE_QUEUE_US 500u /* a slice holder's queue beside a tenant of higher priority (0: the usual queue) */
 
 typedef struct {
     uint32_t magic, version;

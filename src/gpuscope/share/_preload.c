@@ -717,9 +717,9 @@ static inline int busy_accounting(void) {
  * process's queued work; a tenant beside the holder waits behind the holder's queued work at each of
  * its bursts (the GPU runs queued work first, or switches contexts only at a time slice's end). So in
  * a lent turn a process queues at most LENT_INFLIGHT windows of about LENT_WINDOW_US of GPU time each
- * (two keep the GPU fed while the launching thread waits for the older one). While another tenant
- * runs beside it, windows of that length up to the policy's beside_queue_us where it is set
- * (--share.beside-queue; 0, the default, keeps the usual queue): short_queue(). On the fake driver's
+ * (two keep the GPU fed while the launching thread waits for the older one). While a tenant of
+ * higher priority runs beside it, windows of that length up to the policy's beside_queue_us
+ * (--share.beside-queue, 500 us by default; 0 keeps the usual queue): short_queue(). On the fake driver's
  * shared GPU, which runs every process's kernels one after another, a training step beside a
  * GPU-bound holder ran at 0.63 of its alone rate with the usual two 2 ms windows and 0.85 with a
  * 500 us queue; on the H200, which time-slices the two contexts, the holder's short queue left the GPU
@@ -728,17 +728,31 @@ static inline int busy_accounting(void) {
  * against 0.56 and 0.59: docs/share.md, "Work-conserving turns"). */
 #define LENT_INFLIGHT 2
 #define LENT_WINDOW_US 250
-/* The depth of the short queue in windows, 0 where the usual queue applies. Beside another tenant it
- * is the policy's beside_queue_us (--share.beside-queue) in LENT_WINDOW_US windows, at least
- * LENT_INFLIGHT; as long as the usual queue or longer, the usual queue. */
+/* Whether a tenant of higher priority than this process's runs beside it: a latency tenant, whose
+ * every request waits behind the holder's queue. A tenant of equal or lower priority beside it is
+ * there because it leaves the GPU idle (a launch-bound loop, host gaps): for it the holder keeps its
+ * usual queue, since on the H200 a short one idled the holder more than it sped the tenant. */
+static int urgent_beside(const policy_t *p) {
+    uint32_t others = atomic_load_explicit(&p->beside_mask, memory_order_relaxed) & ~D->s.slot_bit &
+                      ((1u << MAX_TENANTS) - 1);
+    if (!others || !D->s.slot_bit) return 0;
+    uint32_t mine = p->tenants[__builtin_ctz(D->s.slot_bit) % MAX_TENANTS].priority;
+    for (int i = 0; others; i++, others >>= 1)
+        if ((others & 1u) && p->tenants[i].priority > mine) return 1;
+    return 0;
+}
+
+/* The depth of the short queue in windows, 0 where the usual queue applies. In a lent turn,
+ * LENT_INFLIGHT. While a tenant of higher priority runs beside it, the policy's beside_queue_us
+ * (--share.beside-queue; 0: the usual queue) in LENT_WINDOW_US windows, at least LENT_INFLIGHT; as
+ * long as the usual queue or longer, the usual queue. */
 static uint32_t short_queue(void) {
     const policy_t *p = D->s.policy;
     if (!p || beside()) return 0;
     uint32_t others = ~D->s.slot_bit;
     if (atomic_load_explicit(&p->lender_mask, memory_order_relaxed) & others) return LENT_INFLIGHT;
-    if (!(atomic_load_explicit(&p->beside_mask, memory_order_relaxed) & others)) return 0;
-    uint32_t us = p->beside_queue_us ? p->beside_queue_us : DEFAULT_BESIDE_QUEUE_US;
-    if (!us) return 0; /* the usual queue */
+    uint32_t us = p->beside_queue_us;
+    if (!us || !urgent_beside(p)) return 0; /* the usual queue */
     uint32_t usual = (p->inflight_slice ? p->inflight_slice : DEFAULT_QUEUED_WINDOWS) *
                      (p->window_us ? p->window_us : DEFAULT_WINDOW_US);
     if (us >= usual) return 0;

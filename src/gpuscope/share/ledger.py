@@ -94,8 +94,9 @@ QUIET_NS = 300_000
 #: The accounting window's GPU time and how many windows a slice holder may queue
 #: (``--share.window``, ``--share.queued-windows``: the settings take their defaults from here).
 DEFAULT_WINDOW_US, DEFAULT_QUEUED_WINDOWS, DEFAULT_INFLIGHT_OPEN, DEFAULT_STALE_MS = 2000, 2, 16, 2000
-#: 0: a slice holder keeps its usual queue while a tenant runs beside it (``--share.beside-queue``)
-DEFAULT_BESIDE_QUEUE_US = 0
+#: The GPU time a slice holder keeps queued while a tenant of higher priority runs beside it
+#: (``--share.beside-queue``; 0: its usual queue)
+DEFAULT_BESIDE_QUEUE_US = 500
 
 MODES = {"events": 0, "nvml": 1}
 

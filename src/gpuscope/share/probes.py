@@ -15,6 +15,11 @@ beside the holder a tenant is charged that for each launch it makes, so a tenant
 a GPU-bound holder (its kernels wait behind the holder's) is charged the kernels it ran, not its busy
 fraction of the wall time as if it ran as fast as alone.
 
+A probe in which the tenant launched nothing (it was loading, warming up or waiting for work) is
+not folded in: it says nothing of how busy the tenant keeps the GPU when it runs, and a GPU-bound
+loop read as idle would run beside the holder until later probes outweighed it. So a tenant that is
+idle for long stretches is judged by the probes that caught it launching.
+
 A probe pauses the others, so it costs them GPU time: a tenant whose probes agree with its estimate
 (each within ``STABLE_DELTA`` of it) is probed half as often after each such probe, down to
 ``backoff`` times less often than the round; one whose probe moves the estimate is probed at the
@@ -128,14 +133,20 @@ class Prober:
         wall = max(probe.until - probe.started, 1e-6)
         busy_ns, busy_launches = self.table.busy(probe.slot)
         busy_s = max(0, busy_ns - probe.busy_ns) / 1e9  # an exit drops a process's counts
+        launches = busy_launches - probe.busy_launches
+        if launches <= 0:
+            # It launched nothing while it ran alone (loading, warming up, waiting for its first
+            # request): that says nothing of how busy it keeps the GPU when it runs. Folded in, one such
+            # probe put two GPU-bound loops beside each other for their first seconds. Probed again
+            # at its next turn, at the round's rate.
+            self.spacing[probe.slot] = 1
+            return
         measured = min(1.0, busy_s / wall)
         old = self.busy_ratio.get(probe.slot)
         self.busy_ratio[probe.slot] = measured if old is None else old + PROBE_WEIGHT * (measured - old)
-        launches = busy_launches - probe.busy_launches
-        if launches > 0:  # a probe that saw no launch says nothing of their size
-            per_launch, old_per = busy_s / launches, self.launch_s.get(probe.slot)
-            self.launch_s[probe.slot] = (per_launch if old_per is None
-                                         else old_per + PROBE_WEIGHT * (per_launch - old_per))
+        per_launch, old_per = busy_s / launches, self.launch_s.get(probe.slot)
+        self.launch_s[probe.slot] = (per_launch if old_per is None
+                                     else old_per + PROBE_WEIGHT * (per_launch - old_per))
         steady = old is not None and abs(measured - old) <= STABLE_DELTA
         spacing = self.spacing.get(probe.slot, 1)
         self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1

@@ -114,11 +114,11 @@ class ShareSettings:
                                   "overlaps or waits for")
     beside_queue: float = setting(
         "--share.beside-queue", DEFAULT_BESIDE_QUEUE_US / 1e6, "GPU time a slice holder may keep queued "
-        "while another tenant runs beside it (in windows of 250 us, at least two): a tenant beside waits "
-        "behind that queue at each of its bursts where the GPU runs kernels one after another, the holder "
-        "keeps the GPU fed through its own wake-ups; 0 (the default), or as long as the usual queue "
-        "(--share.queued-windows of --share.window) or longer: the usual queue (on a GPU that time-slices "
-        "the tenants' contexts the short queue left the holder's GPU idle)",
+        "while a tenant of higher priority (a latency tenant) runs beside it, in windows of 250 us, at least "
+        "two: each of that tenant's requests waits behind the holder's queue. Beside a tenant of equal or "
+        "lower priority the holder keeps its usual queue (on a GPU that time-slices the tenants' contexts "
+        "a short queue idled the holder more than it sped a launch-bound tenant). 0, or as long as the "
+        "usual queue (--share.queued-windows of --share.window) or longer: the usual queue always",
         parse=partial(parse_duration, allow_zero=True))
     gpus: str | tuple[int | str, ...] = setting(
         "--share.gpus", ALL, "the GPUs held, each with a ledger, shares and caps of its own: all (every GPU "
