@@ -297,7 +297,10 @@ def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: floa
     if hog_p:
         out["hog_fraction"] = rnd(rate(collect(hog_p), start, start + seconds) / alone[hog])
     if controller:
-        out["cpu_core_pct"] = rnd(controller.stop()["cpu_core_pct"])
+        ctl = controller.stop()
+        out["cpu_core_pct"] = rnd(ctl["cpu_core_pct"])
+        # the latency tenant's busy ratio, duty and gate states at the end: why its requests waited
+        out["controller_metrics"] = [ln for ln in ctl["metrics"] if not ln.startswith("#")]
     return out
 
 
@@ -485,7 +488,8 @@ def main() -> None:
                "p99_vs_alone_unmanaged": rnd(plain["p99_ms"] / alone_lat["p99_ms"], 2),
                "hog_fraction_managed": managed["hog_fraction"],
                "hog_fraction_unmanaged": plain["hog_fraction"],
-               "cpu_core_pct": managed["cpu_core_pct"]}
+               "cpu_core_pct": managed["cpu_core_pct"],
+               "controller_metrics": managed["controller_metrics"]}
         out["latency"].append(row)
         log(f"latency beside {hog}: p99 {row['p99_vs_alone_managed']}x alone managed, "
             f"{row['p99_vs_alone_unmanaged']}x unmanaged; hog {row['hog_fraction_managed']} / "

@@ -165,11 +165,19 @@ def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):
         registry = CollectorRegistry()
         registry.register(ShareCollector(c))
         c.beside, c.prober.busy_ratio = {1}, {1: 0.4}  # its probes: busy 40% of the time, on a 30% share
+        # and its launches were charged as much lately (decayed GPU seconds: a rate times the memory)
+        c.scheduler.charge(1, 0.4 * c.scheduler.memory_s, time.monotonic())
         c._set_duties({0, 1})
-        assert c.policy.duty(1) == pytest.approx(0.75) and c.policy.duty(0) == 1.0
+        assert c.policy.duty(1) == pytest.approx(0.75, rel=0.01) and c.policy.duty(0) == 1.0
         shown = [ln for ln in generate_latest(registry).decode().splitlines()
                  if ln.startswith('gpuscope_share_duty_ratio{gpu="0",tenant="online",uuid=""}')]
-        assert len(shown) == 1 and float(shown[0].split()[-1]) == pytest.approx(0.75)
+        assert len(shown) == 1 and float(shown[0].split()[-1]) == pytest.approx(0.75, rel=0.01)
+        # charged under its share at that duty (an open loop whose requests need less than its probe
+        # showed): launches all the time again
+        c.scheduler.used[1] = 0.15 * c.scheduler.memory_s
+        c._set_duties({0, 1})
+        assert c.policy.duty(1) == 1.0
+        c.scheduler.used[1] = 0.4 * c.scheduler.memory_s
         c.prober.busy_ratio = {1: 0.2}  # fits: launches all the time again
         c._set_duties({0, 1})
         assert c.policy.duty(1) == 1.0

@@ -254,3 +254,29 @@ def test_lent_gaps_are_charged_to_the_borrower_and_the_lender_keeps_its_rate():
     assert claims == steps  # never over its share: 0.5 of the GPU used against 0.7 promised
     used = s.usage(now)
     assert used[0] / sum(used) == pytest.approx(0.5, abs=0.01)  # charged kernel time, not turn time
+
+
+def test_a_duty_follows_what_the_tenant_was_charged_not_only_its_probe():
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 1)])
+    demand = {0: 1.0, 1: 0.45}
+    # its probe read it busy 0.45 (an open-loop tenant probed with requests queued): held by that alone
+    assert s.duty(1, {0, 1}, 0.45, demand) == pytest.approx(0.3 / 0.45)
+    # but its launches were charged 0.15 of the GPU's time at a duty of 1: within its share, not held
+    assert s.duty(1, {0, 1}, 0.45, demand, rate=0.15, current=1.0) == 1.0
+    # 0.25 at a duty of 2/3 is 0.375 a unit of duty: held to its share by that, not by its probe
+    assert s.duty(1, {0, 1}, 0.45, demand, rate=0.25, current=2 / 3) == pytest.approx(0.3 / 0.375)
+    # a charged rate over its probe (charges from turns it took before) does not hold it tighter
+    assert s.duty(1, {0, 1}, 0.45, demand, rate=0.9, current=1.0) == pytest.approx(0.3 / 0.45)
+
+
+def test_a_duty_from_charges_settles_for_a_closed_and_an_open_loop():
+    """Applied again and again to the rate each duty gives: a closed loop that would use 0.45 of the GPU
+    settles at its 0.3 share, an open loop whose requests need 0.15 is let run."""
+    s = SliceScheduler([TenantPolicy("hog", 0.7, 0), TenantPolicy("online", 0.3, 1)])
+    for wants, settles in ((0.45, 0.3 / 0.45), (0.15, 1.0)):
+        duty = 1.0
+        for _ in range(20):
+            rate = min(wants, duty * 0.45)  # what it is charged at this duty (0.45 flat out)
+            duty = s.duty(1, {0, 1}, 0.45, {0: 1.0, 1: 0.45}, rate=rate, current=duty)
+        assert duty == pytest.approx(settles, rel=0.01)
+        assert min(wants, duty * 0.45) <= 0.3 + 1e-9

@@ -222,8 +222,12 @@ class Controller:
         the active tenants' summed demand is more than the GPU."""
         busy = self.prober.busy_ratio
         demand = {slot: busy[slot] for slot in active if slot in busy}
+        # each tenant's charged GPU seconds decay over the scheduler's memory: over it, a rate
+        used = self.scheduler.usage(time.monotonic())
         for slot in range(len(self.tenants)):
-            duty = (self.scheduler.duty(slot, active, busy.get(slot), demand)
+            duty = (self.scheduler.duty(slot, active, busy.get(slot), demand,
+                                        rate=used[slot] / self.scheduler.memory_s,
+                                        current=self.duty.get(slot, 1.0))
                     if slot in self.beside else 1.0)
             if duty != self.duty.get(slot, 1.0):
                 self.policy.set_duty(slot, duty)

@@ -117,22 +117,34 @@ class SliceScheduler:
         return self.tenants[slot].share / max(total_share, 1e-9)
 
     def duty(self, slot: int, active: Iterable[int], busy: float | None,
-             demand: Mapping[int, float] | None = None) -> float:
+             demand: Mapping[int, float] | None = None, rate: float | None = None,
+             current: float = 1.0) -> float:
         """The part of the time tenant ``slot``, beside the holder and busy ``busy`` of the time it
-        launches, may launch: all of it while that fits its share, else its share over ``busy`` (a
-        decode loop that needs 40% of the GPU on a 30% share runs 75% of the time, its steps about
+        launches, may launch: all of it while that fits its share, else its share over what it needs
+        (a decode loop that needs 40% of the GPU on a 30% share runs 75% of the time, its steps about
         a third slower, rather than waiting for the holder's turns).
 
         ``demand``: the busy fraction of the active tenants probed so far. While their summed demand
         (an unprobed one counted as keeping the GPU busy) fits the GPU, nobody is held back: a
-        tenant over its share then uses time that nobody else wants."""
+        tenant over its share then uses time that nobody else wants.
+
+        ``rate``: the part of the GPU's time it was charged lately (its launches beside the holder at
+        its probed kernel time a launch), under its ``current`` duty. What it needs is the lesser of
+        its probed busy fraction and that rate over its duty: a probe shows how busy it keeps the GPU
+        running alone, flat out, but an open-loop tenant (requests at a fixed rate) probed while a
+        duty has let its requests queue up runs flat out through the probe and reads busier than its
+        requests make it, and a launch-bound tenant slowed beside a GPU-bound holder uses less than
+        it would alone. Held by its probe alone, either was held under its share of the GPU's time."""
         active = set(active)
         fair = self.fair_fraction(slot, active)
         if busy is None or busy <= fair:
             return 1.0
         if demand is not None and sum(demand.get(s, 1.0) for s in active | {slot}) <= 1.0:
             return 1.0
-        return max(1.0 / (DUTY_MAX_OVER * DUTY_STAY_MARGIN), fair / busy)
+        need = busy if rate is None or current <= 0 else min(busy, rate / current)
+        if need <= fair:
+            return 1.0
+        return max(1.0 / (DUTY_MAX_OVER * DUTY_STAY_MARGIN), fair / need)
 
     def binds(self, active: Iterable[int]) -> bool:
         """Whether shares bind: more than one tenant has been launching lately."""
