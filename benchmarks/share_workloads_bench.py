@@ -49,8 +49,9 @@ MIXES = {
 #: managed variants: the controller's flags (``drain`` the default hand-over and queue)
 VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "overlap": ("--share.handover", "overlap"),
-            # the holder's short queue while a tenant runs beside it (the default keeps the usual one)
-            "drain-short-queue": ("--share.handover", "drain", "--share.beside-queue", "500us"),
+            # the holder's usual queue beside a latency tenant too (the default gives it a short one;
+            # beside tenants of equal priority, as in the mixes, the holder keeps the usual one anyway)
+            "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "0"),
             # every tenant probed in turn each second, however steady its probes (no back-off)
             "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1")}
 MANAGED = "drain"  # the default hand-over: the headline figures
@@ -282,10 +283,12 @@ def collect(p: subprocess.Popen) -> list[float]:
     return result_of(p)["stamps"]
 
 
-def run_latency(hog: str | None, managed: bool, seconds: float, rate_per_s: float, alone: dict[str, float],
-                port: int) -> dict:
-    """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7)."""
-    controller = Controller("lat=0.3:1,hog=0.7", "events", port) if managed else None
+def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, rate_per_s: float,
+                alone: dict[str, float], port: int) -> dict:
+    """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7), under a
+    controller with ``flags`` (None: unmanaged)."""
+    managed = flags is not None
+    controller = Controller("lat=0.3:1,hog=0.7", "events", port, *flags) if managed else None
     lat = spawn(str(rate_per_s), seconds, "lat" if managed else None, role="latency")
     hog_p = spawn(hog, seconds, "hog" if managed else None) if hog else None
     start = release([lat, hog_p] if hog_p else [lat])
@@ -426,6 +429,8 @@ def main() -> None:
     p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
     p.add_argument("--variants", default="unmanaged,drain,overlap",
                    help=f"which of {', '.join(VARIANTS)} to run")
+    p.add_argument("--latency-variants", default="", help="managed variants the latency tenant also runs "
+                   f"beside each hog, besides {MANAGED} (e.g. drain-usual-queue)")
     p.add_argument("--merge", action="store_true", help="add to --out's mixes and latency rows instead of "
                    "starting a new file (a run split in parts)")
     args = p.parse_args()
@@ -452,6 +457,9 @@ def main() -> None:
         write_json(args.out, out, indent=1)
 
     hogs = [h for h in args.hogs.split(",") if h]
+    latency_variants = [v for v in args.latency_variants.split(",") if v]
+    if not set(latency_variants) <= set(VARIANTS) - {"unmanaged", MANAGED}:
+        p.error(f"--latency-variants: of {', '.join(sorted(set(VARIANTS) - {'unmanaged', MANAGED}))}")
     needed = sorted({w for tenants in mixes.values() for w, _ in tenants} | set(hogs))
     # alone, one after the other, all warmed up first
     procs = {w: spawn(w, args.alone_seconds, None) for w in needed}
@@ -474,15 +482,15 @@ def main() -> None:
                      sum_unmanaged=entry["unmanaged"]["sum"], cpu_core_pct=entry[MANAGED]["cpu_core_pct"])
         out["mixes"].append(entry)
         save()
-    def latency(hog: str | None, managed: bool) -> dict:
-        return run_latency(hog, managed, args.seconds, args.latency_rate, alone, args.port)
+    def latency(hog: str | None, variant: str) -> dict:
+        return run_latency(hog, VARIANTS[variant], args.seconds, args.latency_rate, alone, args.port)
 
     if not hogs:
         return
-    alone_lat = latency(None, False)
+    alone_lat = latency(None, "unmanaged")
     log(f"latency tenant alone at {args.latency_rate:g}/s: p99 {alone_lat['p99_ms']} ms")
     for hog in hogs:
-        plain, managed = latency(hog, False), latency(hog, True)
+        plain, managed = latency(hog, "unmanaged"), latency(hog, MANAGED)
         row = {"hog": hog, "rate_per_s": args.latency_rate, "p99_alone_ms": alone_lat["p99_ms"],
                "p99_vs_alone_managed": rnd(managed["p99_ms"] / alone_lat["p99_ms"], 2),
                "p99_vs_alone_unmanaged": rnd(plain["p99_ms"] / alone_lat["p99_ms"], 2),
@@ -490,6 +498,12 @@ def main() -> None:
                "hog_fraction_unmanaged": plain["hog_fraction"],
                "cpu_core_pct": managed["cpu_core_pct"],
                "controller_metrics": managed["controller_metrics"]}
+        for variant in latency_variants:  # the same beside the hog under other flags
+            other = latency(hog, variant)
+            row[variant] = {"p99_vs_alone": rnd(other["p99_ms"] / alone_lat["p99_ms"], 2),
+                            "hog_fraction": other["hog_fraction"], "cpu_core_pct": other["cpu_core_pct"],
+                            "controller_metrics": other["controller_metrics"]}
+            log(f"latency beside {hog}, {variant}: p99 {row[variant]['p99_vs_alone']}x alone")
         out["latency"].append(row)
         log(f"latency beside {hog}: p99 {row['p99_vs_alone_managed']}x alone managed, "
             f"{row['p99_vs_alone_unmanaged']}x unmanaged; hog {row['hog_fraction_managed']} / "

@@ -56,3 +56,10 @@ def test_the_variants_of_a_run_are_drawn_side_by_side(tmp_path: Path) -> None:
 def test_measuring_needs_an_output_file() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--out is required" in done.stderr
+
+
+def test_an_unknown_latency_variant_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x.json"),
+                           "--latency-variants", "drain-everything"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--latency-variants" in done.stderr
+    assert not (tmp_path / "x.json").exists()
