@@ -33,8 +33,17 @@ MIN_SAMPLING_RATIO = 1 / 4096
 #: region is capped here (a "record" on the host route is a clock read, and the raw ratio means
 #: nothing there).
 MAX_CONTEXT_FACTOR = 4.0
-#: The period moves at most this factor per decision, so one noisy window cannot swing the rate.
+#: The period rises at most this factor per decision, and falls at most MAX_STEP_DOWN: one noisy
+#: window cannot swing the rate, and sampling is taken back four times faster than it is given. A
+#: sampled pass's cost is measured in the program, and its estimate jumps between windows (14 to
+#: 249 µs a pass on the CPU host's compiled chain, one window to the next); falling 4× on a low read,
+#: the period swung between 4 and 23 and the windows' overhead averaged over the budget.
 MAX_STEP = 4
+MAX_STEP_DOWN = 1.5
+#: The part of the budget the period aims at. Each window's costs are measured in the program and
+#: vary from one window to the next; aimed at the whole budget, the windows' overhead averaged over
+#: it (1.05-1.08% of a 1% budget on the CPU host's compiled chain).
+BUDGET_AIM = 0.85
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,11 @@ def decide(window: Window, budget: float, period: int, fixed_rate: bool) -> tupl
     full = thinnable * (w.hot_s + per_resolved) + pass_full
     if fixed_rate or full <= 0:
         return period, overhead
-    allowance = (budget * w.wall_s - w.resolver_fixed_s - thinnable * w.skip_s
+    allowance = (BUDGET_AIM * budget * w.wall_s - w.resolver_fixed_s - thinnable * w.skip_s
                  - w.always * (w.hot_s + per_resolved))
     ratio = min(1.0, max(MIN_SAMPLING_RATIO, allowance / full))
     target = max(1, round(1 / ratio))
-    return min(max(target, period // MAX_STEP), max(1, period * MAX_STEP)), overhead
+    return min(max(target, int(period / MAX_STEP_DOWN), 1), max(1, period * MAX_STEP)), overhead
 
 
 class BudgetController:
