@@ -60,6 +60,7 @@ def test_measuring_needs_an_output_file() -> None:
 
 def test_an_unknown_latency_variant_is_refused_before_anything_runs(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x.json"),
-                           "--latency-variants", "drain-everything"], capture_output=True, text=True, timeout=120)
+                           "--latency-variants", "drain-everything"],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--latency-variants" in done.stderr
     assert not (tmp_path / "x.json").exists()
