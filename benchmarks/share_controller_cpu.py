@@ -13,7 +13,10 @@ variant of the controller's flags:
 - ``graph``: the H200's train+encoder+graph mix in shape: a training-like loop (ten 300 µs kernels, a
   sync, 6 ms on the host: it runs beside the holder) at 0.5, a GPU-bound loop at 0.3 and a graph
   replayed and synced every step (400 µs, then a context synchronize) at 0.2; the two GPU-bound
-  tenants take turns.
+  tenants take turns;
+- ``lend``: the H100's training + encoder 70/30 mix in shape: a training-like loop busy about 75% of
+  its time (ten 300 µs kernels, a sync, 1 ms on the host) at 0.7, so it takes turns, and lends each
+  one to a GPU-bound loop (0.3) at its step's sync and takes it back at its next launch.
 
     PYTHONPATH=src python benchmarks/share_controller_cpu.py \
         --rounds 2 --out benchmarks/results/share-controller-cpu-sixth.json
@@ -67,11 +70,11 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
             cuda.cuGraphLaunch(None, None)
             cuda.cuCtxSynchronize()
             stamps.append(time.time())
-        elif kind == "train":
+        elif kind in ("train", "train-busy"):
             for _ in range(10):
                 launch(None, 1, 1, 1, 300, 1, 1, 0, None, None, None)
             sync()
-            time.sleep(0.006)
+            time.sleep(0.006 if kind == "train" else 0.001)
             stamps.append(time.time())
         elif kind == "hog":
             for _ in range(10):
@@ -117,6 +120,8 @@ def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) ->
 def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: int) -> dict:
     if scenario == "turns":
         shares, tenants = "a=0.7,b=0.3", [("hog", "a"), ("hog", "b")]
+    elif scenario == "lend":
+        shares, tenants = "train=0.7,hog=0.3", [("train-busy", "train"), ("hog", "hog")]
     elif scenario == "graph":
         shares = "train=0.5,hog=0.3,graph=0.2"
         tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
@@ -140,8 +145,10 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
-    elif scenario == "graph":
+    elif scenario in ("graph", "lend"):
         out["iterations"] = counts
+        out["lends"] = next((float(ln.split()[-1]) for ln in c["metrics"]
+                             if ln.startswith("gpuscope_share_lent_turns_total")), None)
     else:
         steps = results["llm"]["steps"]
         out.update(llm_steps=len(steps), llm_p50_ms=1e3 * pct(steps, 0.5), llm_p99_ms=1e3 * pct(steps, 0.99),
@@ -173,7 +180,8 @@ def main() -> None:
                     r["round"] = rnd
                     rows.append(r)
                     extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
-                             f"iterations {r['iterations']}" if scenario == "graph" else
+                             f"iterations {r['iterations']}, lends {r['lends']}"
+                             if scenario in ("graph", "lend") else
                              f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
