@@ -45,6 +45,8 @@ sys.path.insert(0, HERE)
 from benchlib import write_json  # noqa: E402
 from share_bench import Controller, _helper_cpu_s, _helper_wakeups, collect, pct, sleep_until  # noqa: E402
 
+from gpuscope.contract import catalogue as cat  # noqa: E402
+
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 
 
@@ -148,7 +150,7 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     elif scenario in ("graph", "lend"):
         out["iterations"] = counts
         out["lends"] = next((float(ln.split()[-1]) for ln in c["metrics"]
-                             if ln.startswith("gpuscope_share_lent_turns_total")), None)
+                             if ln.startswith(cat.SHARE_LENDS.name)), None)
     else:
         steps = results["llm"]["steps"]
         out.update(llm_steps=len(steps), llm_p50_ms=1e3 * pct(steps, 0.5), llm_p99_ms=1e3 * pct(steps, 0.99),

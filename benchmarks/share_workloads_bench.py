@@ -283,6 +283,11 @@ def collect(p: subprocess.Popen) -> list[float]:
     return result_of(p)["stamps"]
 
 
+def counters(ctl: dict) -> list[str]:
+    """The stopped controller's series (its /metrics without the comment lines)."""
+    return [ln for ln in ctl["metrics"] if not ln.startswith("#")]
+
+
 def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, rate_per_s: float,
                 alone: dict[str, float], port: int) -> dict:
     """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7), under a
@@ -303,7 +308,7 @@ def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, 
         ctl = controller.stop()
         out["cpu_core_pct"] = rnd(ctl["cpu_core_pct"])
         # the latency tenant's busy ratio, duty and gate states at the end: why its requests waited
-        out["controller_metrics"] = [ln for ln in ctl["metrics"] if not ln.startswith("#")]
+        out["controller_metrics"] = counters(ctl)
     return out
 
 
@@ -341,7 +346,7 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
             "controller_cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None,
             "helpers_cpu_core_pct": rnd(helpers_pct) if ctl else None,
             # the controller's counters at the end (lent and reclaimed turns, charges, busy ratios)
-            "controller_metrics": [ln for ln in ctl["metrics"] if not ln.startswith("#")] if ctl else None}
+            "controller_metrics": counters(ctl) if ctl else None}
 
 
 def _panels(src: str, width: float) -> tuple[dict, object, list]:

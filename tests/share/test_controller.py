@@ -21,6 +21,9 @@ from gpuscope.share.settings import Handover, Turns
 from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env, running_controller
 
+# A fake tenant's program. Its sleeps are its workload, not waits of the test: it polls the clock
+# until the common start time, an 'idle' tenant stops launching after 10 kernels (the test ends it),
+# and a 'light' one spaces its kernels 2 ms apart.
 LOOP = """
 import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint

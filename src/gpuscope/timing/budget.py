@@ -34,7 +34,8 @@ MIN_SAMPLING_RATIO = 1 / 4096
 #: nothing there).
 MAX_CONTEXT_FACTOR = 4.0
 #: The period rises at most this factor per decision, and falls at most MAX_STEP_DOWN: one noisy
-#: window cannot swing the rate, and sampling is taken back four times faster than it is given. A
+#: window cannot swing the rate, and sampling is taken back faster (4x a decision) than it is given
+#: (1.5x). A
 #: sampled pass's cost is measured in the program, and its estimate jumps between windows (14 to
 #: 249 µs a pass on the CPU host's compiled chain, one window to the next); falling 4× on a low read,
 #: the period swung between 4 and 23 and the windows' overhead averaged over the budget.
