@@ -3,7 +3,7 @@
 `gpuscope share`'s controller never touches the GPU in events mode: what it costs depends on how often
 it wakes and what each wake-up does, which a fake driver whose "GPU" runs kernels in real time
 (tests/share/fake_libcuda.c with FAKE_CUDA_REALTIME=1; each process has a GPU of its own, so nothing
-here measures contention) shows as well as a real one. Two scenarios, in interleaved rounds per
+here measures contention) shows as well as a real one. The scenarios, in interleaved rounds per
 variant of the controller's flags:
 
 - ``turns``: two GPU-bound loops (ten 1.4 ms kernels, then a sync) at 70/30, equal priority: the
@@ -14,6 +14,8 @@ variant of the controller's flags:
   sync, 6 ms on the host: it runs beside the holder) at 0.5, a GPU-bound loop at 0.3 and a graph
   replayed and synced every step (400 µs, then a context synchronize) at 0.2; the two GPU-bound
   tenants take turns;
+- ``encoder``: the latency-bound loop beside a launch-bound holder (100 kernels of 40 µs with 20 µs
+  of Python between, then a sync: busy most of the time, so it takes turns, but never queue-bound);
 - ``lend``: the H100's training + encoder 70/30 mix in shape: a training-like loop busy about 75% of
   its time (ten 300 µs kernels, a sync, 1 ms on the host) at 0.7, so it takes turns, and lends each
   one to a GPU-bound loop (0.3) at its step's sync and takes it back at its next launch.
@@ -83,6 +85,14 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
                 launch(None, 1, 1, 1, 1400, 1, 1, 0, None, None, None)
             sync()
             stamps.append(time.time())
+        elif kind == "encoder":  # launch-bound but busy most of the time: it takes turns
+            for _ in range(100):
+                launch(None, 1, 1, 1, 40, 1, 1, 0, None, None, None)
+                spin = time.perf_counter() + 20e-6
+                while time.perf_counter() < spin:
+                    pass
+            sync()
+            stamps.append(time.time())
         else:
             t0 = time.perf_counter()
             for _ in range(300):
@@ -127,6 +137,8 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     elif scenario == "graph":
         shares = "train=0.5,hog=0.3,graph=0.2"
         tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
+    elif scenario == "encoder":
+        shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
     else:
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("hog", "hog")]
     ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)

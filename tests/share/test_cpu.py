@@ -178,3 +178,35 @@ def test_a_borrowers_helper_sleeps_through_the_lent_turns_first_windows(fake_cud
     # the reclaim's drain wakes it twice (the gate closes, then its last window finishes), and the
     # launching thread's waits on the queue now and then
     assert woke < 3.9 * lends, (woke, lends)
+
+
+def test_a_holder_with_only_a_latency_tenant_beside_it_posts_its_windows_in_batches(fake_cuda, tmp_path):
+    """Nobody takes turns but the holder (the latency tenant beside it never waits for its hand-over
+    or for a lent turn), so its helper posts the finished windows every 10 ms instead of waking for
+    each and looking for quiet every millisecond: here about 1,800 wake-ups a second before, about 100
+    now."""
+    gpu = tmp_path / "gpu"
+    tenants = [TenantPolicy("hog", 0.7), TenantPolicy("llm", 0.3, priority=1)]
+    with running_controller(str(tmp_path / "ledger"), tenants) as c:
+        procs = []
+        for kind, tenant in (("busy", "hog"), ("steps", "llm")):
+            env = child_env(fake_cuda, Path(os.devnull), tenant=tenant, ledger=c.policy.prefix)
+            env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu))
+            if tenant == "llm":  # a request: a few short kernels, then the host until the next one
+                env.update(WORKLOAD_BURST="5", WORKLOAD_KERNEL_US="50", WORKLOAD_GAP_MS="5")
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "workload.py"), kind, "8"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        try:
+            folder = wait_for(lambda: helper_folder(procs[0].pid), what="the holder's helper")
+            wait_for(lambda: c.stats.binding and c.policy.beside_mask == 0b10,
+                     what="the latency tenant beside")
+            woke0, t0 = voluntary_switches(folder), time.monotonic()
+            wait_for(lambda: time.monotonic() - t0 >= 2.0, what="two seconds")
+            woke, seconds = voluntary_switches(folder) - woke0, time.monotonic() - t0
+            beside = c.policy.beside_mask
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    assert beside == 0b10, bin(beside)  # still beside: the holder took no turns with it
+    assert woke < 250 * seconds, (woke, seconds)

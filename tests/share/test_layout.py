@@ -25,6 +25,7 @@ POLICY = {
     "P_BUSY_MASK": "offsetof(policy_t, busy_mask)", "P_BESIDE_MASK": "offsetof(policy_t, beside_mask)",
     "P_SLICE_END": "offsetof(policy_t, slice_end_ns)", "P_LENDER_MASK": "offsetof(policy_t, lender_mask)",
     "P_BESIDE_QUEUE_US": "offsetof(policy_t, beside_queue_us)",
+    "P_TURNS_MASK": "offsetof(policy_t, turns_mask)",
     "P_TENANTS": "offsetof(policy_t, tenants)", "TENANT_SIZE": "sizeof(((policy_t *)0)->tenants[0])",
     "T_SHARE": "offsetof(policy_t, tenants[0].share_ppm) - offsetof(policy_t, tenants)",
     "T_PRIORITY": "offsetof(policy_t, tenants[0].priority) - offsetof(policy_t, tenants)",

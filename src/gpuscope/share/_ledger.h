@@ -13,7 +13,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 9u
+#define LAYOUT_VERSION 10u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
@@ -41,7 +41,8 @@ typedef struct {
     _Atomic uint64_t slice_end_ns; /* draining hand-overs: when the holder's slice ends (0: none) */
     _Atomic uint32_t lender_mask;  /* bit i: slot i lent the rest of its turn; its first held thread rings */
     uint32_t beside_queue_us;      /* the holder's queue while a tenant runs beside it (short_queue()) */
-    uint32_t reserved[14];
+    _Atomic uint32_t turns_mask;   /* bit i: slot i takes turns (active, not beside): holding_alone() */
+    uint32_t reserved[13];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active;
@@ -73,6 +74,7 @@ typedef struct {
 _Static_assert(sizeof(policy_t) == 128 + MAX_TENANTS * 64, "policy layout");
 _Static_assert(__builtin_offsetof(policy_t, lender_mask) == 64, "policy lender layout");
 _Static_assert(__builtin_offsetof(policy_t, beside_queue_us) == 68, "policy beside queue layout");
+_Static_assert(__builtin_offsetof(policy_t, turns_mask) == 72, "policy turns layout");
 _Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 128 + 56, "policy tenant layout");
 _Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
 _Static_assert(__builtin_offsetof(proc_t, mem_bytes) == 64 + 14 * 8, "proc memory layout");

@@ -397,6 +397,7 @@ class Controller:
         if self.lender is not None and (self.holder is None or not self.scheduler.binds(active)):
             self._set_lender(None)  # no turns any more: nothing to take back
         if not self.scheduler.binds(active):
+            self.policy.set_turns_mask(0)
             if self.holder is not None or self._mask != OPEN_MASK:
                 self.holder = None
                 self._set_mask(OPEN_MASK)
@@ -425,6 +426,7 @@ class Controller:
                 return follow_s
             contenders -= waiting_for_lead
             wanting -= waiting_for_lead
+        self.policy.set_turns_mask(sum(1 << s for s in contenders))
         if self.holder is None:
             if len(contenders) > 1:  # from the open gate: the contenders' queued work first
                 self._drain(contenders - set(gangs))  # a gang's collectives may wait on its other GPUs

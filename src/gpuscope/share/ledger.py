@@ -10,7 +10,9 @@ would kill that process with SIGBUS), handed to each tenant process over the joi
   slot *i* may launch; bits 16..31 a generation) their launching threads sleep on with a futex
   (bitset 1; each process's helper thread sleeps on it too, with another bit, so that a hand-over can
   wake the launching threads alone), the beside mask (bit *i* set: slot *i* runs beside the slice
-  holder, untimed), the busy mask (bit *i* set: slot *i* times each launch on its own, in a probe), per
+  holder, untimed), the turns mask (bit *i* set: slot *i* takes turns; a holder alone in it has
+  nobody waiting for its hand-over, and its helper posts in batches), the busy mask (bit *i* set:
+  slot *i* times each launch on its own, in a probe), per
   tenant the duty (the part of every 10 ms a tenant beside the holder may launch in, when it needs
   more of the GPU than its share) and, with draining hand-overs, when the holder's slice ends (the
   holder then stops launching by itself, drains its queue and rings the bell: one controller wake-up
@@ -51,7 +53,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -65,6 +67,7 @@ P_BESIDE_MASK = 52  # slots running beside the slice holder, their launches unti
 P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's slice ends (0: none)
 P_LENDER_MASK = 64  # slots that lent the rest of their turn: their first held thread rings the bell
 P_BESIDE_QUEUE_US = 68  # GPU time (µs) a slice holder queues while a tenant runs beside it
+P_TURNS_MASK = 72  # slots taking turns (active, not beside): a holder alone among them is not watched
 P_TENANTS, TENANT_SIZE = 128, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
 T_SHARE, T_PRIORITY, T_ACTIVE = NAME_LEN, NAME_LEN + 4, NAME_LEN + 8  # in a tenant's entry
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
@@ -446,6 +449,18 @@ class Policy:
         """Mark the slots in ``mask`` as having lent the rest of their turn: a thread of theirs held at
         the gate rings the bell, so the turn comes back at once."""
         self.map.set_u32(P_LENDER_MASK, mask & 0xFFFF)
+
+    @property
+    def turns_mask(self) -> int:
+        return self.map.u32(P_TURNS_MASK)
+
+    def set_turns_mask(self, mask: int) -> None:
+        """Mark the slots in ``mask`` as taking turns. A holder with no other slot in it has nobody
+        waiting for its hand-over or its lent time, and its helper thread looks at it only now and
+        then; the helpers are woken to look at the new mask at once."""
+        if self.map.u32(P_TURNS_MASK) != mask & 0xFFFF:
+            self.map.set_u32(P_TURNS_MASK, mask & 0xFFFF)
+            self.map.futex_wake(P_GATE)
 
     @property
     def busy_mask(self) -> int:
