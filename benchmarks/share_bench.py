@@ -305,18 +305,20 @@ class Controller:
     def cpu(self) -> float:
         return process_cpu_s(self.p.pid)
 
+    def scrape(self) -> list[str]:
+        """Its ``gpuscope_share_*`` series now (one line saying why, when the scrape fails)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                return [ln for ln in r.read().decode().splitlines() if ln.startswith("gpuscope_share_")]
+        except OSError as exc:
+            return [f"scrape failed: {exc}"]
+
     def stop(self) -> dict:
         """Stop it; its CPU and wake-ups since ``mark`` (call it as the tenants finish)."""
         cpu = self.cpu() - self.cpu0
         wall = time.time() - self.t0
         wakeups = self.switches() - self.switches0
-        share_lines = []
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-                lines = r.read().decode().splitlines()
-                share_lines = [ln for ln in lines if ln.startswith("gpuscope_share_")]
-        except OSError as exc:
-            share_lines = [f"scrape failed: {exc}"]
+        share_lines = self.scrape()
         self.p.terminate()
         _, err = self.p.communicate(timeout=30)
         return {"cpu_s": cpu, "wall_s": wall, "cpu_core_pct": 100 * cpu / wall,

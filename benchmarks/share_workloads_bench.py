@@ -39,6 +39,9 @@ sys.path.insert(0, HERE)
 from benchlib import logger, percentile, rnd, write_json  # noqa: E402
 from share_bench import LEDGER, Controller, _helper_cpu_s, _lib, rate, sleep_until  # noqa: E402
 
+from gpuscope.contract import catalogue as cat  # noqa: E402
+from gpuscope.share.settings import SUGGESTED_STARVED_BELOW  # noqa: E402
+
 log = logger("share-workloads")
 MIXES = {
     "train+encoder 70/30": (("train", 0.7), ("encoder", 0.3)),
@@ -53,10 +56,16 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             # beside tenants of equal priority, as in the mixes, the holder keeps the usual one anyway)
             "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "0"),
             # every tenant probed in turn each second, however steady its probes (no back-off)
-            "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1")}
+            "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1"),
+            # a tenant starved beside the holder (its waits for the GPU) moved to turns
+            "drain-starved": ("--share.handover", "drain",
+                              "--share.starved-below", str(SUGGESTED_STARVED_BELOW))}
 MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
 TIMELINE_S = 1.0
+#: The controller's gauges read halfway through a managed mix (they say nothing once the tenants left).
+MID_RUN_GAUGES = tuple(m.name for m in (cat.SHARE_BUSY_RATIO, cat.SHARE_DUTY_RATIO,
+                                         cat.SHARE_BESIDE_THROUGHPUT, cat.SHARE_BINDING))
 HOGS = ("train", "encoder", "compiled", "graph")  # the GPU-bound classes a latency tenant runs beside
 
 
@@ -322,8 +331,13 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
     procs = [spawn(w, seconds, n if controller else None) for n, (w, _) in zip(names, tenants, strict=True)]
     start = release(procs)
     sleep_until(start)
+    mid_run = None
     if controller:
         controller.mark()
+        # the gauges of tenants beside the holder (duty, estimated throughput) exist only while they
+        # run: one look halfway through
+        sleep_until(start + seconds / 2)
+        mid_run = [ln for ln in controller.scrape() if ln.split("{")[0] in MID_RUN_GAUGES]
     results = [result_of(p) for p in procs]
     stamps = [r["stamps"] for r in results]
     ctl = controller.stop() if controller else None
@@ -346,7 +360,8 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
             "controller_cpu_core_pct": rnd(ctl["cpu_core_pct"]) if ctl else None,
             "helpers_cpu_core_pct": rnd(helpers_pct) if ctl else None,
             # the controller's counters at the end (lent and reclaimed turns, charges, busy ratios)
-            "controller_metrics": counters(ctl) if ctl else None}
+            "controller_metrics": counters(ctl) if ctl else None,
+            "controller_mid_run": mid_run}
 
 
 def _panels(src: str, width: float) -> tuple[dict, object, list]:

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuscope.contract import catalogue
-from gpuscope.share.controller import Controller
+from gpuscope.share.controller import STARVED_JUDGE_S, Controller
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.main import main as share_main
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
-from gpuscope.share.settings import Handover, Turns
+from gpuscope.share.settings import STARVED_TURNS_S, SUGGESTED_STARVED_BELOW, Handover, ShareSettings, Turns
 from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env, running_controller
 
@@ -259,6 +259,12 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--share.probe-backoff must be between 1 and 64, not 0" in err
+    for bad in ("1", "-0.1", "most"):
+        with pytest.raises(SystemExit) as info:
+            share_main(["--share", "a=0.5", "--share.starved-below", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--share.starved-below" in err, err
 
 
 def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
@@ -294,3 +300,62 @@ def test_the_command_serves_metrics_and_cleans_up_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_tenant_starved_beside_the_holder_takes_turns_for_a_while(tmp_path):
+    tenants = [TenantPolicy("encoder", 0.5), TenantPolicy("mlp", 0.2), TenantPolicy("online", 0.3, 1)]
+    c = Controller(str(tmp_path / "ledger"), tenants, ShareSettings(starved_below=SUGGESTED_STARVED_BELOW))
+    try:
+        registry = CollectorRegistry()
+        registry.register(ShareCollector(c))
+        waited_ns = {0: 0, 1: 0, 2: 0}  # each tenant's processes' time in waits for the GPU
+        c.processes.sync_wait_ns = waited_ns.get
+        now = time.monotonic()
+        active = {0, 1, 2}
+        # the MLP's probes read it busy 0.3 of the time and waiting for the GPU a third of it: beside
+        # the encoder, which takes turns
+        c.prober.busy_ratio = {0: 0.9, 1: 0.3, 2: 0.1}
+        c.prober.wait_ratio = {0: 0.9, 1: 1 / 3, 2: 0.1}
+        c._set_beside(c.scheduler.beside(active, c.prober.busy_ratio), now)
+        assert c.beside == {1, 2}
+        # there it waits 0.92 of its time (0.12 of its alone rate, on a fair share of 0.2); the latency
+        # tenant waits a little more than alone. Too soon to judge either
+        waited_ns[1], waited_ns[2] = int(0.92 * 1e9), int(0.15 * 1e9)
+        assert c._move_starved(active, now + 1) == set()
+        waited_ns[1], waited_ns[2] = int(0.92 * STARVED_JUDGE_S * 1e9), int(0.15 * STARVED_JUDGE_S * 1e9)
+        # beside long enough: the MLP takes turns; the latency tenant, beside by its priority, stays
+        later = now + STARVED_JUDGE_S
+        assert c._move_starved(active, later) == {1}
+        c._set_beside(c.scheduler.beside(active, c.prober.busy_ratio, c.beside, {1}), later)
+        assert c.beside == {2}
+
+        def shown(name: str) -> dict[str, float]:
+            return {ln.split('tenant="')[1].split('"')[0]: float(ln.split()[-1])
+                    for ln in generate_latest(registry).decode().splitlines() if ln.startswith(name + "{")}
+
+        assert shown("gpuscope_share_starved_beside_total") == {"encoder": 0.0, "mlp": 1.0, "online": 0.0}
+        # the latency tenant's estimate is still shown (0.85 / 0.9 of its alone rate), the MLP's no longer
+        assert shown("gpuscope_share_beside_throughput_ratio") == pytest.approx({"online": 0.85 / 0.9})
+        # for STARVED_TURNS_S, then its probes decide again
+        assert c._move_starved(active, later + STARVED_TURNS_S - 1) == {1}
+        assert c._move_starved(active, later + STARVED_TURNS_S + 1) == set()
+        # beside again: not judged while a duty holds it back (over its share, its waits are the
+        # duty's), nor when nobody takes turns beside it
+        again = later + STARVED_TURNS_S + 1
+        c._set_beside({1, 2}, again)
+        waited_ns[1] += int(0.92 * STARVED_JUDGE_S * 1e9)
+        judged = again + STARVED_JUDGE_S
+        c.duty[1] = 0.5
+        assert c._move_starved(active, judged) == set()
+        c.duty[1] = 1.0
+        assert c._move_starved({1, 2}, judged) == set()
+        assert c._move_starved(active, judged) == {1}
+        # on a host short of CPU its steps slow, but it waits less of its time than alone: not starved
+        c._set_beside({2}, judged)
+        c.to_turns.clear()
+        c._set_beside({1, 2}, judged)
+        waited_ns[1] += int(0.2 * STARVED_JUDGE_S * 1e9)
+        assert c._move_starved(active, judged + STARVED_JUDGE_S) == set()
+        assert c.beside_throughput[1] == pytest.approx(0.8 / (2 / 3))
+    finally:
+        c.close()

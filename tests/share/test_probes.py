@@ -25,11 +25,15 @@ class Busy:
 
     LAUNCH_S = 1e-4
 
-    def __init__(self, ratio: dict[int, float]) -> None:
+    def __init__(self, ratio: dict[int, float], waiting: dict[int, float] | None = None) -> None:
         self.ratio, self.ns = ratio, dict.fromkeys(ratio, 0)
+        self.waiting, self.wait_ns = waiting or {}, dict.fromkeys(ratio, 0)
 
     def busy(self, slot: int) -> tuple[int, int]:
         return self.ns[slot], round(self.ns[slot] / 1e9 / self.LAUNCH_S)
+
+    def sync_wait_ns(self, slot: int) -> int:
+        return self.wait_ns[slot]
 
 
 def run(prober: Prober, busy: Busy, candidates: set[int], seconds: float, start: float = 0.0,
@@ -44,6 +48,7 @@ def run(prober: Prober, busy: Busy, candidates: set[int], seconds: float, start:
             if slot is not None:
                 prober.start(slot, now)
                 busy.ns[slot] += int(busy.ratio[slot] * PROBE_S * 1e9)  # what the probe will post
+                busy.wait_ns[slot] += int(busy.waiting.get(slot, 0.0) * PROBE_S * 1e9)  # and its syncs
                 probes.append((now, slot))
         now += 0.001
     return probes, now
@@ -59,6 +64,16 @@ def test_every_tenant_is_probed_in_turn_without_back_off():
     assert all(g >= 1.0 for g in gaps[3:])  # one probe a second at most
     assert prober.busy_ratio[1] == pytest.approx(0.2, rel=0.1)  # ends up to a loop step late
     assert prober.launch_s[1] == pytest.approx(Busy.LAUNCH_S, rel=0.01)  # what a beside launch is charged
+
+
+def test_a_probe_reads_the_part_of_its_time_the_tenant_waits_for_the_gpu():
+    busy = Busy({0: 0.9, 1: 0.3}, waiting={0: 0.95, 1: 0.35})
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=1)
+    run(prober, busy, {0, 1}, 10.0)
+    # what its waits beside the holder are compared with (scheduler.waits_throughput); waits after
+    # the probe ended, the others running again, are not its own
+    assert prober.wait_ratio[1] == pytest.approx(0.35, rel=0.1)
+    assert prober.wait_ratio[0] == pytest.approx(0.95, rel=0.1)
 
 
 def test_a_tenant_whose_probes_agree_is_probed_less_often_down_to_the_back_off():

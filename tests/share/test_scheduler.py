@@ -3,7 +3,8 @@
 import pytest
 
 from gpuscope.share.ledger import TenantPolicy
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time, split_overlap
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time, split_overlap, waits_throughput
+from gpuscope.share.settings import SUGGESTED_STARVED_BELOW
 
 
 def simulate(s: SliceScheduler, wanting, slice_s: float, rounds: int) -> list[float]:
@@ -280,3 +281,41 @@ def test_a_duty_from_charges_settles_for_a_closed_and_an_open_loop():
             duty = s.duty(1, {0, 1}, 0.45, {0: 1.0, 1: 0.45}, rate=rate, current=duty)
         assert duty == pytest.approx(settles, rel=0.01)
         assert min(wants, duty * 0.45) <= 0.3 + 1e-9
+
+
+def test_a_tenant_doing_well_under_its_share_beside_the_holder_is_starved():
+    tenants = [TenantPolicy("train", 0.5), TenantPolicy("encoder", 0.3), TenantPolicy("mlp", 0.2),
+               TenantPolicy("online", 0.3, 1)]
+    s = SliceScheduler(tenants, starved_below=SUGGESTED_STARVED_BELOW)
+    active = {0, 1, 2}
+    assert not SliceScheduler(tenants).starved(2, active, 0.01)  # off unless asked for
+    # at 0.12 of its alone rate on a fair share of 0.2 (a compiled MLP beside training and an encoder)
+    assert s.starved(2, active, 0.12)
+    # at 0.16 it is near enough its share, and at or over it not starved at all
+    assert not s.starved(2, active, 0.16)
+    assert not s.starved(2, active, 0.2)
+    assert not s.starved(2, active, None)  # no estimate yet
+    # the training loop time-slicing gives 0.695 on a 0.7 share stays beside; at 0.4 it is starved
+    assert not s.starved(0, {0, 1}, 0.695)
+    assert s.starved(0, {0, 1}, 0.4)
+    # a tenant beside by its priority serves what its requests ask (an open loop): never starved
+    assert not s.starved(3, {0, 3}, 0.01)
+
+
+def test_a_loops_throughput_is_read_from_its_waits_for_the_gpu():
+    # a step of 0.2 ms on the host and 0.1 ms waiting for its kernels alone (a third of its time);
+    # beside a hog each wait grows to 2.3 ms: 2.5 ms a step, 0.12 of its alone rate
+    assert waits_throughput(0.1 / 0.3, 2.3 / 2.5) == pytest.approx(0.3 / 2.5)
+    # its host work twice as long on a busy CPU, its waits as alone: slower, but not for the GPU
+    assert waits_throughput(0.1 / 0.3, 0.1 / 0.5) > 1
+    assert waits_throughput(0.97, 0.99) is None  # waiting all the time alone: nothing to compare
+    assert waits_throughput(0.0, 0.0) == 1.0  # a loop that never waits reads as unslowed
+
+
+def test_a_starved_tenant_takes_turns_whatever_its_probes_say_unless_its_priority_lets_it_beside():
+    s = SliceScheduler([TenantPolicy("hog", 0.8), TenantPolicy("mlp", 0.2), TenantPolicy("online", 0.2, 1)])
+    busy = {0: 1.0, 1: 0.3, 2: 0.3}
+    assert s.beside({0, 1}, busy) == {1}  # busy under twice its share: beside, by its probes
+    assert s.beside({0, 1}, busy, now_beside={1}, to_turns={1}) == set()
+    # the priority rule is not the probes': a latency tenant within its share stays beside
+    assert s.beside({0, 2}, busy, to_turns={2}) == {2}

@@ -16,7 +16,7 @@ import pytest
 
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
-from gpuscope.share.settings import Handover, Turns
+from gpuscope.share.settings import SUGGESTED_STARVED_BELOW, Handover, Turns
 from tests.conftest import wait_for
 from tests.share.fakecuda import HERE, child_env, running_controller
 
@@ -28,16 +28,18 @@ KERNEL_HEAVY, HOST_HEAVY = (13, 300, 2), (5, 300, 4)
 
 
 def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None,
-        ledger: str | None = None, shape: tuple[int, int, int] = KERNEL_HEAVY) -> list[int]:
-    """Each kind as a process on one fake GPU for SECONDS; the steps each finished."""
+        ledger: str | None = None, shape: tuple | list[tuple] = KERNEL_HEAVY,
+        seconds: float = SECONDS) -> list[int]:
+    """Each kind as a process on one fake GPU for SECONDS; the steps each finished. ``shape``: every
+    process's (kernels a step, each kernel's µs, host work in ms), or one for each."""
     gpu = tmp_path / f"gpu-{'-'.join(kinds)}-{'managed' if tenants else 'plain'}"
-    burst, kernel_us, gap_ms = shape
     procs = []
     for i, kind in enumerate(kinds):
+        burst, kernel_us, gap_ms = shape[i] if isinstance(shape, list) else shape
         env = child_env(fake, os.devnull, tenant=tenants[i] if tenants else None, ledger=ledger)
         env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu), WORKLOAD_BURST=str(burst),
                    WORKLOAD_KERNEL_US=str(kernel_us), WORKLOAD_GAP_MS=str(gap_ms))
-        argv = [sys.executable, str(HERE / "workload.py"), kind, str(SECONDS)]
+        argv = [sys.executable, str(HERE / "workload.py"), kind, str(seconds)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     steps = []
@@ -129,3 +131,45 @@ def test_the_holder_keeps_its_usual_queue_unless_a_latency_tenant_is_beside(fake
     assert busy[0] <= 0.5 * 1.25 and busy[1] > 0.5, busy  # the training tenant ran beside the hog
     # about six 300 µs kernels a 2 ms window (one with the short queue)
     assert hog_counters["launches"] >= 3.5 * hog_counters["windows"], hog_counters
+
+
+#: A launch-bound loop that syncs every step: one 150 µs kernel, then 0.1 ms on the host (a compiled
+#: MLP's step); and a hog of long kernels, two at a time. The fake GPU runs the processes' kernels
+#: one after another, so beside the hog the short step's kernel waits for one of the hog's at every
+#: step, as a real GPU's time-slice makes it wait.
+SHORT_STEPS, LONG_KERNELS = (1, 150, 0.1), (2, 4000, 0)
+#: Long enough for its first probes, the two to four seconds beside the hog it is judged over (a
+#: busy host can make the first look miss), and its turns.
+STARVED_RUN_S = 8.0
+
+
+def test_a_tenant_starved_beside_the_hog_takes_turns_and_gets_its_share(fake_cuda, tmp_path):
+    """Busy under half the time, the short-step tenant first runs beside the hog, where the fake GPU
+    runs its kernel after one of the hog's at every step: far under its share, as unmanaged. Judged
+    starved (its launches a second against its probes'), it takes turns, where it has the GPU to
+    itself, and is charged its holding time, so the hog keeps its share too."""
+    ledger = str(tmp_path / "ledger")
+    alone_steps, alone_kernels = (run(fake_cuda, tmp_path, [kind], shape=shape)[0]
+                                  for kind, shape in (("steps", SHORT_STEPS), ("busy", LONG_KERNELS)))
+    mix = [SHORT_STEPS, LONG_KERNELS]
+    plain_steps, plain_kernels = run(fake_cuda, tmp_path, ["steps", "busy"], shape=mix, seconds=STARVED_RUN_S)
+    with running_controller(ledger, [TenantPolicy("mlp", 0.25), TenantPolicy("hog", 0.75)], slice=0.03,
+                            drain_timeout=2.0, starved_below=SUGGESTED_STARVED_BELOW) as c:
+        steps, kernels = run(fake_cuda, tmp_path, ["steps", "busy"], ["mlp", "hog"], ledger, mix,
+                             seconds=STARVED_RUN_S)
+        busy, stats = dict(c.prober.busy_ratio), c.stats
+        wait_for(lambda: "mlp" in c.stats.departed, what="the short-step tenant's counters")
+        mlp_counters = c.stats.departed["mlp"]
+    rate = STARVED_RUN_S / SECONDS
+    mlp, hog = steps / alone_steps / rate, kernels / alone_kernels / rate
+    plain = plain_steps / alone_steps / rate, plain_kernels / alone_kernels / rate
+    print(plain, mlp, hog, busy, stats)
+    assert plain[0] < 0.15, plain  # unmanaged: far under its share
+    # the library counted its waits for the GPU: at least its own kernel's 150 µs at each step
+    assert mlp_counters["sync_wait_ns"] >= steps * SHORT_STEPS[1] * 1e3, (mlp_counters, steps)
+    assert busy[0] <= 0.5 * 1.25, busy  # its probes let it beside the hog at first
+    assert stats.starved.get("mlp", 0) >= 1 and stats.state_s[("mlp", "beside")] < 0.75 * STARVED_RUN_S, stats
+    # most of the run in turns: near its share (0.20-0.24 on a quiet machine, from 2 s of 8 beside), and
+    # the hog at its own
+    assert mlp >= 0.1 and mlp >= 3 * plain[0], (mlp, plain, busy, stats)
+    assert hog >= 0.6, (mlp, hog, busy, stats)

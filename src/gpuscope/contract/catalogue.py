@@ -462,6 +462,11 @@ SHARE_CHARGED_SECONDS = _m("gpuscope_share_charged_seconds_total", "counter",
 SHARE_THROTTLED_SECONDS = _m("gpuscope_share_throttled_seconds_total", "counter",
                              "Time the process's launching threads were held at the gate (summed over "
                              "threads).", "seconds", _TP, area=SHARE)
+SHARE_SYNC_WAIT_SECONDS = _m("gpuscope_share_sync_wait_seconds_total", "counter",
+                             "Time the process spent in its waits for the GPU (stream, context and event "
+                             "synchronizes; summed over threads): against its probes', it tells a tenant "
+                             "waiting behind another's work from one slowed on the host.", "seconds", _TP,
+                             area=SHARE)
 SHARE_LAUNCHES = _m("gpuscope_share_launches_total", "counter",
                     "Kernel and graph launches the preload library saw.", "launches", _TP, area=SHARE)
 SHARE_BUSY_LAUNCHES = _m("gpuscope_share_busy_launches_total", "counter",
@@ -495,6 +500,17 @@ SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
                       "time): at most half decides that it runs beside the slice holder, and there it is "
                       "the share of the wall time it is charged.", "ratio",
                       _TG, area=SHARE)
+SHARE_BESIDE_THROUGHPUT = _m("gpuscope_share_beside_throughput_ratio", "gauge",
+                             "Throughput of a tenant beside the slice holder as a fraction of its alone "
+                             "throughput, as the controller estimates it from the part of its time it waits "
+                             "for the GPU there and in its probes (alone): what --share.starved-below "
+                             "judges.",
+                             "ratio", _TG, area=SHARE)
+SHARE_STARVED = _m("gpuscope_share_starved_beside_total", "counter",
+                   "Times a tenant beside the slice holder, with no duty holding it back, did well under its "
+                   "fair share of its alone throughput (gpuscope_share_beside_throughput_ratio, under "
+                   "--share.starved-below) and was moved to take turns for a while: a launch-bound loop "
+                   "that waits behind a GPU-bound holder at every step.", "moves", _TG, area=SHARE)
 SHARE_DUTY_RATIO = _m("gpuscope_share_duty_ratio", "gauge",
                       "Part of each 10 ms a tenant beside the slice holder may launch in: below 1 while its "
                       "busy fraction is over its share (its share over its busy fraction), 1 otherwise.",

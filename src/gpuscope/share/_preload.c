@@ -1347,10 +1347,14 @@ static void after_sync(void) {
 typedef CUresult (*stream_sync_fn)(CUstream);
 typedef CUresult (*ctx_sync_fn)(void);
 
+/* The time spent in the wait is counted (sync_wait_ns): against the same in its probes, running alone,
+ * it tells a tenant beside the holder that waits behind the holder's work from one slowed on the host. */
 #define WAIT_FOR_GPU(CALL)                                                                               \
     do {                                                                                                 \
         before_sync();                                                                                   \
+        uint64_t t0_ = now_ns();                                                                         \
         CUresult rc_ = CALL;                                                                             \
+        atomic_fetch_add_explicit(&D->s.proc->sync_wait_ns, now_ns() - t0_, memory_order_relaxed);       \
         after_sync();                                                                                    \
         return rc_;                                                                                      \
     } while (0)

@@ -43,12 +43,14 @@ class Charger:
         return {holder: max(0.0, now - self.slice_start - self.posted_in_slice)}
 
     def charge(self, now: float, *, holder: int | None, beside_launch_s: Mapping[int, float],
-               concurrent: bool, gate_open: bool) -> None:
+               concurrent: bool, gate_open: bool, holding_scale: Mapping[int, float] | None = None) -> None:
         """Charge the GPU time the processes posted since the last call.
 
         ``beside_launch_s``: for each tenant beside the holder, the kernel seconds a launch of its took
         in its probes: only its probes post, so it is charged that for each launch it made (kernels
         that wait behind the holder's take no longer on the GPU, and a duty's pauses make none);
+        ``holding_scale``: tenants taking turns that are charged their holding time, not their
+        kernels': what they post times the factor (one over their probed busy fraction);
         ``concurrent``: whether several tenants ran at once since the last call; ``gate_open``: whether
         shares do not bind (what is posted is shown but held against nobody)."""
         since, self.last_charge = self.last_charge, now
@@ -61,7 +63,8 @@ class Charger:
                 if new_launches:
                     posted[slot] = posted.get(slot, 0.0) + beside_launch_s[slot] * new_launches
             elif gpu_ns > state.gpu_ns_seen:
-                posted[slot] = posted.get(slot, 0.0) + (gpu_ns - state.gpu_ns_seen) / 1e9
+                scale = (holding_scale or {}).get(slot, 1.0)
+                posted[slot] = posted.get(slot, 0.0) + scale * (gpu_ns - state.gpu_ns_seen) / 1e9
             state.gpu_ns_seen = max(state.gpu_ns_seen, gpu_ns)
         if not concurrent and self._unscaled_since is None:
             self._apply(posted, now, holder, gate_open)

@@ -33,8 +33,8 @@ from gpuscope.share.ledger import (
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets
-from gpuscope.share.settings import PROBE_S, Accounting, Handover, ShareSettings, Turns
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, waits_throughput
+from gpuscope.share.settings import PROBE_S, STARVED_TURNS_S, Accounting, Handover, ShareSettings, Turns
 
 try:
     from gpuscope.share import _turns
@@ -67,6 +67,15 @@ KEEPER_RETURN_S = 0.25
 #: (the yield comes at its next launch, and the queue holds two windows).
 YIELD_GRACE_WINDOWS = 4
 
+#: A tenant beside the holder is judged starved (``SliceScheduler.starved``, ``--share.starved-below``)
+#: on its waits for the GPU over at least this long there, and at most twice it: a training step's
+#: waits come in steps of tens of ms, and a window much shorter would judge a few of them.
+STARVED_JUDGE_S = 2.0
+#: Taking turns, such a tenant is charged its kernel time over its probed busy fraction (its holding
+#: time, running as it does alone), its busy fraction taken as at least this (probes read low for a
+#: tenant that waited for work during its probe).
+MIN_HOLDING_BUSY = 0.1
+
 #: How often the policy file (--share.policy-file) is looked at for a change (a stat() call): a change
 #: is applied within this, and the turn keeper takes it at its next return (KEEPER_RETURN_S).
 POLICY_CHECK_S = 0.5
@@ -88,6 +97,7 @@ class Stats:
     lends: int = 0  # quiet holders that lent the rest of their turn
     reclaims: int = 0  # lent turns taken back by their lender before they ended
     probes: int = 0
+    starved: dict[str, int] = field(default_factory=dict)  # tenant -> moves from beside to turns
     state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
     departed: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> summed counters
     binding: bool = False
@@ -103,6 +113,7 @@ class Snapshot:
     stats: Stats
     busy_ratio: dict[str, float]  # tenant -> busy fraction of its probes (running alone)
     duty: dict[str, float]  # tenant beside the holder -> its duty
+    beside_throughput: dict[str, float]  # tenant beside the holder -> its estimated fraction of alone
     joins: dict[str, int]
     memory: tuple[tuple[str, int, int, int], ...]  # tenant, bytes held, refusals, cap in bytes (0: none)
 
@@ -135,7 +146,7 @@ class Controller:
         self.handover = settings.handover
         # hand-overs between slice holders in C (nvml mode has none: it stays in Python)
         self.keeper = settings.turns == Turns.C and _turns is not None and self.mode == Accounting.EVENTS
-        self.scheduler = SliceScheduler(tenants)
+        self.scheduler = SliceScheduler(tenants, starved_below=settings.starved_below)
         self.buckets = TokenBuckets(tenants)
         self.utilization = utilization
         self.holder: int | None = None  # None: the gate is open
@@ -145,6 +156,9 @@ class Controller:
         self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
         self.beside: set[int] = set()  # slots running beside the holder (SliceScheduler.beside)
         self.duty: dict[int, float] = {}  # slot -> part of the time it may launch, beside (below 1: over)
+        self._wait_mark: dict[int, tuple[float, int]] = {}  # slot beside -> (since, its waits' ns then)
+        self.to_turns: dict[int, float] = {}  # slot found starved beside the holder -> taking turns until
+        self.beside_throughput: dict[int, float] = {}  # slot beside -> its fraction of alone, estimated
         self.lock = threading.Lock()  # /metrics reads the processes while the loop changes them
         self.processes = ProcessTable(self.policy, self.lock, lambda slot: self.tenants[slot].name,
                                       self.stats.departed)
@@ -187,6 +201,7 @@ class Controller:
                 stats=copy.deepcopy(self.stats),
                 busy_ratio={names[slot]: r for slot, r in self.prober.busy_ratio.items()},
                 duty={names[slot]: self.duty.get(slot, 1.0) for slot in self.beside},
+                beside_throughput={names[slot]: r for slot, r in self.beside_throughput.items()},
                 joins=dict(self.policy.joins.results),
                 memory=tuple((t.name, page.used, page.refused, self.policy.mem_cap_bytes(slot))
                              for slot, (t, page) in enumerate(zip(self.tenants, self.policy.memory,
@@ -203,8 +218,14 @@ class Controller:
         # previous holder's queued work running beside the next one's
         concurrent = (bin(self._mask & OPEN_MASK).count("1") > 1
                       or (self.handover == Handover.OVERLAP and self._mask != OPEN_MASK))
+        # a tenant taking turns because it was starved beside the holder syncs at every short step and
+        # holds the GPU idle between them, too briefly to lend: charged its kernels alone it would get
+        # turns until they made its share, and the others less than theirs (docs/share.md, Limits)
+        busy = self.prober.busy_ratio
+        holding = {slot: 1.0 / max(busy[slot], MIN_HOLDING_BUSY) for slot in self.to_turns if slot in busy}
         self.charger.charge(now, holder=self.holder, concurrent=concurrent, gate_open=self._mask == OPEN_MASK,
-                            beside_launch_s={slot: launch_s.get(slot, 0.0) for slot in self.beside})
+                            beside_launch_s={slot: launch_s.get(slot, 0.0) for slot in self.beside},
+                            holding_scale=holding)
 
     def _pending(self, now: float) -> dict[int, float]:
         return self.charger.pending(now, self.holder)
@@ -233,6 +254,41 @@ class Controller:
                 self.policy.set_duty(slot, duty)
                 self.duty[slot] = duty
 
+    def _estimate_beside_throughput(self, now: float) -> None:
+        """Each tenant beside the holder's throughput as a fraction of its alone rate
+        (``waits_throughput``: the part of its time it waited for the GPU there, over a window of
+        ``STARVED_JUDGE_S`` to twice that, against the same in its probes), once it has been beside
+        that long."""
+        for slot in self.beside:
+            since, waited_ns = self._wait_mark.get(slot, (now, 0))
+            if now - since < STARVED_JUDGE_S or slot not in self.prober.wait_ratio:
+                continue
+            total_ns = self.processes.sync_wait_ns(slot)
+            waiting = max(0, total_ns - waited_ns) / 1e9 / (now - since)
+            estimate = waits_throughput(self.prober.wait_ratio[slot], waiting)
+            if estimate is not None:
+                self.beside_throughput[slot] = estimate
+            if now - since >= 2 * STARVED_JUDGE_S:  # the next window starts
+                self._wait_mark[slot] = (now, total_ns)
+
+    def _move_starved(self, active: set[int], now: float) -> set[int]:
+        """The tenants that take turns whatever their probes say: those found ``starved`` beside the
+        holder (``SliceScheduler.starved``) within ``STARVED_TURNS_S``. A tenant is judged on its
+        estimated throughput there (``_estimate_beside_throughput``) while no duty holds it back, and
+        only while another tenant takes turns: it is the holder's queue and time-slice its steps wait
+        behind."""
+        self.to_turns = {s: until for s, until in self.to_turns.items() if until > now and s in active}
+        self._estimate_beside_throughput(now)
+        if not active - self.beside:
+            return set(self.to_turns)
+        for slot in self.beside & active:
+            if (self.duty.get(slot, 1.0) == 1.0
+                    and self.scheduler.starved(slot, active, self.beside_throughput.get(slot))):
+                self.to_turns[slot] = now + STARVED_TURNS_S
+                name = self.tenants[slot].name
+                self.stats.starved[name] = self.stats.starved.get(name, 0) + 1
+        return set(self.to_turns)
+
     def _beside_bits(self) -> int:
         return sum(1 << s for s in self.beside)
 
@@ -240,6 +296,8 @@ class Controller:
         """Let ``beside`` run next to the holder (untimed, never drained); the gate follows."""
         if beside == self.beside:
             return
+        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s)) for s in beside}
+        self.beside_throughput = {s: r for s, r in self.beside_throughput.items() if s in beside}
         self.beside = beside
         self.policy.set_beside_mask(self._beside_bits())
         if self.holder in beside:
@@ -402,6 +460,8 @@ class Controller:
                 self.holder = None
                 self._set_mask(OPEN_MASK)
             self.prober.stop()
+            self.to_turns.clear()
+            self.beside_throughput.clear()
             self._set_beside(set(), now)
             self._set_duties(set())
             self.stats.binding = False
@@ -411,7 +471,9 @@ class Controller:
         if probe_left is not None:
             return probe_left
         # a gang never runs beside a holder, nor is probed: its ranks on other GPUs could not follow
-        self._set_beside(self.scheduler.beside(active, self.prober.busy_ratio, self.beside) - set(gangs), now)
+        to_turns = self._move_starved(active, now)
+        beside = self.scheduler.beside(active, self.prober.busy_ratio, self.beside, to_turns)
+        self._set_beside(beside - set(gangs), now)
         self._set_duties(active)
         probed = self.prober.due(now, active - set(gangs))
         if probed is not None:

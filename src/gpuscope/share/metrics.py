@@ -14,6 +14,7 @@ from gpuscope.share.unmanaged import UnmanagedWatch
 _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_GPU_SECONDS, "gpu_ns", 1e-9),
     (cat.SHARE_THROTTLED_SECONDS, "throttled_ns", 1e-9),
+    (cat.SHARE_SYNC_WAIT_SECONDS, "sync_wait_ns", 1e-9),
     (cat.SHARE_LAUNCHES, "launches", 1),
     (cat.SHARE_BUSY_LAUNCHES, "busy_launches", 1),
     (cat.SHARE_HOOK_ERRORS, "hook_errors", 1),
@@ -26,9 +27,10 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
 #: refuses a second collector that would serve one of them.
 _CONTROLLER = (*(m for m, _, _ in _PER_PROCESS), cat.SHARE_TARGET_RATIO, cat.SHARE_PROCESSES,
                cat.SHARE_SLICES, cat.SHARE_CHARGED_SECONDS, cat.SHARE_STATE_SECONDS, cat.SHARE_BUSY_RATIO,
-               cat.SHARE_DUTY_RATIO, cat.SHARE_PROBES, cat.SHARE_BINDING, cat.SHARE_DRAIN_TIMEOUTS,
-               cat.SHARE_YIELDS, cat.SHARE_LENDS, cat.SHARE_RECLAIMS, cat.SHARE_MEMORY_USED,
-               cat.SHARE_MEMORY_CAP, cat.SHARE_MEMORY_REFUSED, cat.SHARE_JOINS, cat.SHARE_POLICY_RELOADS)
+               cat.SHARE_DUTY_RATIO, cat.SHARE_BESIDE_THROUGHPUT, cat.SHARE_STARVED, cat.SHARE_PROBES,
+               cat.SHARE_BINDING, cat.SHARE_DRAIN_TIMEOUTS, cat.SHARE_YIELDS, cat.SHARE_LENDS,
+               cat.SHARE_RECLAIMS, cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP, cat.SHARE_MEMORY_REFUSED,
+               cat.SHARE_JOINS, cat.SHARE_POLICY_RELOADS)
 _WATCH = (cat.SHARE_UNMANAGED_PROCESSES, cat.SHARE_UNMANAGED_MEMORY)
 _CHECK = (cat.SHARE_NVML_BUSY_SECONDS, cat.SHARE_UNDER_REPORTED)
 
@@ -103,6 +105,10 @@ class ShareCollector:
             add(cat.SHARE_BUSY_RATIO, [tenant], ratio)
         for tenant, duty in sorted(snap.duty.items()):
             add(cat.SHARE_DUTY_RATIO, [tenant], duty)
+        for tenant, ratio in sorted(snap.beside_throughput.items()):
+            add(cat.SHARE_BESIDE_THROUGHPUT, [tenant], ratio)
+        for t in snap.tenants:
+            add(cat.SHARE_STARVED, [t.name], stats.starved.get(t.name, 0))
         add(cat.SHARE_PROBES, [], stats.probes)
         add(cat.SHARE_BINDING, [], 1.0 if stats.binding else 0.0)
         add(cat.SHARE_DRAIN_TIMEOUTS, [], stats.drain_timeouts)

@@ -53,6 +53,8 @@ class Probe:
     started: float
     busy_ns: int  # the slot's processes' busy_ns when the probe began
     busy_launches: int  # and their launches timed on their own
+    sync_wait_ns: int = 0  # and their time in waits for the GPU
+    sync_wait_end_ns: int = 0  # that time as the probe ended (it goes on counting after)
     read_at: float = 0.0  # once ended: when its windows have been posted
 
 
@@ -66,6 +68,7 @@ class Prober:
         self.candidates: frozenset[int] = frozenset()  # the last candidates seen
         self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in its probes
         self.launch_s: dict[int, float] = {}  # slot -> kernel seconds a launch, measured in its probes
+        self.wait_ratio: dict[int, float] = {}  # slot -> part of its probes' time spent in waits for the GPU
         self.probe: Probe | None = None
         self.last_probed: dict[int, float] = {}  # slot -> when its last probe began
         self.first_seen: dict[int, float] = {}  # slot never probed -> when it was first a candidate
@@ -106,7 +109,7 @@ class Prober:
         """Have ``slot`` time each launch from ``now`` (the others already drained and paused)."""
         busy_ns, busy_launches = self.table.busy(slot)
         self.probe = Probe(slot=slot, until=now + PROBE_S, started=now, busy_ns=busy_ns,
-                           busy_launches=busy_launches)
+                           busy_launches=busy_launches, sync_wait_ns=self.table.sync_wait_ns(slot))
         self.last_probed[slot] = now
         self.first_seen.pop(slot, None)
         self.policy.set_busy_mask(1 << slot)
@@ -122,6 +125,7 @@ class Prober:
                 return probe.until - now
             self.policy.set_busy_mask(0)
             probe.until, probe.read_at = now, now + PROBE_READ_LAG_S
+            probe.sync_wait_end_ns = self.table.sync_wait_ns(probe.slot)
             self.last_end = now
         elif now >= probe.read_at:
             self._read(probe)
@@ -147,6 +151,12 @@ class Prober:
         per_launch, old_per = busy_s / launches, self.launch_s.get(probe.slot)
         self.launch_s[probe.slot] = (per_launch if old_per is None
                                      else old_per + PROBE_WEIGHT * (per_launch - old_per))
+        # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
+        # are compared with (scheduler.waits_throughput)
+        waited = min(1.0, max(0, probe.sync_wait_end_ns - probe.sync_wait_ns) / 1e9 / wall)
+        old_wait = self.wait_ratio.get(probe.slot)
+        self.wait_ratio[probe.slot] = (waited if old_wait is None
+                                       else old_wait + PROBE_WEIGHT * (waited - old_wait))
         steady = old is not None and abs(measured - old) <= STABLE_DELTA
         spacing = self.spacing.get(probe.slot, 1)
         self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1

@@ -41,11 +41,15 @@ DUTY_STAY_MARGIN = 1.25
 class SliceScheduler:
     """Deficit round robin on measured GPU seconds, priorities first within their share."""
 
-    def __init__(self, tenants: Sequence[TenantPolicy], *, memory_s: float = 2.0) -> None:
+    def __init__(self, tenants: Sequence[TenantPolicy], *, memory_s: float = 2.0,
+                 starved_below: float = 0.0) -> None:
+        """``starved_below``: the part of its fair share under which a tenant beside the holder is
+        ``starved`` (``--share.starved-below``; 0: never)."""
         if memory_s <= 0:
             raise ValueError("memory_s must be positive")
         self.tenants = list(tenants)
         self.memory_s = memory_s
+        self.starved_below = starved_below
         self.used = [0.0] * len(tenants)  # decayed GPU seconds
         self._last = 0.0
 
@@ -73,11 +77,13 @@ class SliceScheduler:
         return self.used[slot] / total_used <= self.tenants[slot].share / total_share + 1e-9
 
     def beside(self, active: Iterable[int], busy: Mapping[int, float] | None = None,
-               now_beside: Set[int] = frozenset()) -> set[int]:
+               now_beside: Set[int] = frozenset(), to_turns: Set[int] = frozenset()) -> set[int]:
         """Tenants that run beside the slice holder instead of taking turns (``busy``: the fraction of
         the time each one kept the GPU busy in its probes; ``now_beside``: those beside now, which stay
         up to ``DUTY_STAY_MARGIN`` past the limits, so that probe noise does not move them back and
-        forth). Among the ``active`` tenants, two kinds:
+        forth; ``to_turns``: those found ``starved`` beside the holder lately, which take turns
+        whatever their probes say, unless their priority lets them beside). Among the ``active``
+        tenants, two kinds:
 
         - one that leaves the GPU idle most of the time it runs (a launch-bound inference loop, a
           training step with host work, a decode loop): busy for no more than its share, or up to
@@ -102,7 +108,8 @@ class SliceScheduler:
 
         def idles(s: int) -> bool:  # leaves the GPU idle most of the time it runs
             fair = self.fair_fraction(s, active)
-            return s in busy and busy[s] <= limit(s) * min(max(fair, DUTY_MAX_OVER * fair), DUTY_MAX_BUSY)
+            return (s in busy and s not in to_turns
+                    and busy[s] <= limit(s) * min(max(fair, DUTY_MAX_OVER * fair), DUTY_MAX_BUSY))
 
         def fits(s: int) -> bool:
             fair = self.fair_fraction(s, active)
@@ -110,6 +117,23 @@ class SliceScheduler:
 
         return {s for s in active
                 if idles(s) or (self.tenants[s].priority > low and (self.within_share(s, active) or fits(s)))}
+
+    def starved(self, slot: int, active: Iterable[int], throughput: float | None) -> bool:
+        """Whether tenant ``slot``, beside the holder with nothing holding it back (no duty), runs at
+        less than ``starved_below`` of its fair share of its alone throughput (``throughput``, as the
+        controller estimates it: ``waits_throughput``): taking turns, it would have the GPU to itself
+        for its share of the time, and run at its alone rate then. A launch-bound loop that syncs
+        every step waits behind a GPU-bound holder's queue and time-slice at each step: on an H100 a
+        compiled MLP of 0.2 share beside training and an encoder did 0.12 of its alone rate, as
+        unmanaged, charged well under its share. The margin under the fair share keeps a tenant near it
+        beside (a training loop that time-slicing alone gives 0.695 on a 0.7 share). A tenant of higher
+        priority than the lowest active one is beside by its priority and is never starved: its
+        requests (an open loop) may simply be fewer than it could serve."""
+        active = set(active)
+        low = min(self.tenants[s].priority for s in active | {slot})
+        if not self.starved_below or throughput is None or self.tenants[slot].priority > low:
+            return False
+        return throughput < self.starved_below * self.fair_fraction(slot, active)
 
     def fair_fraction(self, slot: int, active: Iterable[int]) -> float:
         """``slot``'s share of the GPU among the ``active`` tenants."""
@@ -212,6 +236,18 @@ class SliceScheduler:
         """Whether waiting ``slot`` should take the GPU from ``holder`` before its slice ends."""
         return (self.tenants[slot].priority > self.tenants[holder].priority
                 and self.within_share(slot, wanting))
+
+
+def waits_throughput(waiting_alone: float, waiting_now: float) -> float | None:
+    """A loop's throughput as a fraction of its alone rate, from the part of its wall time it spends
+    waiting for the GPU (its syncs) running alone (probed) and now: each step is its host work and a
+    wait, and only the wait grows when its kernels queue behind another tenant's, so its step time
+    grows by (1 - waiting_alone) / (1 - waiting_now). A loop slowed on the host (its host work grown:
+    a busy CPU) waits less, and reads as no slower here: turns would not help it. None where it waits
+    for the GPU nearly all the time alone (nothing to compare)."""
+    if waiting_alone >= 0.95:
+        return None
+    return max(0.0, 1.0 - min(1.0, waiting_now)) / (1.0 - max(0.0, waiting_alone))
 
 
 def split_overlap(posted: Mapping[int, float], wall_s: float) -> dict[int, float]:

@@ -20,7 +20,7 @@ from gpuscope.share.policy import check_name, parse_shares
 from gpuscope.share.preload import DEFAULT_LEDGER
 from gpuscope.util.bounded_http import max_connections_setting, read_timeout_setting
 from gpuscope.util.flags import listen_address, parse_duration
-from gpuscope.util.settings import setting
+from gpuscope.util.settings import parse_float, setting
 
 #: The turn of the smallest share while shares bind (``--share.slice``). Each hand-over wakes the
 #: controller and both tenants' helper threads, so shorter turns cost CPU without holding shares any
@@ -41,6 +41,22 @@ DEFAULT_PROBE_BACKOFF = 8
 def parse_gangs(text: str) -> tuple[str, ...]:
     """``NAME,...``: tenants held as one group across GPUs."""
     return tuple(check_name(name.strip()) for name in str(text).split(",") if name.strip())
+
+
+#: What ``--share.starved-below`` suggests: a tenant beside the holder at under three quarters of its
+#: fair share of its alone throughput takes turns (``SliceScheduler.starved``).
+SUGGESTED_STARVED_BELOW = 0.75
+#: How long a tenant found starved beside the holder takes turns before its probes may put it beside
+#: again (the tenants beside it may have changed), for another look.
+STARVED_TURNS_S = 30.0
+
+
+def parse_starved_below(text: str) -> float:
+    """``--share.starved-below``: a fraction in [0, 1); 0 leaves every tenant where its probes put it."""
+    value = parse_float(text)
+    if not 0 <= value < 1:
+        raise ValueError(f"{text!r} is not a fraction of the fair share in [0, 1) (0: off)")
+    return value
 
 
 class Accounting(Choice):
@@ -107,6 +123,15 @@ class ShareSettings:
         "probed half as often after each, up to this many times less often than every tenant in turn; a "
         "probe that moves its estimate, or a pause in its work, brings it back (1: every tenant in turn, "
         "always)")
+    starved_below: float = setting(
+        "--share.starved-below", 0.0, "move a tenant running beside the slice holder (one its probes found "
+        "idle most of the time, of the lowest priority among those active) to taking turns for "
+        f"{STARVED_TURNS_S:g} s when its estimated throughput there (from the part of its time it waits for "
+        "the GPU, against the same alone in its probes) is under this fraction of its fair share, such as "
+        f"{SUGGESTED_STARVED_BELOW:g}; taking turns it is charged its holding time. For a launch-bound loop "
+        "that syncs at every short step and waits behind a GPU-bound holder at each. Off (0) by default: "
+        "not yet measured on a GPU (docs/share.md)",
+        parse=parse_starved_below)
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
