@@ -123,8 +123,8 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
     tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
     with running(str(tmp_path / "ledger"), tenants) as c:
         started = time.monotonic()
-        hog = tenant(fake_cuda, tmp_path, "batch", c.policy.prefix, 3.5)
-        online = tenant(fake_cuda, tmp_path, "online", c.policy.prefix, 3.5, "light")
+        hog = tenant(fake_cuda, tmp_path, "batch", c.policy.prefix, 5)
+        online = tenant(fake_cuda, tmp_path, "online", c.policy.prefix, 5, "light")
         try:
             wait_for(lambda: c.stats.binding and c.beside == {1}, what="online to run beside the holder")
             assert c.policy.beside_mask == 0b10  # it launches untimed
@@ -134,6 +134,9 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
             # probes come every second, and their running estimate takes the next one that does)
             wait_for(lambda: c.prober.busy_ratio.get(1, 0.0) > 0, what="a probe's busy fraction")
             assert c.stats.probes >= 1
+            # from then on its launches beside are charged its probed kernel time each (before its
+            # first probe that saw a launch, nothing: on a busy machine that probe may come late)
+            wait_for(lambda: c.stats.charged_s["online"] > 0, what="a charge for its launches beside")
             # 5 µs kernels about 2 ms apart (sleeps overshoot on a busy machine): about 0.25% busy
             assert c.prober.busy_ratio[1] < 0.01
             # the hog is probed too (one tenant a probe, with online running beside it): it keeps the
