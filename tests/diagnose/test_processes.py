@@ -163,7 +163,9 @@ def test_workers_at_full_tilt_with_a_starved_gpu_are_data_loader_bound(children:
     findings = judge(summary, LOADED)
     assert [f.code for f in findings] == ["data_loader_bound"], (findings, summary.processes)
     evidence = findings[0].evidence
-    assert evidence["pid"] == loader.pid and evidence["workers_active"] == 2
+    # both workers spin; on a busy two-core machine one of them can be kept off a core for most of the
+    # window, under the threshold for an active worker, and the finding then names the other alone
+    assert evidence["pid"] == loader.pid and evidence["workers_active"] in (1, 2), evidence
     assert evidence["busiest_worker_pid"] in workers
     (process,) = summary.processes
     assert {w.id for w in process.workers} == workers
