@@ -147,6 +147,32 @@ def test_sampling_transitions_of_an_op(make_timer):
     assert timer.flush(5) and op.hists[core.current_device()].count == 3
 
 
+def test_a_shorter_period_shortens_the_wait_left_from_the_longer_one(make_timer):
+    """The budget lowering the period (or a user setting every pass timed) takes effect within the
+    new period, not after the countdown the old period left (the next timed region came that many
+    regions late)."""
+    timer = make_timer(resolve_interval=3600)
+    core = timer.core
+    op = core.op_state("op")
+    core.set_period(200)
+    token = core.begin(op)  # timed: the next 199 wait
+    core.end(op, token, None)
+    assert op.countdown == 199
+    core.set_period(2)
+    assert op.countdown <= 1
+    timed = [core.begin(op) for _ in range(3)]
+    assert sum(t is not None for t in timed[:2]) == 1  # within the new period
+    for t in timed:
+        if t is not None:
+            core.end(op, t, None)
+    core.set_period(1)
+    assert op.countdown == 0
+    token = core.begin(op)
+    assert token is not None
+    core.end(op, token, None)
+    assert timer.flush(5)
+
+
 def test_an_op_owned_in_a_cycle_is_collected(model):
     class Owner:
         pass

@@ -82,6 +82,17 @@ class GraphToken(NamedTuple):
     recorder: Any  # the GraphRecorder of the capture
 
 
+def _repace(state: OpState, period: int) -> None:
+    """A new period for an op or a sampler's passes, with the wait before its next timed one scaled
+    to it: a countdown left from a longer period (up to the period times a run of timed passes,
+    ``compiled.TIMED_RUN``) would otherwise hold the new rate off for that many passes (1,128 untimed
+    passes of a decoder after its period fell from 142 to 1)."""
+    old = state.period
+    state.period = period
+    if old > 0 and state.countdown:
+        state.countdown = state.countdown * period // old
+
+
 class TimerCore:
     """Shared state and hot path of one timer (module docstring)."""
 
@@ -186,9 +197,9 @@ class TimerCore:
         self.period = period
         for op in self.ops():
             if not op.fixed:
-                op.period = period
+                _repace(op, period)
         for sampler in self.samplers():
-            sampler.pass_state.period = period
+            _repace(sampler.pass_state, period)
 
     def device_label(self, device: int) -> str:
         return "cpu" if self.is_host else str(device)
