@@ -79,8 +79,10 @@ def test_latency_spike_slows_timed_mlp_regions_and_requests(fault_server):
     listed = requests.get(fault_server.url + "/admin/faults", headers=AUTH, timeout=5).json()["active"]
     assert [f["name"] for f in listed] == ["latency_spike"]
     spiked = mlp_quartile_over(3)
-    # 17 passes instead of 1; bucket bounds (x2 to x2.5 apart) blur the ratio by 2.5x at most.
-    assert spiked > 4 * base, (base, spiked)
+    # 17 passes instead of 1; bucket bounds (x2 to x2.5 apart) blur the ratio by 2.5x at most, and a
+    # busy machine that preempted the unspiked regions raises the base's bucket (one CI run read 4x
+    # exactly, two bounds apart)
+    assert spiked >= 4 * base, (base, spiked)
     assert requests.delete(fault_server.url + "/admin/faults/latency_spike", headers=AUTH, timeout=5).json()[
         "cleared"]
     assert fault_server.metric("gpuscope_fault_active", {"fault": "latency_spike"}) == 0
