@@ -70,10 +70,13 @@ def test_a_probe_reads_the_part_of_its_time_the_tenant_waits_for_the_gpu():
     busy = Busy({0: 0.9, 1: 0.3}, waiting={0: 0.95, 1: 0.35})
     prober = Prober(Mask(), busy, every_s=1.0, backoff=1)
     run(prober, busy, {0, 1}, 10.0)
-    # what its waits beside the holder are compared with (scheduler.waits_throughput); waits after
+    # what its waits beside the holder are compared with (scheduler.beside_fraction); waits after
     # the probe ended, the others running again, are not its own
     assert prober.wait_ratio[1] == pytest.approx(0.35, rel=0.1)
     assert prober.wait_ratio[0] == pytest.approx(0.95, rel=0.1)
+    # and its launches a second alone (what its launches beside the holder are compared with): busy
+    # 0.3 of the probe in launches of LAUNCH_S
+    assert prober.launch_rate[1] == pytest.approx(0.3 / Busy.LAUNCH_S, rel=0.1)
 
 
 def test_a_tenant_whose_probes_agree_is_probed_less_often_down_to_the_back_off():

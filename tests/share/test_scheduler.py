@@ -3,7 +3,14 @@
 import pytest
 
 from gpuscope.share.ledger import TenantPolicy
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, own_time, split_overlap, waits_throughput
+from gpuscope.share.scheduler import (
+    SliceScheduler,
+    TokenBuckets,
+    beside_fraction,
+    own_time,
+    split_overlap,
+    waits_throughput,
+)
 from gpuscope.share.settings import SUGGESTED_STARVED_BELOW
 
 
@@ -310,6 +317,19 @@ def test_a_loops_throughput_is_read_from_its_waits_for_the_gpu():
     assert waits_throughput(0.1 / 0.3, 0.1 / 0.5) > 1
     assert waits_throughput(0.97, 0.99) is None  # waiting all the time alone: nothing to compare
     assert waits_throughput(0.0, 0.0) == 1.0  # a loop that never waits reads as unslowed
+
+
+def test_a_tenant_beside_the_holder_reads_the_lesser_of_its_waits_and_its_launches_where_it_waits_more():
+    # a probe that woke late from its syncs read 0.9 waiting alone: the waits say 0.6, the launches 0.06
+    assert beside_fraction(0.9, 0.94, 0.06) == pytest.approx(0.06)
+    # the waits lower: taken
+    assert beside_fraction(0.6, 0.94, 0.5) == pytest.approx(0.06 / 0.4)
+    # fewer launches but fewer waits too: it has less to do, not less GPU; the waits are read
+    assert beside_fraction(0.6, 0.3, 0.2) == pytest.approx(0.7 / 0.4)
+    # waiting all the time alone: the launches alone, where it waits more; nothing otherwise
+    assert beside_fraction(0.97, 0.99, 0.1) == pytest.approx(0.1)
+    assert beside_fraction(0.97, 0.99, None) is None
+    assert beside_fraction(0.6, 0.9, None) == pytest.approx(0.25)
 
 
 def test_a_starved_tenant_takes_turns_whatever_its_probes_say_unless_its_priority_lets_it_beside():

@@ -146,8 +146,8 @@ STARVED_RUN_S = 8.0
 def test_a_tenant_starved_beside_the_hog_takes_turns_and_gets_its_share(fake_cuda, tmp_path):
     """Busy under half the time, the short-step tenant first runs beside the hog, where the fake GPU
     runs its kernel after one of the hog's at every step: far under its share, as unmanaged. Judged
-    starved (its launches a second against its probes'), it takes turns, where it has the GPU to
-    itself, and is charged its holding time, so the hog keeps its share too."""
+    starved (its waits for the GPU and launches a second against its probes'), it takes turns, where
+    it has the GPU to itself, and is charged its holding time, so the hog keeps its share too."""
     ledger = str(tmp_path / "ledger")
     alone_steps, alone_kernels = (run(fake_cuda, tmp_path, [kind], shape=shape)[0]
                                   for kind, shape in (("steps", SHORT_STEPS), ("busy", LONG_KERNELS)))

@@ -503,8 +503,9 @@ SHARE_BUSY_RATIO = _m("gpuscope_share_busy_ratio", "gauge",
 SHARE_BESIDE_THROUGHPUT = _m("gpuscope_share_beside_throughput_ratio", "gauge",
                              "Throughput of a tenant beside the slice holder as a fraction of its alone "
                              "throughput, as the controller estimates it from the part of its time it waits "
-                             "for the GPU there and in its probes (alone): what --share.starved-below "
-                             "judges.",
+                             "for the GPU there and in its probes (alone), and, where it waits more than "
+                             "alone, from its launches a second there and in its probes (the lesser): what "
+                             "--share.starved-below judges.",
                              "ratio", _TG, area=SHARE)
 SHARE_STARVED = _m("gpuscope_share_starved_beside_total", "counter",
                    "Times a tenant beside the slice holder, with no duty holding it back, did well under its "

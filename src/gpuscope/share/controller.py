@@ -33,7 +33,7 @@ from gpuscope.share.ledger import (
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
-from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, waits_throughput
+from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
 from gpuscope.share.settings import PROBE_S, STARVED_TURNS_S, Accounting, Handover, ShareSettings, Turns
 
 try:
@@ -156,7 +156,8 @@ class Controller:
         self.stats = Stats(slices={t.name: 0 for t in tenants}, charged_s={t.name: 0.0 for t in tenants})
         self.beside: set[int] = set()  # slots running beside the holder (SliceScheduler.beside)
         self.duty: dict[int, float] = {}  # slot -> part of the time it may launch, beside (below 1: over)
-        self._wait_mark: dict[int, tuple[float, int]] = {}  # slot beside -> (since, its waits' ns then)
+        #: slot beside -> (since, its waits' ns then, its launches then)
+        self._wait_mark: dict[int, tuple[float, int, int]] = {}
         self.to_turns: dict[int, float] = {}  # slot found starved beside the holder -> taking turns until
         self.beside_throughput: dict[int, float] = {}  # slot beside -> its fraction of alone, estimated
         self.lock = threading.Lock()  # /metrics reads the processes while the loop changes them
@@ -256,20 +257,23 @@ class Controller:
 
     def _estimate_beside_throughput(self, now: float) -> None:
         """Each tenant beside the holder's throughput as a fraction of its alone rate
-        (``waits_throughput``: the part of its time it waited for the GPU there, over a window of
-        ``STARVED_JUDGE_S`` to twice that, against the same in its probes), once it has been beside
-        that long."""
+        (``scheduler.beside_fraction``: the part of its time it waited for the GPU there, and its
+        launches a second, over a window of ``STARVED_JUDGE_S`` to twice that, against the same in its
+        probes), once it has been beside that long."""
         for slot in self.beside:
-            since, waited_ns = self._wait_mark.get(slot, (now, 0))
+            since, waited_ns, launched = self._wait_mark.get(slot, (now, 0, 0))
             if now - since < STARVED_JUDGE_S or slot not in self.prober.wait_ratio:
                 continue
-            total_ns = self.processes.sync_wait_ns(slot)
+            total_ns, launches = self.processes.sync_wait_ns(slot), self.processes.launches(slot)
             waiting = max(0, total_ns - waited_ns) / 1e9 / (now - since)
-            estimate = waits_throughput(self.prober.wait_ratio[slot], waiting)
+            alone_rate = self.prober.launch_rate.get(slot)
+            launch_ratio = (max(0, launches - launched) / (now - since) / alone_rate
+                            if alone_rate else None)
+            estimate = beside_fraction(self.prober.wait_ratio[slot], waiting, launch_ratio)
             if estimate is not None:
                 self.beside_throughput[slot] = estimate
             if now - since >= 2 * STARVED_JUDGE_S:  # the next window starts
-                self._wait_mark[slot] = (now, total_ns)
+                self._wait_mark[slot] = (now, total_ns, launches)
 
     def _move_starved(self, active: set[int], now: float) -> set[int]:
         """The tenants that take turns whatever their probes say: those found ``starved`` beside the
@@ -296,7 +300,8 @@ class Controller:
         """Let ``beside`` run next to the holder (untimed, never drained); the gate follows."""
         if beside == self.beside:
             return
-        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s)) for s in beside}
+        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s),
+                                                          self.processes.launches(s)) for s in beside}
         self.beside_throughput = {s: r for s, r in self.beside_throughput.items() if s in beside}
         self.beside = beside
         self.policy.set_beside_mask(self._beside_bits())

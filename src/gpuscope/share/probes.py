@@ -69,6 +69,7 @@ class Prober:
         self.busy_ratio: dict[int, float] = {}  # slot -> busy fraction measured in its probes
         self.launch_s: dict[int, float] = {}  # slot -> kernel seconds a launch, measured in its probes
         self.wait_ratio: dict[int, float] = {}  # slot -> part of its probes' time spent in waits for the GPU
+        self.launch_rate: dict[int, float] = {}  # slot -> its launches a second in its probes
         self.probe: Probe | None = None
         self.last_probed: dict[int, float] = {}  # slot -> when its last probe began
         self.first_seen: dict[int, float] = {}  # slot never probed -> when it was first a candidate
@@ -152,11 +153,15 @@ class Prober:
         self.launch_s[probe.slot] = (per_launch if old_per is None
                                      else old_per + PROBE_WEIGHT * (per_launch - old_per))
         # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
-        # are compared with (scheduler.waits_throughput)
+        # are compared with (scheduler.beside_fraction)
         waited = min(1.0, max(0, probe.sync_wait_end_ns - probe.sync_wait_ns) / 1e9 / wall)
         old_wait = self.wait_ratio.get(probe.slot)
         self.wait_ratio[probe.slot] = (waited if old_wait is None
                                        else old_wait + PROBE_WEIGHT * (waited - old_wait))
+        # and its launches a second alone: what its launches beside the holder are compared with
+        old_rate, launch_rate = self.launch_rate.get(probe.slot), launches / wall
+        self.launch_rate[probe.slot] = (launch_rate if old_rate is None
+                                        else old_rate + PROBE_WEIGHT * (launch_rate - old_rate))
         steady = old is not None and abs(measured - old) <= STABLE_DELTA
         spacing = self.spacing.get(probe.slot, 1)
         self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1

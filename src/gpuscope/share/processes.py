@@ -144,6 +144,10 @@ class ProcessTable:
         """``slot``'s processes' summed time in their waits for the GPU."""
         return sum(s.view.counter("sync_wait_ns") for s in self.procs.values() if s.view.slot == slot)
 
+    def launches(self, slot: int) -> int:
+        """``slot``'s processes' summed launches (a graph's launch counts one)."""
+        return sum(s.view.counter("launches") for s in self.procs.values() if s.view.slot == slot)
+
     def keeper_view(self) -> tuple[tuple[int, int, int], ...]:
         """(slot, pid, page address) of each process, for the turn keeper in C."""
         return tuple((state.view.slot, pid, state.view.address) for pid, state in self.procs.items())

@@ -121,7 +121,7 @@ class SliceScheduler:
     def starved(self, slot: int, active: Iterable[int], throughput: float | None) -> bool:
         """Whether tenant ``slot``, beside the holder with nothing holding it back (no duty), runs at
         less than ``starved_below`` of its fair share of its alone throughput (``throughput``, as the
-        controller estimates it: ``waits_throughput``): taking turns, it would have the GPU to itself
+        controller estimates it: ``beside_fraction``): taking turns, it would have the GPU to itself
         for its share of the time, and run at its alone rate then. A launch-bound loop that syncs
         every step waits behind a GPU-bound holder's queue and time-slice at each step: on an H100 a
         compiled MLP of 0.2 share beside training and an encoder did 0.12 of its alone rate, as
@@ -248,6 +248,23 @@ def waits_throughput(waiting_alone: float, waiting_now: float) -> float | None:
     if waiting_alone >= 0.95:
         return None
     return max(0.0, 1.0 - min(1.0, waiting_now)) / (1.0 - max(0.0, waiting_alone))
+
+
+def beside_fraction(waiting_alone: float, waiting_now: float, launch_ratio: float | None) -> float | None:
+    """A tenant's throughput beside the holder as a fraction of its alone rate, from its waits for the
+    GPU (``waits_throughput``) and, where it waits more than alone, from its launches a second against
+    its probes' (``launch_ratio``): the lesser of the two.
+
+    Either alone misreads. A probe of 20 ms that wakes late from its syncs (a busy host, on a step of
+    150 µs of kernel) reads the tenant waiting 0.87-0.90 of its time alone where it waits 0.6: its
+    waits beside the holder, 0.94, then say 0.6 of its alone rate where its steps ran at 0.06. Its
+    launches say 0.06. But launches also fall when a tenant simply has less to do (fewer requests, a
+    longer data-loading gap): it then waits less than alone, and only its waits are read."""
+    from_waits = waits_throughput(waiting_alone, waiting_now)
+    if launch_ratio is None or waiting_now <= waiting_alone:
+        return from_waits
+    launch_ratio = max(0.0, launch_ratio)
+    return launch_ratio if from_waits is None else min(from_waits, launch_ratio)
 
 
 def split_overlap(posted: Mapping[int, float], wall_s: float) -> dict[int, float]:
