@@ -32,6 +32,10 @@ kernel busy window on, each region's kernel time from CUPTI's records of a trace
 (``gpuscope_region_kernel_seconds``) against its event time and against all the replay's kernel
 time (needs ``cupti-python``).
 
+And ``parts``: where a fully sampled pass's cost goes under default compile (``run_parts``): the
+timer detached, every pass timed, and every pass through the timed graph with its markers disarmed,
+each with the launching thread's CPU a pass.
+
 Writes ``--out`` after every workload (partial results survive a time limit); a table last.
 
     python benchmarks/compile_timing_bench.py --out benchmarks/results/timer-compile-h200.json
@@ -249,6 +253,91 @@ def run_eager(name: str, args: argparse.Namespace) -> dict:
     return result
 
 
+class _Disarmed:
+    """A compiled model's markers left disarmed for a timed pass: the timed graph runs, with its
+    marker calls and the sampler's Python, but records no event (each marker returns at its thread
+    check)."""
+
+    eager_marks = records = 0
+
+    def __init__(self, marks: object) -> None:
+        self._marks = marks
+
+    def arm(self) -> None:
+        pass
+
+    def disarm(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._marks, name)
+
+
+def run_parts(name: str, args: argparse.Namespace) -> dict:
+    """Where a fully sampled pass's cost goes under default ``torch.compile``: interleaved segments of
+    the same compiled model with the timer detached, every pass timed, and every pass through the
+    timed graph with its markers disarmed (no events); per segment the wall rate and the launching
+    thread's CPU a pass. Run it again under ``GPUSCOPE_TIMING_RECYCLER=0`` to see the recycler's
+    part (its CUDA calls run beside the launching thread)."""
+    model, call_args, call_kwargs, include = build(name)
+    timer = Timer(CollectorRegistry(), calibrate_every=0)
+    result: dict = {"workload": name, "mode": "parts", "recycler": timer.core.recycling}
+    with torch.no_grad():
+        compiled = torch.compile(model)
+        inst = timer.instrument(compiled, include=include)
+        regions, marks = inst.compiled, inst.compiled.marks
+
+        def run_inst() -> None:
+            compiled(*call_args, **call_kwargs)
+
+        for _ in range(8):
+            run_inst()
+        timer.core.fixed_rate = True
+        timer.core.set_period(1)
+        steps = max(5, int(args.segment_s * rate(run_inst, 5)))
+
+        def segment(variant: str) -> tuple[float, float]:
+            if variant == "detached":
+                inst.detach()
+            elif variant == "disarmed":
+                regions.marks = _Disarmed(marks)
+            cpu0 = time.thread_time()
+            try:
+                steps_per_s = rate(run_inst, steps)
+            finally:
+                cpu_us = (time.thread_time() - cpu0) / steps * 1e6
+                if variant == "detached":
+                    inst.attach()
+                regions.marks = marks
+            timer.flush(10)
+            return steps_per_s, cpu_us
+
+        variants = ("detached", "timed", "disarmed")
+        got: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+        for v in variants:  # warm
+            segment(v)
+        for i in range(args.rounds):
+            for v in variants if i % 2 == 0 else variants[::-1]:
+                got[v].append(segment(v))
+        base_rate = statistics.median(r for r, _ in got["detached"])
+        base_cpu = statistics.median(c for _, c in got["detached"])
+        for v in variants:
+            steps_per_s = statistics.median(r for r, _ in got[v])
+            cpu_us = statistics.median(c for _, c in got[v])
+            result[v] = {"steps_per_s": rnd(steps_per_s, 1), "loss": rnd(1 - steps_per_s / base_rate, 4),
+                         "extra_us_per_pass": rnd((1 / steps_per_s - 1 / base_rate) * 1e6, 1),
+                         "thread_cpu_us_per_pass": rnd(cpu_us, 1),
+                         "extra_thread_cpu_us": rnd(cpu_us - base_cpu, 1)}
+        result["records_per_timed_pass"] = getattr(marks, "records", None)
+        result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
+        result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
+    inst.remove()
+    timer.close()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def run_attribution(name: str, args: argparse.Namespace) -> dict:
     """Under CUDA graph trees with the kernel busy window on: each region's kernel time attributed
     from CUPTI's records of one traced replay (``gpuscope_region_kernel_seconds``) against its
@@ -333,6 +422,8 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
         return run_eager(name, args)
     if mode == "attribution":
         return run_attribution(name, args)
+    if mode == "parts":
+        return run_parts(name, args)
     model, call_args, call_kwargs, include = build(name)
     twin_model = copy.deepcopy(model)
     compile_mode = None if mode == "default" else mode
@@ -474,7 +565,7 @@ def table(results: list[dict]) -> str:
         return r.get("kind", r["mode"])
 
     for r in results:
-        if kind(r) in ("eager", "attribution") and "error" not in r:
+        if kind(r) in ("eager", "attribution", "parts") and "error" not in r:
             continue  # their own tables below
         if "error" in r:
             rows.append(f"| {r['workload']} | {r['mode']} | error: {r['error'][:60]} ||||||||||")
@@ -504,6 +595,14 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {r['workload']} | {r['traced_replays']} | {r['apart_kernel_ms']} | "
                         f"{r['apart_region_ms']} | {r['replay_kernel_ms']} | "
                         f"{r['regions_over_attributed']} |")
+    rows += ["", "| workload | recycler | every pass timed: µs a pass (thread CPU) "
+             "| markers disarmed: µs a pass (thread CPU) | records a pass |", "|---|---|---|---|---|"]
+    for r in results:
+        if kind(r) == "parts" and "error" not in r:
+            t, d = r["timed"], r["disarmed"]
+            rows.append(f"| {r['workload']} | {r['recycler']} | {t['extra_us_per_pass']} "
+                        f"({t['extra_thread_cpu_us']}) | {d['extra_us_per_pass']} "
+                        f"({d['extra_thread_cpu_us']}) | {r['records_per_timed_pass']} |")
     return "\n".join(rows)
 
 
