@@ -57,7 +57,7 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "0"),
             # every tenant probed in turn each second, however steady its probes (no back-off)
             "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1"),
-            # a tenant starved beside the holder (its waits for the GPU) moved to turns
+            # a tenant starved beside the holder (its waits for the GPU and its launches) moved to turns
             "drain-starved": ("--share.handover", "drain",
                               "--share.starved-below", str(SUGGESTED_STARVED_BELOW))}
 MANAGED = "drain"  # the default hand-over: the headline figures

@@ -127,7 +127,8 @@ class ShareSettings:
         "--share.starved-below", 0.0, "move a tenant running beside the slice holder (one its probes found "
         "idle most of the time, of the lowest priority among those active) to taking turns for "
         f"{STARVED_TURNS_S:g} s when its estimated throughput there (from the part of its time it waits for "
-        "the GPU, against the same alone in its probes) is under this fraction of its fair share, such as "
+        "the GPU and, where it waits more than alone, its launches a second, against the same alone in its "
+        "probes: the lesser) is under this fraction of its fair share, such as "
         f"{SUGGESTED_STARVED_BELOW:g}; taking turns it is charged its holding time. For a launch-bound loop "
         "that syncs at every short step and waits behind a GPU-bound holder at each. Off (0) by default: "
         "not yet measured on a GPU (docs/share.md)",
