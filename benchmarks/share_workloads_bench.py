@@ -57,6 +57,8 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "drain-usual-queue": ("--share.handover", "drain", "--share.beside-queue", "0"),
             # every tenant probed in turn each second, however steady its probes (no back-off)
             "drain-probe-every-round": ("--share.handover", "drain", "--share.probe-backoff", "1"),
+            # a probe every 5 s instead of every second: what the probes themselves cost a latency tenant
+            "drain-rare-probes": ("--share.handover", "drain", "--share.probe-every", "5"),
             # a tenant starved beside the holder (its waits for the GPU and its launches) moved to turns
             "drain-starved": ("--share.handover", "drain",
                               "--share.starved-below", str(SUGGESTED_STARVED_BELOW))}
@@ -307,10 +309,16 @@ def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, 
     hog_p = spawn(hog, seconds, "hog" if managed else None) if hog else None
     start = release([lat, hog_p] if hog_p else [lat])
     sleep_until(start)
+    mid_run = None
     if controller:
         controller.mark()
+        # the tenants' busy ratios and duties while both run (gone once they left): whether a duty
+        # held the latency tenant's requests back
+        sleep_until(start + seconds / 2)
+        mid_run = [ln for ln in controller.scrape() if ln.split("{")[0] in MID_RUN_GAUGES]
     latencies = result_of(lat)["latencies_s"]
-    out = {"p99_ms": rnd(1e3 * percentile(latencies, 99), 2), "requests": len(latencies)}
+    out = {"p99_ms": rnd(1e3 * percentile(latencies, 99), 2),
+           "p50_ms": rnd(1e3 * percentile(latencies, 50), 2), "requests": len(latencies)}
     if hog_p:
         out["hog_fraction"] = rnd(rate(collect(hog_p), start, start + seconds) / alone[hog])
     if controller:
@@ -318,6 +326,7 @@ def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, 
         out["cpu_core_pct"] = rnd(ctl["cpu_core_pct"])
         # the latency tenant's busy ratio, duty and gate states at the end: why its requests waited
         out["controller_metrics"] = counters(ctl)
+        out["controller_mid_run"] = mid_run
     return out
 
 
@@ -520,12 +529,15 @@ def main() -> None:
                "hog_fraction_managed": managed["hog_fraction"],
                "hog_fraction_unmanaged": plain["hog_fraction"],
                "cpu_core_pct": managed["cpu_core_pct"],
-               "controller_metrics": managed["controller_metrics"]}
+               "controller_metrics": managed["controller_metrics"],
+               "controller_mid_run": managed["controller_mid_run"], "p50_ms_managed": managed["p50_ms"],
+               "p50_ms_unmanaged": plain["p50_ms"], "p50_alone_ms": alone_lat["p50_ms"]}
         for variant in latency_variants:  # the same beside the hog under other flags
             other = latency(hog, variant)
             row[variant] = {"p99_vs_alone": rnd(other["p99_ms"] / alone_lat["p99_ms"], 2),
                             "hog_fraction": other["hog_fraction"], "cpu_core_pct": other["cpu_core_pct"],
-                            "controller_metrics": other["controller_metrics"]}
+                            "controller_metrics": other["controller_metrics"],
+                            "controller_mid_run": other["controller_mid_run"]}
             log(f"latency beside {hog}, {variant}: p99 {row[variant]['p99_vs_alone']}x alone")
         out["latency"].append(row)
         log(f"latency beside {hog}: p99 {row['p99_vs_alone_managed']}x alone managed, "
