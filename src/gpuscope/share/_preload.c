@@ -211,6 +211,9 @@ struct device {
     window_t ring[POOL];
     uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
     int win_open, win_launches, acct_ready, acct_failed;
+    /* launched untimed beside the holder since the helper last waited for this context's work: a
+     * closed gate then drains the context itself (there are no windows to wait on) */
+    int untimed_queued;
     int K, K_lent;
     CUcontext acct_ctx;
     uint32_t helper_bit;
@@ -976,6 +979,13 @@ static void adapt(uint64_t idx, float ms) {
     else if (ms < target / 2 && *k < K_MAX) *k *= 2;
 }
 
+/* Wait for every kernel this process queued on this device (the helper's context): the real
+ * cuCtxSynchronize, not the hook, which would count the wait as the program's own. */
+static void drain_context(void) {
+    CUresult (*fn)(void) = (CUresult (*)(void))real(H_CTX_SYNC);
+    if (fn && fn() != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+}
+
 static void *helper_main(void *arg) {
     D = arg; /* one helper per device: its events belong to that device's context */
     drv.set_ctx(D->acct_ctx);
@@ -1098,6 +1108,16 @@ static void *helper_main(void *arg) {
             }
         }
         if (!allowed && (g >> 16) != last_seen_closed) {
+            if (D->untimed_queued) {
+                /* Its launches beside the holder had no windows: wait for the context's work, so that
+                 * a drain for another tenant's probe ends when this process's kernels have (they would
+                 * run through the probe and be timed as the probed tenant's). Its launching threads
+                 * wait at the closed gate meanwhile. */
+                D->untimed_queued = 0;
+                pthread_mutex_unlock(&D->wlock);
+                drain_context();
+                continue; /* the gate may have changed while it waited: look again */
+            }
             last_seen_closed = g >> 16;
             atomic_store(&D->s.proc->drained_gen, g >> 16);
             futex((void *)&D->s.proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
@@ -1245,6 +1265,7 @@ static void keep_duty(void) {
         int busy_ = !D->acct_failed && busy_accounting();                                                   \
         if (!busy_ && beside()) {                                                                        \
             if (D->win_open) close_window_and(WAKE_IF_ASLEEP); /* untimed beside the holder */             \
+            D->untimed_queued = 1;                                                                       \
         } else if (!D->acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&D->s.proc->launches, 1, memory_order_relaxed);                             \
