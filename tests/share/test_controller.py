@@ -194,6 +194,26 @@ def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):
         c.close()
 
 
+def test_a_probe_drains_the_tenants_it_pauses_beside_the_holder_too(tmp_path):
+    """Paused for another tenant's probe, a tenant beside the holder is drained like a turn-taker (its
+    queued kernels would run through the probe, timed as the probed tenant's); one of higher priority
+    than the probed tenant keeps running, and is not waited for."""
+    tenants = [TenantPolicy("batch", 0.5), TenantPolicy("train", 0.2), TenantPolicy("online", 0.3, 1)]
+    c = Controller(str(tmp_path / "ledger"), tenants)
+    drains: list[tuple[set[int], int | None]] = []
+    c._drain = lambda slots, running=None: drains.append((set(slots), running))
+    try:
+        c.beside = {1, 2}  # the training loop and the latency tenant beside the batch holder
+        c._start_probe(0)
+        assert drains[-1] == ({1}, 0b101)  # the latency tenant runs on through the batch's probe
+        c.prober.stop()
+        c._start_probe(2)
+        assert drains[-1] == ({0, 1}, 0b100)
+    finally:
+        c.prober.stop()
+        c.close()
+
+
 def test_time_posted_while_the_gate_is_open_is_not_held_against_a_tenant(tmp_path):
     tenants = [TenantPolicy("batch", 0.7), TenantPolicy("online", 0.3, priority=1)]
     c = Controller(str(tmp_path / "ledger"), tenants)
