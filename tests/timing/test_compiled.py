@@ -320,6 +320,31 @@ def test_every_pass_sampled_times_every_pass_and_measures_its_cost_one_in_eight(
 
 
 @needs_compiler
+def test_only_a_shape_s_first_timed_calls_turn_inductor_s_caches_off(make_timer, monkeypatch):
+    # The first timed calls of an input shape may compile its timed graph, with Inductor's caches off
+    # (a graph loaded from a cache skips the code generation where merges are checked); after them,
+    # and for shapes past those counted, a timed pass leaves the caches alone: patching them on every
+    # timed pass cost about 45 µs on the CPU host.
+    entered = []
+
+    class Counting(compiled_mod._uncached):
+        def __enter__(self) -> None:
+            entered.append(1)
+            super().__enter__()
+
+    monkeypatch.setattr(compiled_mod, "_uncached", Counting)
+    monkeypatch.setattr(compiled_mod, "MAX_COUNTED_SHAPES", 1)
+    timer = make_timer(sample_rate=1.0)
+    torch._dynamo.reset()
+    _, compiled, inst = compiled_and_instrumented("compile, then instrument", timer)
+    with torch.no_grad():
+        for rows in (4, 4, 4, 4, 4, 6, 6, 6):
+            compiled(torch.randn(rows, 32))
+    assert inst.sampled_passes == 8
+    assert len(entered) == compiled_mod.UNCACHED_TIMED_CALLS  # the first shape's; the second is past
+
+
+@needs_compiler
 def test_at_the_budget_s_periods_sampled_passes_come_in_runs_and_are_measured(make_timer):
     # under default compile, a sampled pass switches the compiled model to its timed graph and back:
     # runs of TIMED_RUN timed passes in a row switch a TIMED_RUN-th as often, at the same rate

@@ -70,6 +70,11 @@ MAX_LAYOUTS = 64
 #: Timed calls of a new input shape compiled with Inductor's caches off: a graph loaded from a
 #: cache skips the code generation where region merges are checked (fusion.py).
 UNCACHED_TIMED_CALLS = 3
+#: Input shapes whose timed calls are counted for that; a shape past them is taken as compiled
+#: (a model served at many shapes under dynamic shapes compiles once for all of them). Not counted,
+#: every timed pass of a model on the CPU host, or of a shape past ``MAX_GRAPH_SHAPES``, turned the
+#: caches off and on again: about 45 µs a timed pass on the CPU host.
+MAX_COUNTED_SHAPES = 1024
 #: Under default compile, sampled passes come in runs of up to this many in a row (the sampling rate
 #: unchanged): the first timed pass after untimed ones, and the first untimed one after it, pay for
 #: the switch between the two compiled graphs (dynamo's cache entry that fails its guard first, and
@@ -313,7 +318,6 @@ class ShapeGraphs:
         self.replay = GraphReplay(self, self.recorder, None, None)
         self.events: dict[tuple[int, int], Any] = {}  # (index, is_end) → event node
         self.last: tuple[tuple[int, int], int, Any] | None = None  # the last marker met, its stream and node
-        self.calls = 0
         self.replayed = False  # the last timed call replayed the captured graph (no eager markers)
         self.replays = self.counted_replays = 0  # entered counts are kept by pass_call
         self.baseline_s: float | None = None
@@ -397,6 +401,7 @@ class CompiledRegions:
         self._bounds: list[tuple[int, int, Any]] = []
         self._rebuild()
         self._shapes: dict[Any, ShapeGraphs] = {}
+        self._timed_calls: dict[Any, int] = {}  # input shape -> its timed calls, up to UNCACHED_TIMED_CALLS
         self._current: ShapeGraphs | None = None
         self._empty_pair: Callable[[Any], float | None] = TorchGraphs().empty_pair_seconds
 
@@ -572,9 +577,9 @@ class CompiledRegions:
         self._current = shapes
         marks.arm()
         self.timed = True
-        first_calls = shapes is not None and shapes.calls < UNCACHED_TIMED_CALLS
+        first_calls = self._first_timed_call(key)
         try:
-            if first_calls or shapes is None:
+            if first_calls:
                 with _uncached():
                     out = _run_with(callback, compiled, args, kwargs)
             else:
@@ -586,7 +591,6 @@ class CompiledRegions:
             if busy is not None and busy.labels is not None:
                 busy.labels.end_capture()
         if shapes is not None:
-            shapes.calls += 1
             shapes.replayed = not marks.eager_marks and bool(shapes.events)
             if shapes.replayed:
                 self._fence(shapes)  # the timed graph was replayed: read its event nodes after it
@@ -594,6 +598,19 @@ class CompiledRegions:
             t0 = time.thread_time()
             busy.close_graph_pass(window, traced_cpu_s + time.thread_time() - t0)
         return out
+
+    def _first_timed_call(self, key: Any) -> bool:
+        """Whether this timed call of input shape ``key`` is one of its first ``UNCACHED_TIMED_CALLS``
+        (those that may compile its timed graph, with Inductor's caches off)."""
+        calls = self._timed_calls.get(key)
+        if calls is None:
+            if len(self._timed_calls) >= MAX_COUNTED_SHAPES:
+                return False
+            calls = 0
+        if calls >= UNCACHED_TIMED_CALLS:
+            return False
+        self._timed_calls[key] = calls + 1
+        return True
 
     def ops_by_region(self) -> dict[int, Any]:
         """Global region id → the op its kernels are reported as (its merged group's, if merged)."""
