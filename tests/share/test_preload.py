@@ -190,34 +190,45 @@ def test_a_probe_charges_kernels_not_the_launch_calls_between_them(fake_cuda, tm
 QUEUED_BESIDE = """
 import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
+stream, kernel_us = int(sys.argv[1]), int(sys.argv[2])
 started = time.monotonic()
-for i in range(40):  # 2 ms each on a GPU that runs in real time: 80 ms queued, nothing waited for
-    cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(2000), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+for i in range(40):  # on a GPU that runs in real time, nothing waited for
+    cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(kernel_us), U(1), U(1), U(0), ctypes.c_void_p(stream),
+                        None, None)
 print(started, flush=True)
 sys.stdin.read()  # until the test is done with it
 """
 
 
-def test_a_tenant_beside_the_holder_drains_its_queued_kernels_when_its_gate_closes(fake_cuda, tmp_path):
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_tenant_beside_the_holder_drains_its_queued_kernels_when_its_gate_closes(fake_cuda, tmp_path,
+                                                                                  captured):
     """Launching untimed beside the holder, a tenant has no windows to wait on: when its gate closes
     (another tenant's probe starts), its process says it has drained only once the kernels it queued
-    have run, which a probe of another tenant would otherwise time as that tenant's."""
+    have run, which a probe of another tenant would otherwise time as that tenant's. Not on a stream
+    being captured into a graph (the fake's stream 99): waiting there would break the capture."""
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     try:
         policy.set_gate(0b11)
         policy.set_beside_mask(0b10)
         env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
         env.update(FAKE_CUDA_REALTIME="1")
-        child = subprocess.Popen([sys.executable, "-c", QUEUED_BESIDE], env=env, stdin=subprocess.PIPE,
+        # 40 kernels of 2 ms (80 ms queued), or of 100 ms on the captured stream (4 s)
+        argv = ["99", "100000"] if captured else ["1", "2000"]
+        child = subprocess.Popen([sys.executable, "-c", QUEUED_BESIDE, *argv], env=env, stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         joined = Joined(policy)
         try:
             started = float(child.stdout.readline())
             view = joined.one()
+            closed = time.monotonic()
             gen = policy.set_gate(0b01)  # a probe of a: b paused
             assert view.wait_drained(gen, 10.0)
             drained = time.monotonic()
-            assert drained >= started + 0.075  # its 80 ms of kernels ran first (less the clock's slack)
+            if captured:
+                assert drained - closed < 2.0  # not the 4 s of captured work
+            else:
+                assert drained >= started + 0.075  # its 80 ms of kernels ran first (less the clock's slack)
             assert view.counter("hook_errors") == 0
         finally:
             joined.close()

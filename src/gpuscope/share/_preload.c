@@ -78,6 +78,7 @@ typedef struct {
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2ULL
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 #define CU_EVENT_BLOCKING_SYNC 1u
+#define CU_EVENT_DISABLE_TIMING 2u
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Real symbols                                                                                     */
@@ -211,9 +212,11 @@ struct device {
     window_t ring[POOL];
     uint64_t head, tail; /* [head, tail) closed and unresolved; ring[tail % POOL] is the open one */
     int win_open, win_launches, acct_ready, acct_failed;
-    /* launched untimed beside the holder since the helper last waited for this context's work: a
-     * closed gate then drains the context itself (there are no windows to wait on) */
-    int untimed_queued;
+    /* Launched untimed beside the holder since the helper last drained (there are no windows to
+     * wait on), and the stream of the last such launch: a closed gate drains it (drain_untimed). */
+    int untimed_queued, untimed_ptsz;
+    CUstream untimed_stream;
+    CUevent drain_event;
     int K, K_lent;
     CUcontext acct_ctx;
     uint32_t helper_bit;
@@ -979,11 +982,24 @@ static void adapt(uint64_t idx, float ms) {
     else if (ms < target / 2 && *k < K_MAX) *k *= 2;
 }
 
-/* Wait for every kernel this process queued on this device (the helper's context): the real
- * cuCtxSynchronize, not the hook, which would count the wait as the program's own. */
-static void drain_context(void) {
-    CUresult (*fn)(void) = (CUresult (*)(void))real(H_CTX_SYNC);
-    if (fn && fn() != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+/* Under wlock: an event recorded after the last untimed launch, on its stream, to wait on (NULL:
+ * nothing to wait on). Not while that stream is captured into a graph (the record would become a
+ * node of it); not the whole context either: synchronizing a context with a capture under way
+ * invalidates the capture. A program that launches on several streams beside the holder is drained
+ * on its last one. */
+static CUevent drain_untimed(void) {
+    if (capturing(D->untimed_stream, D->untimed_ptsz)) return NULL;
+    if (!D->drain_event && drv.create(&D->drain_event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) != 0) {
+        D->drain_event = NULL;
+        atomic_fetch_add(&D->s.proc->hook_errors, 1);
+        return NULL;
+    }
+    event_record_fn rec = (D->untimed_ptsz && drv.record_ptsz) ? drv.record_ptsz : drv.record;
+    if (rec(D->drain_event, D->untimed_stream) != 0) {
+        atomic_fetch_add(&D->s.proc->hook_errors, 1);
+        return NULL;
+    }
+    return D->drain_event;
 }
 
 static void *helper_main(void *arg) {
@@ -1109,13 +1125,14 @@ static void *helper_main(void *arg) {
         }
         if (!allowed && (g >> 16) != last_seen_closed) {
             if (D->untimed_queued) {
-                /* Its launches beside the holder had no windows: wait for the context's work, so that
-                 * a drain for another tenant's probe ends when this process's kernels have (they would
-                 * run through the probe and be timed as the probed tenant's). Its launching threads
-                 * wait at the closed gate meanwhile. */
+                /* Its launches beside the holder had no windows: wait for the last one's stream, so
+                 * that a drain for another tenant's probe ends when this process's kernels have (they
+                 * would run through the probe and be timed as the probed tenant's). Its launching
+                 * threads wait at the closed gate meanwhile. */
                 D->untimed_queued = 0;
+                CUevent e = drain_untimed();
                 pthread_mutex_unlock(&D->wlock);
-                drain_context();
+                if (e && drv.sync(e) != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
                 continue; /* the gate may have changed while it waited: look again */
             }
             last_seen_closed = g >> 16;
@@ -1265,7 +1282,7 @@ static void keep_duty(void) {
         int busy_ = !D->acct_failed && busy_accounting();                                                   \
         if (!busy_ && beside()) {                                                                        \
             if (D->win_open) close_window_and(WAKE_IF_ASLEEP); /* untimed beside the holder */             \
-            D->untimed_queued = 1;                                                                       \
+            D->untimed_queued = 1, D->untimed_stream = (STREAM), D->untimed_ptsz = (PTSZ);               \
         } else if (!D->acct_failed) open_window((STREAM), (PTSZ), busy_);                                   \
         CUresult rc_ = CALL;                                                                             \
         atomic_fetch_add_explicit(&D->s.proc->launches, 1, memory_order_relaxed);                             \

@@ -397,9 +397,9 @@ class Controller:
     def _start_probe(self, slot: int) -> None:
         """Pause every other tenant, its queued work drained first, except those beside the holder of
         higher priority than ``slot``, and have ``slot`` time each launch. A tenant beside the holder is
-        drained too: it launches untimed, so its process waits for its own context's work when its gate
-        closes. Not drained, a training step's kernels queued beside ran through the first milliseconds
-        of another tenant's probe, and were timed as that tenant's busy time."""
+        drained too: it launches untimed, so its process waits for an event after its last launch when
+        its gate closes. Not drained, a training step's kernels queued beside ran through the first
+        milliseconds of another tenant's probe, and were timed as that tenant's busy time."""
         keep = {s for s in self.beside if self.tenants[s].priority > self.tenants[slot].priority}
         running = sum(1 << s for s in keep | {slot})
         self._drain(set(range(len(self.tenants))) - keep - set(self.gang_slots()) - {slot}, running)
