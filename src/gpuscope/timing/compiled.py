@@ -73,7 +73,7 @@ UNCACHED_TIMED_CALLS = 3
 #: Input shapes whose timed calls are counted for that; a shape past them is taken as compiled
 #: (a model served at many shapes under dynamic shapes compiles once for all of them). Not counted,
 #: every timed pass of a model on the CPU host, or of a shape past ``MAX_GRAPH_SHAPES``, turned the
-#: caches off and on again: about 45 µs a timed pass on the CPU host.
+#: caches off and on again: about 43 µs a timed pass on the CPU host (compile_host_cpu_bench.py).
 MAX_COUNTED_SHAPES = 1024
 #: Under default compile, sampled passes come in runs of up to this many in a row (the sampling rate
 #: unchanged): the first timed pass after untimed ones, and the first untimed one after it, pay for
