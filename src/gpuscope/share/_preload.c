@@ -986,11 +986,18 @@ static void adapt(uint64_t idx, float ms) {
 
 /* Under wlock: an event recorded after the last untimed launch, on its stream, to wait on (NULL:
  * nothing to wait on). Not while that stream is captured into a graph (the record would become a
- * node of it); not the whole context either: synchronizing a context with a capture under way
- * invalidates the capture. A program that launches on several streams beside the holder is drained
- * on its last one. */
+ * node of it), nor where the driver cannot say (the legacy stream while another stream is captured:
+ * touching it would break that capture); not the whole context either: synchronizing a context with
+ * a capture under way invalidates the capture. Not after DRAIN_RECENT_NS without a launch: that work
+ * has run, and the stream may be gone. A program that launches on several streams beside the holder
+ * is drained on its last one. */
+#define DRAIN_RECENT_NS 1000000000ull
 static CUevent drain_untimed(void) {
-    if (capturing(D->untimed_stream, D->untimed_ptsz)) return NULL;
+    uint64_t last = atomic_load_explicit(&D->s.proc->last_launch_ns, memory_order_relaxed);
+    if (now_ns() - last > DRAIN_RECENT_NS) return NULL;
+    capturing_fn query = (D->untimed_ptsz && drv.capturing_ptsz) ? drv.capturing_ptsz : drv.capturing;
+    int status = 0;
+    if (!query || query(D->untimed_stream, &status) != 0 || status != 0) return NULL;
     if (!D->drain_event && drv.create(&D->drain_event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) != 0) {
         D->drain_event = NULL;
         atomic_fetch_add(&D->s.proc->hook_errors, 1);
