@@ -34,7 +34,8 @@ time (needs ``cupti-python``).
 
 And ``parts``: where a fully sampled pass's cost goes under default compile (``run_parts``): the
 timer detached, every pass timed, and every pass through the timed graph with its markers disarmed,
-each with the launching thread's CPU a pass.
+each with the launching thread's CPU a pass; with ``--profile-segments N``, also N segments of
+detached and of disarmed under cProfile (the functions with the most time of their own a pass).
 
 Writes ``--out`` after every workload (partial results survive a time limit); a table last.
 
@@ -53,6 +54,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -331,11 +333,36 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
         result["records_per_timed_pass"] = getattr(marks, "records", None)
         result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
+        if args.profile_segments:
+            # the Python functions each variant runs (cProfile: what the disarmed timed graph adds
+            # over detached, where the thread's CPU alone cannot say)
+            result["profiles"] = {v: profile_segments(segment, v, args.profile_segments, steps)
+                                  for v in ("detached", "disarmed")}
     inst.remove()
     timer.close()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile_segments(segment: Callable[[str], object], variant: str, segments: int, steps: int) -> dict:
+    """cProfile over ``segments`` runs of ``segment(variant)`` (``steps`` passes each): the functions
+    with the most time of their own, and the calls a pass makes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(segments):
+        segment(variant)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, …)
+    passes = segments * steps
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:15]
+    return {"passes": passes, "calls_per_pass": rnd(sum(c for c, *_ in stats.values()) / passes, 1),
+            "top_tottime": [{"function": f"{path}:{line}({name})", "calls_per_pass": rnd(calls / passes, 2),
+                             "tottime_us_per_pass": rnd(tottime * 1e6 / passes, 2)}
+                            for (path, line, name), (calls, _, tottime, *_) in top]}
 
 
 def run_attribution(name: str, args: argparse.Namespace) -> dict:
@@ -616,6 +643,8 @@ def main() -> int:
     parser.add_argument("--settle-s", type=float, default=3.0)
     parser.add_argument("--accuracy-passes", type=int, default=10)
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip what would start after this")
+    parser.add_argument("--profile-segments", type=int, default=0,
+                        help="parts mode: also cProfile this many segments of detached and of disarmed")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
