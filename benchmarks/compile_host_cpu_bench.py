@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from benchlib import logger, rnd, write_json
+from compile_timing_bench import _Disarmed
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -64,25 +65,11 @@ def main() -> None:
             compiled(x)
         first_timed_call = regions._first_timed_call
 
-        class Disarmed:
-            """The markers left unarmed for the pass: each returns before recording anything."""
-
-            eager_marks = records = 0
-
-            def arm(self) -> None:
-                pass
-
-            def disarm(self) -> None:
-                pass
-
-            def __getattr__(self, name: str) -> object:
-                return getattr(marks, name)
-
         def block(mode: str) -> float:
             if mode == "detached":
                 inst.detach()
             elif mode == "disarmed":
-                regions.marks = Disarmed()
+                regions.marks = _Disarmed(marks)
             elif mode == "caches_every_pass":
                 regions._first_timed_call = lambda key: True
             t0 = time.thread_time_ns()

@@ -297,7 +297,8 @@ class Controller:
         return sum(1 << s for s in self.beside)
 
     def _set_beside(self, beside: set[int], now: float) -> None:
-        """Let ``beside`` run next to the holder (untimed, never drained); the gate follows."""
+        """Let ``beside`` run next to the holder (untimed, drained only for another tenant's probe); the
+        gate follows."""
         if beside == self.beside:
             return
         self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s),

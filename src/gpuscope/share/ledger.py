@@ -476,7 +476,7 @@ class Policy:
 
     def set_beside_mask(self, mask: int) -> None:
         """Mark the slots in ``mask`` as running beside the holder: untimed, never drained at a
-        hand-over."""
+        hand-over (only when another tenant's probe pauses them)."""
         self.map.set_u32(P_BESIDE_MASK, mask & 0xFFFF)
 
     def duty(self, slot: int) -> float:

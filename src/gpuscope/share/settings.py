@@ -131,7 +131,7 @@ class ShareSettings:
         "probes: the lesser) is under this fraction of its fair share, such as "
         f"{SUGGESTED_STARVED_BELOW:g}; taking turns it is charged its holding time. For a launch-bound loop "
         "that syncs at every short step and waits behind a GPU-bound holder at each. Off (0) by default: "
-        "not yet measured on a GPU (docs/share.md)",
+        "on an H100 it never fired in the mixes measured (docs/share.md)",
         parse=parse_starved_below)
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
