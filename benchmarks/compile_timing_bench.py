@@ -298,16 +298,16 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
         timer.core.set_period(1)
         steps = max(5, int(args.segment_s * rate(run_inst, 5)))
 
-        def segment(variant: str) -> tuple[float, float]:
+        def segment(variant: str, passes: int = steps) -> tuple[float, float]:
             if variant == "detached":
                 inst.detach()
             elif variant == "disarmed":
                 regions.marks = _Disarmed(marks)
             cpu0 = time.thread_time()
             try:
-                steps_per_s = rate(run_inst, steps)
+                steps_per_s = rate(run_inst, passes)
             finally:
-                cpu_us = (time.thread_time() - cpu0) / steps * 1e6
+                cpu_us = (time.thread_time() - cpu0) / passes * 1e6
                 if variant == "detached":
                     inst.attach()
                 regions.marks = marks
@@ -333,6 +333,10 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
         result["records_per_timed_pass"] = getattr(marks, "records", None)
         result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
+        if DEVICE == "cuda":
+            # the markers are extern calls Inductor does not fuse across: the kernels a region
+            # boundary splits are launches the timed graph adds over the untimed one
+            result["kernels_per_pass"] = {v: kernels_per_pass(segment, v) for v in variants}
         if args.profile_segments:
             # the Python functions each variant runs (cProfile: what the disarmed timed graph adds
             # over detached, where the thread's CPU alone cannot say)
@@ -343,6 +347,16 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def kernels_per_pass(segment: Callable[..., object], variant: str, passes: int = 4) -> float | None:
+    """GPU kernels a pass of ``segment(variant)`` launches (CUPTI's records via torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        segment(variant, passes)
+    count = kernel_count(prof)
+    return None if count is None else rnd(count / passes, 1)
 
 
 def profile_segments(segment: Callable[[str], object], variant: str, segments: int, steps: int) -> dict:
