@@ -334,8 +334,8 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
         result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
         if DEVICE == "cuda":
-            # the markers are extern calls Inductor does not fuse across: the kernels a region
-            # boundary splits are launches the timed graph adds over the untimed one
+            # where a marker keeps Inductor from fusing across a region boundary, the timed graph
+            # launches more kernels than the untimed one (each a launch on a launch-bound pass)
             result["kernels_per_pass"] = {v: kernels_per_pass(segment, v) for v in variants}
         if args.profile_segments:
             # the Python functions each variant runs (cProfile: what the disarmed timed graph adds
