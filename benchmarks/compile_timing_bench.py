@@ -35,7 +35,10 @@ time (needs ``cupti-python``).
 And ``parts``: where a fully sampled pass's cost goes under default compile (``run_parts``): the
 timer detached, every pass timed, and every pass through the timed graph with its markers disarmed,
 each with the launching thread's CPU a pass; with ``--profile-segments N``, also N segments of
-detached and of disarmed under cProfile (the functions with the most time of their own a pass).
+detached and of disarmed under cProfile (the functions with the most time of their own a pass). Its
+fourth variant, ``sparse``, times every ``--sparse-period``-th pass as the budget would: the cost of
+a timed pass there against every pass timed and against the budget's own estimate, and each pass's
+wall time by its place after the timed one (which pass pays for the switch between the graphs).
 
 Writes ``--out`` after every workload (partial results survive a time limit); a table last.
 
@@ -298,23 +301,36 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
         timer.core.set_period(1)
         steps = max(5, int(args.segment_s * rate(run_inst, 5)))
 
+        by_position: dict[str, dict[int, list[int]]] = {"detached": {}, "sparse": {}}
+        estimates: list[float] = []  # the budget's own estimate of a timed pass's cost, per segment
+
         def segment(variant: str, passes: int = steps) -> tuple[float, float]:
             if variant == "detached":
                 inst.detach()
             elif variant == "disarmed":
                 regions.marks = _Disarmed(marks)
+            elif variant == "sparse":
+                timer.core.set_period(args.sparse_period)
+                inst.cost.__init__()  # the budget's estimate from this segment's passes alone
             cpu0 = time.thread_time()
             try:
-                steps_per_s = rate(run_inst, passes)
+                if variant in by_position:
+                    steps_per_s = pass_walls(run_inst, inst, passes, by_position[variant],
+                                             detached=variant == "detached")
+                else:
+                    steps_per_s = rate(run_inst, passes)
             finally:
                 cpu_us = (time.thread_time() - cpu0) / passes * 1e6
                 if variant == "detached":
                     inst.attach()
                 regions.marks = marks
+                timer.core.set_period(1)
+            if variant == "sparse" and inst.cost.per_sampled_pass_s() is not None:
+                estimates.append(inst.cost.per_sampled_pass_s())
             timer.flush(10)
             return steps_per_s, cpu_us
 
-        variants = ("detached", "timed", "disarmed")
+        variants = ("detached", "timed", "disarmed", "sparse")
         got: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for v in variants:  # warm
             segment(v)
@@ -330,13 +346,25 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
                          "extra_us_per_pass": rnd((1 / steps_per_s - 1 / base_rate) * 1e6, 1),
                          "thread_cpu_us_per_pass": rnd(cpu_us, 1),
                          "extra_thread_cpu_us": rnd(cpu_us - base_cpu, 1)}
+        # at a budget-like period: what each pass costs by its place after the last timed one (0:
+        # the timed pass), against a detached pass; a timed pass's cost beyond what every pass
+        # timed shows is the switch between the two graphs, and the pass that pays it says which way
+        base_wall = statistics.median(w for walls in by_position["detached"].values() for w in walls)
+        result["sparse"]["period"] = args.sparse_period
+        result["sparse"]["extra_us_by_position"] = {
+            str(pos): rnd((statistics.median(walls) - base_wall) / 1e3, 1)
+            for pos, walls in sorted(by_position["sparse"].items()) if len(walls) >= 3}
+        result["sparse"]["extra_us_per_timed_pass"] = rnd(
+            result["sparse"]["extra_us_per_pass"] * args.sparse_period, 1)
+        result["sparse"]["budget_estimate_us_per_timed_pass"] = (
+            rnd(statistics.median(estimates) * 1e6, 1) if estimates else None)
         result["records_per_timed_pass"] = getattr(marks, "records", None)
         result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
         if DEVICE == "cuda":
             # where a marker keeps Inductor from fusing across a region boundary, the timed graph
             # launches more kernels than the untimed one (each a launch on a launch-bound pass)
-            result["kernels_per_pass"] = {v: kernels_per_pass(segment, v) for v in variants}
+            result["kernels_per_pass"] = {v: kernels_per_pass(segment, v) for v in variants[:3]}
         if args.profile_segments:
             # the Python functions each variant runs (cProfile: what the disarmed timed graph adds
             # over detached, where the thread's CPU alone cannot say)
@@ -347,6 +375,27 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def pass_walls(fn: Callable[[], object], inst: object, passes: int, walls: dict[int, list[int]],
+               detached: bool) -> float:
+    """Run ``passes`` passes, each timed on the wall clock and filed in ``walls`` under its place
+    after the last sampled pass (0: a sampled pass; none before the segment's first; all under 0
+    when ``detached``); the rate."""
+    clock = time.perf_counter_ns
+    since = None
+    sync()
+    start = clock()
+    for _ in range(passes):
+        sampled = inst.sampled_passes
+        t0 = clock()
+        fn()
+        ns = clock() - t0
+        since = 0 if inst.sampled_passes != sampled else (None if since is None else since + 1)
+        if detached or since is not None:
+            walls.setdefault(since or 0, []).append(ns)
+    sync()
+    return passes / ((clock() - start) * 1e-9)
 
 
 def kernels_per_pass(segment: Callable[..., object], variant: str, passes: int = 4) -> float | None:
@@ -637,13 +686,17 @@ def table(results: list[dict]) -> str:
                         f"{r['apart_region_ms']} | {r['replay_kernel_ms']} | "
                         f"{r['regions_over_attributed']} |")
     rows += ["", "| workload | recycler | every pass timed: µs a pass (thread CPU) "
-             "| markers disarmed: µs a pass (thread CPU) | records a pass |", "|---|---|---|---|---|"]
+             "| markers disarmed: µs a pass (thread CPU) | records a pass | sparse: µs a timed pass "
+             "(budget's estimate) | sparse: µs by place after the timed pass |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if kind(r) == "parts" and "error" not in r:
-            t, d = r["timed"], r["disarmed"]
+            t, d, sp = r["timed"], r["disarmed"], r["sparse"]
             rows.append(f"| {r['workload']} | {r['recycler']} | {t['extra_us_per_pass']} "
                         f"({t['extra_thread_cpu_us']}) | {d['extra_us_per_pass']} "
-                        f"({d['extra_thread_cpu_us']}) | {r['records_per_timed_pass']} |")
+                        f"({d['extra_thread_cpu_us']}) | {r['records_per_timed_pass']} | "
+                        f"{sp['extra_us_per_timed_pass']} ({sp['budget_estimate_us_per_timed_pass']}) | "
+                        f"{' '.join(str(v) for v in sp['extra_us_by_position'].values())} |")
     return "\n".join(rows)
 
 
@@ -659,6 +712,8 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=1e9, help="skip what would start after this")
     parser.add_argument("--profile-segments", type=int, default=0,
                         help="parts mode: also cProfile this many segments of detached and of disarmed")
+    parser.add_argument("--sparse-period", type=int, default=9,
+                        help="parts mode: the period of its sparse variant (every Nth pass timed)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
