@@ -128,6 +128,25 @@ def test_pass_cost_is_the_difference_of_sampled_and_unsampled_means():
     assert cost.per_sampled_pass_s() == pytest.approx(300e-6)
 
 
+def test_pass_cost_charges_the_passes_after_a_run_to_the_run():
+    from gpuscope.timing.instrument import MIN_COST_MEASUREMENTS, PassCost
+
+    cost = PassCost()
+    for _ in range(MIN_COST_MEASUREMENTS):
+        cost.add(True, 1_300_000)
+        cost.add(False, 1_000_000)
+    cost.begin_after()
+    cost.add_after(1_800_000, 0)  # 800 µs over an unsampled pass, then two ordinary ones
+    cost.add_after(1_000_000, 0)
+    cost.add_after(1_000_000, 4)  # the window closes: shared by the run's 4 passes
+    assert cost.per_sampled_pass_s() == pytest.approx(300e-6 + 200e-6)
+    cost.begin_after()  # a window cut short by the next run is dropped
+    cost.add_after(9_000_000, 0)
+    cost.begin_after()
+    cost.add_after(1_000_000, 4)
+    assert cost.n_after == 2 and cost.per_sampled_pass_s() == pytest.approx(300e-6 + 0.95 * 200e-6)
+
+
 def test_instrumenting_twice_is_refused(make_timer):
     timer = make_timer(sample_rate=1.0)
     m = model()

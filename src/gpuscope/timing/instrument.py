@@ -81,13 +81,23 @@ def _matcher(include: Any) -> Callable[[str, Any], bool]:
 
 
 class PassCost:
-    """Running means of the caller's CPU time per sampled and per unsampled pass."""
+    """Running means of the caller's CPU time per sampled and per unsampled pass, and of what the
+    unsampled passes right after a run of sampled ones cost over the unsampled mean (switching a
+    compiled model back to its untimed graph), per sampled pass of the run."""
 
-    __slots__ = ("n_sampled", "n_unsampled", "sampled_ns", "unsampled_ns")
+    __slots__ = (
+        "_after_pending_ns",
+        "after_ns",
+        "n_after",
+        "n_sampled",
+        "n_unsampled",
+        "sampled_ns",
+        "unsampled_ns",
+    )
 
     def __init__(self) -> None:
-        self.sampled_ns = self.unsampled_ns = 0.0
-        self.n_sampled = self.n_unsampled = 0
+        self.sampled_ns = self.unsampled_ns = self.after_ns = self._after_pending_ns = 0.0
+        self.n_sampled = self.n_unsampled = self.n_after = 0
 
     def add(self, sampled: bool, ns: int) -> None:
         if sampled:
@@ -99,11 +109,30 @@ class PassCost:
             self.unsampled_ns = ns if self.n_unsampled == 1 else (
                 self.unsampled_ns + COST_SMOOTHING * (ns - self.unsampled_ns))
 
+    def begin_after(self) -> None:
+        """A measured run is over: the unsampled passes after it are measured from here (what was
+        gathered of an earlier run's, if a new run cut it short, is dropped)."""
+        self._after_pending_ns = 0.0
+
+    def add_after(self, ns: int, closes_run_of: int) -> None:
+        """One of the unsampled passes right after a measured run of sampled ones; ``closes_run_of``:
+        on the last of them, the run's length (0 before), which its passes' excess is shared by."""
+        self._after_pending_ns += ns - self.unsampled_ns
+        if not closes_run_of:
+            return
+        excess, self._after_pending_ns = self._after_pending_ns / closes_run_of, 0.0
+        if not self.n_unsampled:  # no unsampled mean yet to measure the excess against
+            return
+        self.n_after += 1
+        self.after_ns = (excess if self.n_after == 1
+                         else self.after_ns + COST_SMOOTHING * (excess - self.after_ns))
+
     def per_sampled_pass_s(self) -> float | None:
-        """Extra CPU seconds a sampled pass costs, once both means are trustworthy."""
+        """Extra CPU seconds a sampled pass costs (its own and the switch back after its run), once
+        the sampled and unsampled means are trustworthy."""
         if min(self.n_sampled, self.n_unsampled) < MIN_COST_MEASUREMENTS:
             return None
-        return max(0.0, self.sampled_ns - self.unsampled_ns) * 1e-9
+        return max(0.0, self.sampled_ns - self.unsampled_ns + self.after_ns) * 1e-9
 
 
 class Instrumentation:
