@@ -387,7 +387,7 @@ def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
 def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
     # Under default compile the pass after a run of timed ones switches back to the untimed graph,
     # whose code and buffers have gone cold (about 350 µs a timed pass on an H100's ResNet-50 at a
-    # period of 9, where every pass timed costs 85-120 µs): the budget's estimate must include it.
+    # period of 9, where every pass timed cost 84-118 µs): the budget's estimate must include it.
     from types import SimpleNamespace
 
     from gpuscope.timing.instrument import PassCost

@@ -705,7 +705,7 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
     # The untimed passes right after a measured run (as many as the run had) are measured too, and
     # what they take over an untimed pass is charged to the run: switching back to the untimed graph
     # is paid there, not in the run (ResNet-50 on an H100: about 350 µs a timed pass at a period of
-    # 9, against 85-120 µs a pass with every pass timed, where no switch happens).
+    # 9, against 84 and 118 µs a pass in two runs with every pass timed, where no switch happens).
     next_measured = 0
     measure_run = False
     after_left = 0  # untimed passes still to measure after the last measured run
