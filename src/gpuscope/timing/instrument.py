@@ -132,7 +132,9 @@ class PassCost:
         the sampled and unsampled means are trustworthy."""
         if min(self.n_sampled, self.n_unsampled) < MIN_COST_MEASUREMENTS:
             return None
-        return max(0.0, self.sampled_ns - self.unsampled_ns + self.after_ns) * 1e-9
+        # a switch back never makes passes faster: a mean below zero is noise, and is not let lower
+        # the estimate (the budget would sample more for it)
+        return max(0.0, self.sampled_ns - self.unsampled_ns + max(0.0, self.after_ns)) * 1e-9
 
 
 class Instrumentation:
