@@ -12,7 +12,10 @@ alternating: ``detached`` (the timer detached from the same compiled model: the 
 (sampled at ``--period``, in runs of N). Per block the main thread's CPU per pass; per mode the
 median over blocks of its paired difference from ``detached`` (``extra_us``), then the median over
 ``--rounds`` processes. The ideal at the period is ``untimed`` + ``every`` ÷ period: what is above it
-is the switching. GPU figures come from compile_timing_bench.py.
+is the switching. Per run mode also the budget's own estimate of a timed pass's cost over an untimed
+one (``runN_estimate_us``, measured in the program from each block's passes) against what it cost
+all told (``runN_actual_us``: its extra over ``untimed``, times the period). GPU figures come from
+compile_timing_bench.py.
 """
 
 from __future__ import annotations
@@ -51,10 +54,13 @@ def measure(library: str, layers: int, passes: int, blocks: int, period: int, ru
         inst = timer.instrument(compiled, include=lambda name, module: name.count(".") == 1)
         state, clock = inst.pass_state, time.thread_time_ns
 
+        estimates: dict[str, list[float]] = {}
+
         def block(mode: str) -> float:
             sampled = mode.startswith("run")
             if sampled:
                 compiled_mod.TIMED_RUN = int(mode[3:])
+                inst.cost.__init__()  # the budget's estimate from this block's passes alone
             state.period = period if sampled else 1 if mode == "every" else 1 << 40
             state.countdown = 0 if sampled or mode == "every" else 1 << 40
             if mode == "detached":
@@ -69,6 +75,9 @@ def measure(library: str, layers: int, passes: int, blocks: int, period: int, ru
                     inst.attach()
             if not timer.flush(10):
                 raise RuntimeError("pairs left unresolved")
+            estimate = inst.cost.per_sampled_pass_s() if sampled else None
+            if estimate is not None:
+                estimates.setdefault(mode, []).append(estimate * 1e6)
             return spent / passes / 1e3
 
         modes = ["detached", "untimed", "every", *(f"run{n}" for n in runs)]
@@ -83,7 +92,9 @@ def measure(library: str, layers: int, passes: int, blocks: int, period: int, ru
         base = got["detached"]
         return {"detached_us": statistics.median(base),
                 **{f"{mode}_extra_us": statistics.median(a - b for a, b in zip(got[mode], base, strict=True))
-                   for mode in modes[1:]}}
+                   for mode in modes[1:]},
+                # what the budget's in-program measurement says a timed pass costs over an untimed one
+                **{f"{mode}_estimate_us": statistics.median(values) for mode, values in estimates.items()}}
     finally:
         timer.close(timeout=1.0)
 
@@ -121,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {index + 1}/{args.rounds}: {shown}")
     medians = {key: rnd(statistics.median(r[key] for r in results), 2) for key in results[0]}
     medians["ideal_extra_us"] = rnd(medians["untimed_extra_us"] + medians["every_extra_us"] / args.period, 2)
+    for n in runs:  # what a timed pass cost over an untimed one, all told: the estimate's target
+        medians[f"run{n}_actual_us"] = rnd(
+            (medians[f"run{n}_extra_us"] - medians["untimed_extra_us"]) * args.period, 1)
     report = {"date": time.strftime("%Y-%m-%d"), "layers": args.layers, "passes": args.passes,
               "blocks": args.blocks, "period": args.period, "rounds": args.rounds, "medians": medians,
               "per_round": results}
