@@ -10,7 +10,8 @@ The cost model, against the wall time of the resolver intervals in which timed c
 idle half the time must not spend its whole budget in the busy half)::
 
     cost = sampled direct regions × hot path + unsampled direct regions × skip cost
-         + sampled passes × (their measured extra CPU)        [instrument(), per pass]
+         + sampled passes × (their measured extra CPU, and the switch back to the untimed graph
+                             after a run of them under default compile)   [instrument(), per pass]
          + resolved samples × resolution cost + the resolver's wake-ups in busy intervals
 
 Regions started with ``on_elapsed`` are timed every time: their cost comes off the allowance
@@ -53,7 +54,8 @@ class PassWindow:
 
     passes: float
     sampled: float
-    per_pass_s: float  # extra CPU of a sampled pass (measured in the program, floored by the records)
+    per_pass_s: float  # extra CPU of a sampled pass, its switch back included (measured in the program,
+    #                    floored by the records)
     samples_per_pass: int
 
 
