@@ -18,7 +18,9 @@ variant of the controller's flags:
   of Python between, then a sync: busy most of the time, so it takes turns, but never queue-bound);
 - ``lend``: the H100's training + encoder 70/30 mix in shape: a training-like loop busy about 75% of
   its time (ten 300 µs kernels, a sync, 1 ms on the host) at 0.7, so it takes turns, and lends each
-  one to a GPU-bound loop (0.3) at its step's sync and takes it back at its next launch.
+  one to a GPU-bound loop (0.3) at its step's sync and takes it back at its next launch;
+- ``all-beside``: the H200's mixes as they ran there: three training-like loops (as in ``graph``) at
+  50/30/20, each busy about a third of its time, so all run beside one another and nobody takes turns.
 
     PYTHONPATH=src python benchmarks/share_controller_cpu.py \
         --rounds 2 --out benchmarks/results/share-controller-cpu-sixth.json
@@ -139,6 +141,9 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
         tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
     elif scenario == "encoder":
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
+    elif scenario == "all-beside":
+        shares = "train=0.5,second=0.3,third=0.2"
+        tenants = [("train", "train"), ("train", "second"), ("train", "third")]
     else:
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("hog", "hog")]
     ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)
@@ -159,7 +164,7 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
-    elif scenario in ("graph", "lend"):
+    elif scenario in ("graph", "lend", "all-beside"):
         out["iterations"] = counts
         out["lends"] = next((float(ln.split()[-1]) for ln in c["metrics"]
                              if ln.startswith(cat.SHARE_LENDS.name)), None)
@@ -195,7 +200,7 @@ def main() -> None:
                     rows.append(r)
                     extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
                              f"iterations {r['iterations']}, lends {r['lends']}"
-                             if scenario in ("graph", "lend") else
+                             if scenario in ("graph", "lend", "all-beside") else
                              f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "
