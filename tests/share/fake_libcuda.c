@@ -10,7 +10,8 @@
  * launch, when the GPU was idle); an event completes when the work queued before it has, a query
  * before then says not ready, and a synchronize sleeps until then (like a blocking-sync event).
  * FAKE_CUDA_LAUNCH_US=N makes each launch call spend N microseconds of CPU before its work reaches
- * the "GPU", as the real driver's launch path does (what a launch-bound program is bound by).
+ * the "GPU", as the real driver's launch path does (what a launch-bound program is bound by), and
+ * FAKE_CUDA_RECORD_US=N each event record (what timing each launch costs such a program).
  * FAKE_CUDA_SHARED_GPU=PATH (with FAKE_CUDA_REALTIME) makes every process that names the same file
  * share one "GPU": the clock is a word in that file, so work runs one launch after another across
  * processes, in the order it was launched, and an event pair of one process spans whatever the
@@ -66,6 +67,7 @@ static int device_count(void) {
 static int log_fd = -1;
 static int realtime = -1;
 static long launch_us = -1;
+static long record_us = -1;
 
 static uint64_t wall_ns(void) {
     struct timespec ts;
@@ -92,13 +94,23 @@ static _Atomic uint64_t *clock_word(void) {
     return word + dev();
 }
 
+static void spin_us(long us) {
+    if (us <= 0) return;
+    uint64_t until = wall_ns() + (uint64_t)us * 1000;
+    while (wall_ns() < until) {
+    }
+}
+
 /* The launch call's own CPU time, spent (spinning, like a CPU-bound driver) before the work is queued. */
 static void submit_delay(void) {
     if (launch_us < 0) launch_us = getenv("FAKE_CUDA_LAUNCH_US") ? atol(getenv("FAKE_CUDA_LAUNCH_US")) : 0;
-    if (launch_us <= 0) return;
-    uint64_t until = wall_ns() + (uint64_t)launch_us * 1000;
-    while (wall_ns() < until) {
-    }
+    spin_us(launch_us);
+}
+
+/* An event record's own CPU time (FAKE_CUDA_RECORD_US). */
+static void record_delay(void) {
+    if (record_us < 0) record_us = getenv("FAKE_CUDA_RECORD_US") ? atol(getenv("FAKE_CUDA_RECORD_US")) : 0;
+    spin_us(record_us);
 }
 
 /* Read at the first call of any kind: an event recorded before the first launch needs it too. */
@@ -263,7 +275,13 @@ CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
 /* Events: a slot holding the fake clock at record time. */
 typedef struct { uint64_t at; int recorded; } fake_event;
 CUresult cuEventCreate(fake_event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof **e); return 0; }
-CUresult cuEventRecord(fake_event *e, CUstream s) { (void)s; e->at = queue_end(); e->recorded = 1; return 0; }
+CUresult cuEventRecord(fake_event *e, CUstream s) {
+    (void)s;
+    record_delay();
+    e->at = queue_end();
+    e->recorded = 1;
+    return 0;
+}
 CUresult cuEventRecord_ptsz(fake_event *e, CUstream s) { return cuEventRecord(e, s); }
 CUresult cuEventSynchronize(fake_event *e) {
     if (in_real_time() && e->recorded) {

@@ -276,7 +276,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys):
         share_main(["--share", "a=0.5", "--share.probe-every", "50ms"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--share.probe-every must be at least 0.1s" in err
+    assert err.count("\n") == 1 and "--share.probe-every must be at least 0.15s" in err
     with pytest.raises(SystemExit) as info:
         share_main(["--share", "a=0.5", "--share.probe-backoff", "0"])
     assert info.value.code == 2

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from gpuscope.share.probes import Prober
-from gpuscope.share.settings import PROBE_READ_LAG_S, PROBE_S
+from gpuscope.share.settings import PROBE_LEAD_S, PROBE_READ_LAG_S, PROBE_S
 
 
 class Mask:
@@ -20,14 +20,18 @@ class Mask:
 
 
 class Busy:
-    """Each slot's posted busy time: a slot keeps the GPU busy ``ratio[slot]`` of each probe, in
-    launches of ``LAUNCH_S`` each."""
+    """Each slot's counters: in a probe's lead a slot waits for the GPU ``waiting[slot]`` of its time and
+    launches at ``ratio[slot] / LAUNCH_S`` a second; timing each launch, it keeps the GPU busy
+    ``ratio[slot] * timed_rate`` of the time, in launches of ``LAUNCH_S`` each (its launches slowed by
+    ``timed_rate``, as its events and their queries slow a launch-bound loop)."""
 
     LAUNCH_S = 1e-4
 
-    def __init__(self, ratio: dict[int, float], waiting: dict[int, float] | None = None) -> None:
-        self.ratio, self.ns = ratio, dict.fromkeys(ratio, 0)
+    def __init__(self, ratio: dict[int, float], waiting: dict[int, float] | None = None,
+                 timed_rate: float = 1.0) -> None:
+        self.ratio, self.ns, self.timed_rate = ratio, dict.fromkeys(ratio, 0), timed_rate
         self.waiting, self.wait_ns = waiting or {}, dict.fromkeys(ratio, 0)
+        self.launch_count = dict.fromkeys(ratio, 0)
 
     def busy(self, slot: int) -> tuple[int, int]:
         return self.ns[slot], round(self.ns[slot] / 1e9 / self.LAUNCH_S)
@@ -35,21 +39,36 @@ class Busy:
     def sync_wait_ns(self, slot: int) -> int:
         return self.wait_ns[slot]
 
+    def launches(self, slot: int) -> int:
+        return self.launch_count[slot]
+
+    def post(self, slot: int, timed: bool) -> None:
+        """What the slot's processes post over one phase of its probe."""
+        if timed:
+            busy_ns = int(self.ratio[slot] * self.timed_rate * PROBE_S * 1e9)
+            self.ns[slot] += busy_ns
+            self.launch_count[slot] += round(busy_ns / 1e9 / self.LAUNCH_S)
+        else:
+            self.launch_count[slot] += round(self.ratio[slot] * PROBE_LEAD_S / self.LAUNCH_S)
+            self.wait_ns[slot] += int(self.waiting.get(slot, 0.0) * PROBE_LEAD_S * 1e9)
+
 
 def run(prober: Prober, busy: Busy, candidates: set[int], seconds: float, start: float = 0.0,
         until=lambda: False) -> tuple[list[tuple[float, int]], float]:
     """Drive the prober as the controller's loop does for ``seconds`` from ``start`` (or until
     ``until()``); the probes it started, and when it stopped."""
-    probes, now = [], start
+    probes, now, posted = [], start, None
     while now < start + seconds and not until():
         left = prober.advance(now)
         if left is None and prober.probe is None:
             slot = prober.due(now, candidates)
             if slot is not None:
-                prober.start(slot, now)
-                busy.ns[slot] += int(busy.ratio[slot] * PROBE_S * 1e9)  # what the probe will post
-                busy.wait_ns[slot] += int(busy.waiting.get(slot, 0.0) * PROBE_S * 1e9)  # and its syncs
+                assert prober.start(slot, now) == PROBE_LEAD_S
                 probes.append((now, slot))
+        probe = prober.probe
+        if probe is not None and probe.read_at == 0.0 and posted != (probe.slot, probe.started, probe.timed):
+            busy.post(probe.slot, probe.timed)  # what the phase just begun will post
+            posted = (probe.slot, probe.started, probe.timed)
         now += 0.001
     return probes, now
 
@@ -79,6 +98,19 @@ def test_a_probe_reads_the_part_of_its_time_the_tenant_waits_for_the_gpu():
     assert prober.launch_rate[1] == pytest.approx(0.3 / Busy.LAUNCH_S, rel=0.1)
 
 
+def test_a_probe_reads_launches_and_waits_in_its_lead_not_while_it_times_each_launch():
+    # a launch-bound loop that timing each launch slows to half its rate: beside the holder it launches
+    # untimed, so the launches a second it is compared with are its untimed ones
+    busy = Busy({0: 0.9, 1: 0.3}, waiting={0: 0.95, 1: 0.35}, timed_rate=0.5)
+    prober = Prober(Mask(), busy, every_s=1.0, backoff=1)
+    run(prober, busy, {0, 1}, 10.0)
+    assert prober.launch_rate[1] == pytest.approx(0.3 / Busy.LAUNCH_S, rel=0.1)
+    assert prober.wait_ratio[1] == pytest.approx(0.35, rel=0.1)
+    # its busy fraction and kernel time a launch come from the timed part, as before
+    assert prober.busy_ratio[1] == pytest.approx(0.15, rel=0.1)
+    assert prober.launch_s[1] == pytest.approx(Busy.LAUNCH_S, rel=0.01)
+
+
 def test_a_tenant_whose_probes_agree_is_probed_less_often_down_to_the_back_off():
     busy = Busy({0: 0.95, 1: 0.1, 2: 0.5})
     fixed, backed = Prober(Mask(), busy, every_s=1.0, backoff=1), Prober(Mask(), busy, every_s=1.0, backoff=8)
@@ -102,7 +134,7 @@ def test_a_probe_that_moves_the_estimate_brings_the_tenant_back_to_every_round()
     # within 8 rounds of 2 s it is probed again, moves, and is back to every round
     start = max(prober.last_probed.values())
     _, now = run(prober, busy, {0, 1}, 40.0, start, until=lambda: prober.spacing.get(1) == 1)
-    assert prober.spacing[1] == 1 and now - start <= 17.0 + PROBE_S + PROBE_READ_LAG_S + 0.01
+    assert prober.spacing[1] == 1 and now - start <= 17.0 + PROBE_LEAD_S + PROBE_S + PROBE_READ_LAG_S + 0.01
     assert prober.busy_ratio[1] > 0.45  # halfway there after one probe (the running estimate)
 
 

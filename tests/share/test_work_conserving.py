@@ -7,10 +7,12 @@ turn and takes it back at its next launch, and it is charged the GPU time its ke
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,16 +31,17 @@ KERNEL_HEAVY, HOST_HEAVY = (13, 300, 2), (5, 300, 4)
 
 def run(fake, tmp_path, kinds: list[str], tenants: list[str] | None = None,
         ledger: str | None = None, shape: tuple | list[tuple] = KERNEL_HEAVY,
-        seconds: float = SECONDS) -> list[int]:
+        seconds: float = SECONDS, extra_env: dict[str, str] | None = None) -> list[int]:
     """Each kind as a process on one fake GPU for SECONDS; the steps each finished. ``shape``: every
-    process's (kernels a step, each kernel's µs, host work in ms), or one for each."""
+    process's (kernels a step, each kernel's µs, host work in ms), or one for each; ``extra_env``:
+    the fake driver's settings for all of them."""
     gpu = tmp_path / f"gpu-{'-'.join(kinds)}-{'managed' if tenants else 'plain'}"
     procs = []
     for i, kind in enumerate(kinds):
         burst, kernel_us, gap_ms = shape[i] if isinstance(shape, list) else shape
         env = child_env(fake, os.devnull, tenant=tenants[i] if tenants else None, ledger=ledger)
         env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(gpu), WORKLOAD_BURST=str(burst),
-                   WORKLOAD_KERNEL_US=str(kernel_us), WORKLOAD_GAP_MS=str(gap_ms))
+                   WORKLOAD_KERNEL_US=str(kernel_us), WORKLOAD_GAP_MS=str(gap_ms), **(extra_env or {}))
         argv = [sys.executable, str(HERE / "workload.py"), kind, str(seconds)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -173,3 +176,35 @@ def test_a_tenant_starved_beside_the_hog_takes_turns_and_gets_its_share(fake_cud
     # the hog at its own
     assert mlp >= 0.1 and mlp >= 3 * plain[0], (mlp, plain, busy, stats)
     assert hog >= 0.6, (mlp, hog, busy, stats)
+
+
+#: A launch-bound loop (twenty 10 µs kernels and a sync a step) on a driver whose event records cost
+#: 30 µs of CPU each: timing each launch, as a probe does, slows it to a fraction of its rate.
+LAUNCH_BOUND, RECORD_COST = (20, 10, 0.0), {"FAKE_CUDA_RECORD_US": "30"}
+
+
+def test_a_launch_bound_tenant_is_judged_against_its_untimed_launches(fake_cuda, tmp_path):
+    """Its probes read its launches a second in their lead, before it times each launch: what it is
+    compared with beside the holder, where it launches untimed. Read while it timed each launch, its
+    alone rate read a fraction of what it is, and its estimated throughput beside the hog as many
+    times too high (it was never found starved)."""
+    ledger = str(tmp_path / "ledger")
+    alone_steps = run(fake_cuda, tmp_path, ["steps"], shape=LAUNCH_BOUND, extra_env=RECORD_COST)[0]
+    alone_rate = alone_steps * LAUNCH_BOUND[0] / SECONDS
+    estimates = []
+    with running_controller(ledger, [TenantPolicy("mlp", 0.25), TenantPolicy("hog", 0.75)], slice=0.03,
+                            drain_timeout=2.0) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        mix = pool.submit(run, fake_cuda, tmp_path, ["steps", "busy"], ["mlp", "hog"], ledger,
+                          [LAUNCH_BOUND, LONG_KERNELS], seconds=STARVED_RUN_S, extra_env=RECORD_COST)
+        while not mix.done():  # its estimate beside the hog exists while it runs there
+            if 0 in c.beside_throughput:
+                estimates.append(c.beside_throughput[0])
+            time.sleep(0.05)
+        steps, _ = mix.result()
+        rate = c.prober.launch_rate.get(0)
+    fraction = steps / alone_steps * SECONDS / STARVED_RUN_S
+    print(alone_rate, rate, c.prober.busy_ratio, estimates[-3:], fraction)
+    assert c.stats.probes >= 2 and rate is not None, c.stats
+    assert 0.6 * alone_rate <= rate <= 1.5 * alone_rate, (rate, alone_rate)
+    # and its estimate beside the hog near what it did there (a busy machine moves both)
+    assert estimates and abs(estimates[-1] - fraction) <= 0.5 * fraction + 0.02, (estimates[-3:], fraction)

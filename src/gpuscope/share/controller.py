@@ -34,7 +34,7 @@ from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
-from gpuscope.share.settings import PROBE_S, STARVED_TURNS_S, Accounting, Handover, ShareSettings, Turns
+from gpuscope.share.settings import STARVED_TURNS_S, Accounting, Handover, ShareSettings, Turns
 
 try:
     from gpuscope.share import _turns
@@ -395,9 +395,10 @@ class Controller:
         self.stats.slices[self.tenants[self.holder].name] += 1
 
     # --- probes: how busy each tenant keeps the GPU, running alone --------------------------------
-    def _start_probe(self, slot: int) -> None:
+    def _start_probe(self, slot: int) -> float:
         """Pause every other tenant, its queued work drained first, except those beside the holder of
-        higher priority than ``slot``, and have ``slot`` time each launch. A tenant beside the holder is
+        higher priority than ``slot``, and probe ``slot`` (``Prober``: a lead as it launches anyway,
+        then each launch timed); returns how long its lead lasts. A tenant beside the holder is
         drained too: it launches untimed, so its process waits for an event after its last launch when
         its gate closes. Not drained, a training step's kernels queued beside ran through the first
         milliseconds of another tenant's probe, and were timed as that tenant's busy time."""
@@ -405,8 +406,8 @@ class Controller:
         running = sum(1 << s for s in keep | {slot})
         self._drain(set(range(len(self.tenants))) - keep - set(self.gang_slots()) - {slot}, running)
         self.holder = None
-        self.prober.start(slot, time.monotonic())
         self.stats.probes += 1
+        return self.prober.start(slot, time.monotonic())
 
     # --- gang tenants: one turn on all their GPUs at once (gangs.py) --------------------------
     def gang_slots(self) -> dict[int, str]:
@@ -485,8 +486,7 @@ class Controller:
         self._set_duties(active)
         probed = self.prober.due(now, active - set(gangs))
         if probed is not None:
-            self._start_probe(probed)
-            return PROBE_S
+            return self._start_probe(probed)
         contenders = active - self.beside
         wanting = self.processes.wanting_slots(self.holder) - self.beside
         if gangs:

@@ -35,14 +35,14 @@ from gpuscope.share.node import Node
 from gpuscope.share.nvml_source import nvml_utilization
 from gpuscope.share.policy import PolicyFile, PolicySpec, with_gangs
 from gpuscope.share.preload import library_path
-from gpuscope.share.settings import PROBE_S, Accounting, ShareSettings
+from gpuscope.share.settings import PROBE_LEAD_S, PROBE_S, Accounting, ShareSettings
 from gpuscope.share.unmanaged import UnmanagedWatch, nvml_processes
 from gpuscope.util.flags import parse_listen_address
 from gpuscope.util.metrics_http import MetricsServer, page
 from gpuscope.util.settings import SettingsParser, parser_for
 
 #: Probes more often than this would pause the slice holder for a fifth of its time.
-MIN_PROBE_EVERY_S = 5 * PROBE_S
+MIN_PROBE_EVERY_S = 5 * (PROBE_LEAD_S + PROBE_S)
 
 
 def _parser() -> SettingsParser[ShareSettings]:
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--share.queued-windows must be between 1 and 255, not {args.queued_windows}")
     if args.probe_every < MIN_PROBE_EVERY_S:
         parser.error(f"--share.probe-every must be at least {MIN_PROBE_EVERY_S:g}s (a probe pauses the slice "
-                     f"holder for {PROBE_S:g}s), not {args.probe_every:g}s")
+                     f"holder for {PROBE_LEAD_S + PROBE_S:g}s), not {args.probe_every:g}s")
     if not 1 <= args.probe_backoff <= 64:
         parser.error(f"--share.probe-backoff must be between 1 and 64, not {args.probe_backoff}")
     if not 1 <= args.max_connections <= 100_000:

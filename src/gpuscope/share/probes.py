@@ -10,6 +10,14 @@ soon after it starts): probed together, tenants' kernels would wait for each oth
 than they are. Tenants of higher priority than the probed one keep running (a latency tenant is never
 paused for another's probe; the probed one then reads a little busy, never idle).
 
+A probe begins with a lead of ``PROBE_LEAD_S`` in which the tenant runs alone as it launches anyway
+(untimed beside the holder, in its usual windows taking turns): its launches a second and the part of
+its time it waits for the GPU there are what its throughput beside the holder is estimated against
+(``scheduler.beside_fraction``). Read while it timed each launch, they were read slow: two events and
+their queries a launch cost a launch-bound loop a large part of its rate (on an H100 a compiled MLP
+beside the holder was estimated at 0.18 of its alone rate where it ran at 0.10), so such a tenant
+was never found starved.
+
 A probe also gives the tenant's kernel time per launch (its busy time over the launches it timed):
 beside the holder a tenant is charged that for each launch it makes, so a tenant slowed down beside
 a GPU-bound holder (its kernels wait behind the holder's) is charged the kernels it ran, not its busy
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 
 from gpuscope.share.ledger import Policy
 from gpuscope.share.processes import ProcessTable
-from gpuscope.share.settings import PROBE_FIRST_S, PROBE_READ_LAG_S, PROBE_S
+from gpuscope.share.settings import PROBE_FIRST_S, PROBE_LEAD_S, PROBE_READ_LAG_S, PROBE_S
 
 #: Weight of a new probe's busy fraction in the running estimate.
 PROBE_WEIGHT = 0.5
@@ -46,15 +54,17 @@ STABLE_DELTA = 0.05
 
 @dataclass
 class Probe:
-    """A pause of the other tenants while one tenant times its launches."""
+    """A pause of the other tenants while one tenant runs alone: a lead as it launches anyway, then
+    timing each launch."""
 
     slot: int
-    until: float
-    started: float
-    busy_ns: int  # the slot's processes' busy_ns when the probe began
-    busy_launches: int  # and their launches timed on their own
-    sync_wait_ns: int = 0  # and their time in waits for the GPU
-    sync_wait_end_ns: int = 0  # that time as the probe ended (it goes on counting after)
+    until: float  # the end of the phase under way (the lead's, then the timed part's)
+    started: float  # when the phase under way began
+    launches: int  # the slot's processes' launches as the lead began
+    sync_wait_ns: int  # and their time in waits for the GPU
+    busy_ns: int = 0  # their busy_ns as the timed part began
+    busy_launches: int = 0  # and their launches timed on their own
+    timed: bool = False  # the lead is over: each launch is timed
     read_at: float = 0.0  # once ended: when its windows have been posted
 
 
@@ -106,31 +116,56 @@ class Prober:
             return min(candidates, key=lambda s: (s in self.last_probed, self.first_seen.get(s, now), s))
         return min(candidates, key=lambda s: (self._own_due(s, len(candidates)), s))
 
-    def start(self, slot: int, now: float) -> None:
-        """Have ``slot`` time each launch from ``now`` (the others already drained and paused)."""
-        busy_ns, busy_launches = self.table.busy(slot)
-        self.probe = Probe(slot=slot, until=now + PROBE_S, started=now, busy_ns=busy_ns,
-                           busy_launches=busy_launches, sync_wait_ns=self.table.sync_wait_ns(slot))
+    def start(self, slot: int, now: float) -> float:
+        """Have ``slot`` run alone from ``now`` (the others already drained and paused): its lead, then
+        each launch timed (``advance``). Returns how long the lead lasts."""
+        self.probe = Probe(slot=slot, until=now + PROBE_LEAD_S, started=now,
+                           launches=self.table.launches(slot), sync_wait_ns=self.table.sync_wait_ns(slot))
         self.last_probed[slot] = now
         self.first_seen.pop(slot, None)
-        self.policy.set_busy_mask(1 << slot)
+        return PROBE_LEAD_S
 
     def advance(self, now: float) -> float | None:
-        """Move a probe along: end it when its time is up, read it once its windows are posted.
-        Returns how long the running probe has left (the loop sleeps that long), else None."""
+        """Move a probe along: from its lead to timing each launch, end it when its time is up, read it
+        once its windows are posted. Returns how long the running phase has left (the loop sleeps that
+        long), else None."""
         probe = self.probe
         if probe is None:
             return None
         if probe.read_at == 0.0:  # running
             if now < probe.until:
                 return probe.until - now
+            if not probe.timed:
+                self._read_lead(probe, now)
+                busy_ns, busy_launches = self.table.busy(probe.slot)
+                probe.busy_ns, probe.busy_launches, probe.timed = busy_ns, busy_launches, True
+                probe.started, probe.until = now, now + PROBE_S
+                self.policy.set_busy_mask(1 << probe.slot)
+                return PROBE_S
             self.policy.set_busy_mask(0)
             probe.until, probe.read_at = now, now + PROBE_READ_LAG_S
-            probe.sync_wait_end_ns = self.table.sync_wait_ns(probe.slot)
             self.last_end = now
         elif now >= probe.read_at:
             self._read(probe)
         return None
+
+    def _read_lead(self, probe: Probe, now: float) -> None:
+        """The part of its lead the tenant waited for the GPU, and its launches a second there, folded
+        into running estimates (a lead in which it launched nothing says nothing of either)."""
+        wall = max(now - probe.started, 1e-6)
+        launches = self.table.launches(probe.slot) - probe.launches
+        if launches <= 0:
+            return
+        # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
+        # are compared with (scheduler.beside_fraction)
+        waited = min(1.0, max(0, self.table.sync_wait_ns(probe.slot) - probe.sync_wait_ns) / 1e9 / wall)
+        old_wait = self.wait_ratio.get(probe.slot)
+        self.wait_ratio[probe.slot] = (waited if old_wait is None
+                                       else old_wait + PROBE_WEIGHT * (waited - old_wait))
+        # and its launches a second alone: what its launches beside the holder are compared with
+        old_rate, launch_rate = self.launch_rate.get(probe.slot), launches / wall
+        self.launch_rate[probe.slot] = (launch_rate if old_rate is None
+                                        else old_rate + PROBE_WEIGHT * (launch_rate - old_rate))
 
     def _read(self, probe: Probe) -> None:
         """The probed tenant's busy fraction and kernel time a launch, folded into running estimates."""
@@ -152,16 +187,6 @@ class Prober:
         per_launch, old_per = busy_s / launches, self.launch_s.get(probe.slot)
         self.launch_s[probe.slot] = (per_launch if old_per is None
                                      else old_per + PROBE_WEIGHT * (per_launch - old_per))
-        # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
-        # are compared with (scheduler.beside_fraction)
-        waited = min(1.0, max(0, probe.sync_wait_end_ns - probe.sync_wait_ns) / 1e9 / wall)
-        old_wait = self.wait_ratio.get(probe.slot)
-        self.wait_ratio[probe.slot] = (waited if old_wait is None
-                                       else old_wait + PROBE_WEIGHT * (waited - old_wait))
-        # and its launches a second alone: what its launches beside the holder are compared with
-        old_rate, launch_rate = self.launch_rate.get(probe.slot), launches / wall
-        self.launch_rate[probe.slot] = (launch_rate if old_rate is None
-                                        else old_rate + PROBE_WEIGHT * (launch_rate - old_rate))
         steady = old is not None and abs(measured - old) <= STABLE_DELTA
         spacing = self.spacing.get(probe.slot, 1)
         self.spacing[probe.slot] = min(2 * spacing, self.backoff) if steady else 1

@@ -29,11 +29,13 @@ from gpuscope.util.settings import parse_float, setting
 DEFAULT_SLICE_S = 0.03
 #: A tenant beside the holder launches untimed (an event between its small kernels costs it a context
 #: switch each on a time-sliced GPU: docs/share.md, "Priorities"). Every PROBE_EVERY_S one active
-#: tenant runs alone for PROBE_S and times each launch: its busy fraction, which decides whether it
-#: takes turns or runs beside the holder, and what it is charged there. A tenant's first probe comes
-#: PROBE_FIRST_S after it starts; a probe's windows are read PROBE_READ_LAG_S after it (the helper
-#: posts in batches).
+#: tenant runs alone, first for PROBE_LEAD_S as it launches anyway (its launches a second and its
+#: waits for the GPU alone, which its estimated throughput beside the holder is read against), then
+#: for PROBE_S timing each launch: its busy fraction, which decides whether it takes turns or runs
+#: beside the holder, and what it is charged there. A tenant's first probe comes PROBE_FIRST_S after
+#: it starts; a probe's windows are read PROBE_READ_LAG_S after it (the helper posts in batches).
 PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
+PROBE_LEAD_S = 0.01
 #: A tenant whose probes agree is probed up to this many times less often (docs/share.md, "Probes").
 DEFAULT_PROBE_BACKOFF = 8
 
@@ -114,8 +116,9 @@ class ShareSettings:
                                    "before a drain hand-over or a probe", parse=parse_duration)
     probe_every: float = setting(
         "--share.probe-every", PROBE_EVERY_S, "how often one tenant, in turn, is probed (the others paused "
-        f"for {PROBE_S * 1e3:g} ms while it times each launch) for its busy fraction: whether it takes turns "
-        "or runs beside the holder, and what it is charged there; longer costs less CPU and paused time, "
+        f"for {(PROBE_LEAD_S + PROBE_S) * 1e3:g} ms while it runs alone, the last {PROBE_S * 1e3:g} "
+        "timing each launch) for its busy fraction: whether it takes turns or runs beside the holder, "
+        "and what it is charged there; longer costs less CPU and paused time, "
         "shorter follows a changing workload sooner",
         parse=parse_duration)
     probe_backoff: int = setting(
