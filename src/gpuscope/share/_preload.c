@@ -189,7 +189,8 @@ typedef struct {
 #define WATCH_NAP_TIGHT_NS 10000000ull
 /* How often the helper of a holder alone (holding_alone(): no other tenant takes turns) posts its
  * finished windows: nobody waits for its hand-over or for a lent turn, and the controller charges the
- * posted time every 250 ms (a tenant that starts taking turns wakes the helper through the policy).
+ * posted time every 500 ms (KEEPER_RETURN_S; a tenant that starts taking turns wakes the helper
+ * through the policy).
  * Watched as closely as a holder with others waiting, a launch-bound holder with a latency tenant
  * beside it woke its helper about 1,000 times a second on the CPU host (1.4% of a core), at each
  * window and at each millisecond's look for quiet; every 10 ms, 100 times (0.10-0.20%); every 25 ms,

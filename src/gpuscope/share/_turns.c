@@ -5,7 +5,7 @@
  * the Python loop, each hand-over is a wake-up of the interpreter on a cold cache (docs/share.md,
  * "The turn keeper", has the cost). take_turns() does the same
  * decisions here and returns to Python only at a deadline (the controller's bookkeeping: charging,
- * the active set, probes, every 250 ms), when a tenant rings the bell (a preempting priority, a quiet
+ * the active set, probes, every KEEPER_RETURN_S, 500 ms), when a tenant rings the bell (a preempting priority, a quiet
  * holder) or when a tenant process has exited, so a hand-over costs a futex wake-up, a few loads and
  * a kill(pid, 0) per process.
  *

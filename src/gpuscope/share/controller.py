@@ -34,7 +34,14 @@ from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
-from gpuscope.share.settings import STARVED_TURNS_S, Accounting, Handover, ShareSettings, Turns
+from gpuscope.share.settings import (
+    KEEPER_RETURN_S,
+    STARVED_TURNS_S,
+    Accounting,
+    Handover,
+    ShareSettings,
+    Turns,
+)
 
 try:
     from gpuscope.share import _turns
@@ -47,20 +54,17 @@ DEFAULTS = ShareSettings()
 #: How often the controller checks that its tenant processes live (a dead one's share is given back),
 #: and how often it also reads /proc to tell a zombie (exited, not yet reaped by its parent).
 SCAN_S, ZOMBIE_CHECK_S = 0.1, 2.0
-#: How often the loop looks while shares do not bind: with tenant processes attached (a second one
-#: starting to launch makes them bind), and with none (a process that joins rings the bell; the
-#: heartbeat must still move well inside the tenants' 2 s staleness limit). Looking more often costs
-#: an idle controller CPU for nothing.
-OPEN_POLL_S, NO_TENANTS_POLL_S = 0.25, 0.5
+#: How often the loop looks while shares do not bind, or while every active tenant runs beside the
+#: holder: with tenant processes attached (a second one starting to launch makes them bind), and with
+#: none (a process that joins rings the bell; the heartbeat must still move well inside the tenants'
+#: 2 s staleness limit). Looking more often costs an idle controller CPU for nothing: at 0.25 s, with
+#: three tenants beside one another on the CPU host's fake GPU, 0.33-0.35% of a core against
+#: 0.23-0.26% at 0.5 s (``results/share-controller-cpu-half-second.json``).
+OPEN_POLL_S, NO_TENANTS_POLL_S = 0.5, 0.5
 #: A holder that goes quiet (nothing queued, no launch) with more than this left of its turn while
 #: others wait lends them the rest of it and keeps its claim: its next launch takes the turn back
 #: (a training step's host work between its kernels would otherwise cost it the whole turn).
 LEND_MIN_S = 0.001
-#: While tenants take turns the hand-overs run in C (``_turns``), and the Python loop takes control
-#: back this often to charge posted time, update the active set and start probes (the C loop itself
-#: returns at once when a tenant process exits). Each return costs a wake-up of the interpreter on a
-#: cold cache, as each hand-over did when they were decided in Python (docs/share.md, "The turn keeper").
-KEEPER_RETURN_S = 0.25
 #: With draining hand-overs the holder stops at its slice's end by itself (it sees the end in the
 #: policy), drains its queue and rings: one wake-up of the keeper per hand-over instead of two. The
 #: keeper waits this many accounting windows past the end for that before it drains the holder itself

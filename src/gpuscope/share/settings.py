@@ -36,6 +36,13 @@ DEFAULT_SLICE_S = 0.03
 #: it starts; a probe's windows are read PROBE_READ_LAG_S after it (the helper posts in batches).
 PROBE_EVERY_S, PROBE_S, PROBE_FIRST_S, PROBE_READ_LAG_S = 1.0, 0.02, 0.2, 0.01
 PROBE_LEAD_S = 0.01
+#: While tenants take turns the hand-overs run in C (``_turns``), and the controller's Python loop takes
+#: control back this often to charge posted time, update the active set and start probes (the C loop
+#: itself returns at once when a tenant process exits or rings). Each return costs a wake-up of the
+#: interpreter on a cold cache, as each hand-over did when they were decided in Python (docs/share.md,
+#: "The turn keeper"): at 0.25 s the controller took 0.22-0.38% of a core on the CPU host's fake GPU,
+#: at 0.5 s 0.13-0.25%, with the same shares, iterations and latency.
+KEEPER_RETURN_S = 0.5
 #: A tenant whose probes agree is probed up to this many times less often (docs/share.md, "Probes").
 DEFAULT_PROBE_BACKOFF = 8
 
@@ -110,8 +117,8 @@ class ShareSettings:
         "contexts' time-slicing then costs the smaller share more)")
     turns: Turns = setting(
         "--share.turns", Turns.C, "where hand-overs are decided: c (a loop in C that wakes "
-        "Python only every 250 ms; python where it was not built) or python (a wake-up of the Python loop "
-        "per hand-over)")
+        f"Python only every {KEEPER_RETURN_S * 1e3:g} ms; python where it was not built) or python (a "
+        "wake-up of the Python loop per hand-over)")
     drain_timeout: float = setting("--share.drain-timeout", 0.2, "longest wait for a holder's queued work "
                                    "before a drain hand-over or a probe", parse=parse_duration)
     probe_every: float = setting(
