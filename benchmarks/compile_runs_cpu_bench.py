@@ -9,11 +9,13 @@ A sampled pass switches the compiled model to its timed graph and the next untim
 stamps a counter). In each process, blocks of ``--passes`` passes run interleaved, their order
 alternating: ``detached`` (the timer detached from the same compiled model: the baseline), ``untimed``
 (attached, never sampled), ``every`` (every pass timed) and, for each ``--runs`` length N, ``runN``
-(sampled at ``--period``, in runs of N). Per block the main thread's CPU per pass; per mode the
+(sampled at ``--period``, in runs of N). Per block the main thread's CPU per pass (and, as
+``*_wall_us``, its wall time); per mode the
 median over blocks of its paired difference from ``detached`` (``extra_us``), then the median over
 ``--rounds`` processes. The ideal at the period is ``untimed`` + ``every`` ÷ period: what is above it
 is the switching. Per run mode also the budget's own estimate of a timed pass's cost over an untimed
-one (``runN_estimate_us``, measured in the program from each block's passes) against what it cost
+one (``runN_estimate_us``, measured in the program from each block's passes; ``runN_wall_estimate_us`` on
+the wall clock) against what it cost
 all told (``runN_actual_us``: its extra over ``untimed``, times the period). GPU figures come from
 compile_timing_bench.py.
 """
@@ -56,45 +58,52 @@ def measure(library: str, layers: int, passes: int, blocks: int, period: int, ru
 
         estimates: dict[str, list[float]] = {}
 
-        def block(mode: str) -> float:
+        def block(mode: str) -> tuple[float, float]:
             sampled = mode.startswith("run")
             if sampled:
                 compiled_mod.TIMED_RUN = int(mode[3:])
                 inst.cost.__init__()  # the budget's estimate from this block's passes alone
+                inst.wall_cost.__init__()
             state.period = period if sampled else 1 if mode == "every" else 1 << 40
             state.countdown = 0 if sampled or mode == "every" else 1 << 40
             if mode == "detached":
                 inst.detach()
             try:
-                t0 = clock()
+                t0, w0 = clock(), time.perf_counter_ns()
                 for _ in range(passes):
                     compiled(x)
-                spent = clock() - t0
+                spent, spent_wall = clock() - t0, time.perf_counter_ns() - w0
             finally:
                 if mode == "detached":
                     inst.attach()
             if not timer.flush(10):
                 raise RuntimeError("pairs left unresolved")
-            estimate = inst.cost.per_sampled_pass_s() if sampled else None
-            if estimate is not None:
-                estimates.setdefault(mode, []).append(estimate * 1e6)
-            return spent / passes / 1e3
+            for key, cost in (("", inst.cost), ("_wall", inst.wall_cost)):
+                estimate = cost.per_sampled_pass_s() if sampled else None
+                if estimate is not None:
+                    estimates.setdefault(mode + key, []).append(estimate * 1e6)
+            return spent / passes / 1e3, spent_wall / passes / 1e3
 
         modes = ["detached", "untimed", "every", *(f"run{n}" for n in runs)]
         with torch.no_grad():
             for _ in range(3):  # both graphs compiled, the first timed calls' uncached compiles done
                 for mode in modes:
                     block(mode)
-            got: dict[str, list[float]] = {mode: [] for mode in modes}
+            got: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
             for index in range(blocks):
                 for mode in modes if index % 2 == 0 else modes[::-1]:
                     got[mode].append(block(mode))
-        base = got["detached"]
-        return {"detached_us": statistics.median(base),
-                **{f"{mode}_extra_us": statistics.median(a - b for a, b in zip(got[mode], base, strict=True))
-                   for mode in modes[1:]},
-                # what the budget's in-program measurement says a timed pass costs over an untimed one
-                **{f"{mode}_estimate_us": statistics.median(values) for mode, values in estimates.items()}}
+        out: dict[str, float] = {}
+        for index, key in enumerate(("", "_wall")):  # the thread's CPU, then the wall clock
+            base = [b[index] for b in got["detached"]]
+            out[f"detached{key}_us"] = statistics.median(base)
+            for mode in modes[1:]:
+                out[f"{mode}_extra{key}_us"] = statistics.median(
+                    a[index] - b for a, b in zip(got[mode], base, strict=True))
+        # what the in-program measurement says a timed pass costs over an untimed one: the thread's CPU
+        # (what the budget reads) and the wall clock (``inst.wall_cost``)
+        out.update({f"{mode}_estimate_us": statistics.median(values) for mode, values in estimates.items()})
+        return out
     finally:
         timer.close(timeout=1.0)
 
@@ -133,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     medians = {key: rnd(statistics.median(r[key] for r in results), 2) for key in results[0]}
     medians["ideal_extra_us"] = rnd(medians["untimed_extra_us"] + medians["every_extra_us"] / args.period, 2)
     for n in runs:  # what a timed pass cost over an untimed one, all told: the estimate's target
-        medians[f"run{n}_actual_us"] = rnd(
-            (medians[f"run{n}_extra_us"] - medians["untimed_extra_us"]) * args.period, 1)
+        for key in ("", "_wall"):
+            medians[f"run{n}_actual{key}_us"] = rnd(
+                (medians[f"run{n}_extra{key}_us"] - medians[f"untimed_extra{key}_us"]) * args.period, 1)
     report = {"date": time.strftime("%Y-%m-%d"), "layers": args.layers, "passes": args.passes,
               "blocks": args.blocks, "period": args.period, "rounds": args.rounds, "medians": medians,
               "per_round": results}

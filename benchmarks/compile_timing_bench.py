@@ -251,6 +251,22 @@ def extra_us(same_model: dict) -> float | None:
     return rnd((1 / on - 1 / off) * 1e6, 1) if on and off else None
 
 
+def cost_estimates(inst, budget: dict) -> dict:
+    """What a timed pass costs by the instrumentation's running means, on the launching thread's CPU
+    (what the budget reads) and on the wall clock (``inst.wall_cost``), and the loss each implies at
+    the share of passes the budget timed: set against the fine blocks' measured loss, which clock
+    sees what the timed passes cost."""
+    out: dict = {}
+    share = budget["timed_passes"] / max(1, budget["passes"])
+    pass_s = 1 / budget["untimed_steps_per_s"] if budget.get("untimed_steps_per_s") else None
+    for key, cost in (("thread", inst.cost), ("wall", inst.wall_cost)):
+        per_pass = cost.per_sampled_pass_s()
+        out[f"timed_pass_cost_us_{key}"] = rnd(per_pass * 1e6, 1) if per_pass is not None else None
+        out[f"implied_loss_{key}"] = (rnd(per_pass * share / pass_s, 5)
+                                      if per_pass is not None and pass_s else None)
+    return out
+
+
 def build(name: str) -> tuple:
     """The workload's model (on the device, bf16, eval) and its call's arguments and regions."""
     torch.manual_seed(0)
@@ -344,6 +360,7 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
 
         by_position: dict[str, dict[int, list[int]]] = {"detached": {}, "sparse": {}}
         estimates: list[float] = []  # the budget's own estimate of a timed pass's cost, per segment
+        wall_estimates: list[float] = []  # the same in wall time (inst.wall_cost)
 
         def segment(variant: str, passes: int = steps) -> tuple[float, float]:
             if variant == "detached":
@@ -353,6 +370,7 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
             elif variant == "sparse":
                 timer.core.set_period(args.sparse_period)
                 inst.cost.__init__()  # the budget's estimate from this segment's passes alone
+                inst.wall_cost.__init__()
             cpu0 = time.thread_time()
             try:
                 if variant in by_position:
@@ -368,6 +386,7 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
                 timer.core.set_period(1)
             if variant == "sparse" and inst.cost.per_sampled_pass_s() is not None:
                 estimates.append(inst.cost.per_sampled_pass_s())
+                wall_estimates.append(inst.wall_cost.per_sampled_pass_s() or 0.0)
             timer.flush(10)
             return steps_per_s, cpu_us
 
@@ -399,6 +418,8 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
             result["sparse"]["extra_us_per_pass"] * args.sparse_period, 1)
         result["sparse"]["budget_estimate_us_per_timed_pass"] = (
             rnd(statistics.median(estimates) * 1e6, 1) if estimates else None)
+        result["sparse"]["wall_estimate_us_per_timed_pass"] = (
+            rnd(statistics.median(wall_estimates) * 1e6, 1) if wall_estimates else None)
         result["records_per_timed_pass"] = getattr(marks, "records", None)
         result["sampled_passes"], result["passes"] = inst.sampled_passes, inst.passes
         result["dropped"] = {k: v for k, v in timer.dropped.items() if v}
@@ -606,6 +627,7 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
         result["budget"]["overhead_ratio_estimate"] = rnd(timer.budget_controller.overhead_ratio, 5)
         result["budget"]["timed_passes"] = inst.sampled_passes
         result["budget"]["passes"] = inst.passes
+        result["budget"].update(cost_estimates(inst, result["budget"]))
         # every pass sampled (the CUDA graph's timed twin still runs only once read: graph_busy)
         timer.core.fixed_rate = True
         timer.core.set_period(1)
@@ -693,9 +715,10 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
 
 def table(results: list[dict]) -> str:
     rows = ["| workload | mode | untimed steps/s | default budget loss (q1–q3) | same model | fine blocks "
-            "| period | full loss (q1–q3) | same model | fine blocks | breaks | merged "
+            "| period | estimate: thread CPU / wall | full loss (q1–q3) | same model | fine blocks "
+            "| breaks | merged "
             "| regions / CUPTI kernel sum | regions / CUPTI pass span |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def kind(r: dict) -> str:  # attribution runs under reduce-overhead: its own table all the same
         return r.get("kind", r["mode"])
 
@@ -712,11 +735,16 @@ def table(results: list[dict]) -> str:
 
         same_b, same_f = r["budget_same_model"]["loss"], r["full_same_model"]["loss"]
 
+        def implied(budget: dict) -> str:  # the loss the running means imply, by each clock
+            got = [budget.get(f"implied_loss_{k}") for k in ("thread", "wall")]
+            return " / ".join("—" if v is None else f"{100 * v:.2f}%" for v in got)
+
         def fine(result: dict, key: str) -> str:  # the summed-time loss of the short alternating blocks
             return f"{100 * result[key]['loss_total']:.2f}%" if key in result else "—"
 
         rows.append(f"| {r['workload']} | {r['mode']} | {b['untimed_steps_per_s']} | {pct(b['loss'])} | "
-                    f"{pct(same_b)} | {fine(r, 'budget_fine')} | {b['period']} | {pct(f['loss'])} | "
+                    f"{pct(same_b)} | {fine(r, 'budget_fine')} | {b['period']} | {implied(b)} | "
+                    f"{pct(f['loss'])} | "
                     f"{pct(same_f)} | {fine(r, 'full_fine')} | "
                     f"{r['graph_breaks']} | {len(r['merged'])} | "
                     f"{a['regions_over_cupti']} | {a.get('regions_over_cupti_span')} |")
@@ -737,7 +765,7 @@ def table(results: list[dict]) -> str:
                         f"{r['regions_over_attributed']} |")
     rows += ["", "| workload | recycler | every pass timed: µs a pass (thread CPU) "
              "| markers disarmed: µs a pass (thread CPU) | records a pass | sparse: µs a timed pass "
-             "(budget's estimate) | sparse: µs by place after the timed pass |",
+             "(budget's estimate; on the wall clock) | sparse: µs by place after the timed pass |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if kind(r) == "parts" and "error" not in r:
@@ -745,7 +773,8 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {r['workload']} | {r['recycler']} | {t['extra_us_per_pass']} "
                         f"({t['extra_thread_cpu_us']}) | {d['extra_us_per_pass']} "
                         f"({d['extra_thread_cpu_us']}) | {r['records_per_timed_pass']} | "
-                        f"{sp['extra_us_per_timed_pass']} ({sp['budget_estimate_us_per_timed_pass']}) | "
+                        f"{sp['extra_us_per_timed_pass']} ({sp['budget_estimate_us_per_timed_pass']}; "
+                        f"{sp.get('wall_estimate_us_per_timed_pass')}) | "
                         f"{' '.join(str(v) for v in sp['extra_us_by_position'].values())} |")
     return "\n".join(rows)
 

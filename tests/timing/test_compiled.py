@@ -371,7 +371,8 @@ def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
     from gpuscope.timing.instrument import PassCost
 
     state = SimpleNamespace(countdown=0, period=8)
-    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost())
+    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
+                           wall_cost=PassCost())
     # a replayed graph's marks are nodes, not eager records: eager_marks stays 0
     regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=0),
                               timed_call=lambda fn, args, kwargs, callback: fn(*args, **kwargs))
@@ -392,20 +393,25 @@ def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
 
     from gpuscope.timing.instrument import PassCost
 
-    now = [0]
+    now, wall = [0], [0]
     last_timed = [False]
     monkeypatch.setattr(compiled_mod.time, "thread_time_ns", lambda: now[0])
+    monkeypatch.setattr(compiled_mod.time, "perf_counter_ns", lambda: wall[0])
 
     def untimed() -> None:  # 1,000 ns; 2,400 more right after a timed pass
-        now[0] += 1_000 + (2_400 if last_timed[0] else 0)
+        spent = 1_000 + (2_400 if last_timed[0] else 0)
+        now[0] += spent
+        wall[0] += spent
         last_timed[0] = False
 
-    def timed(fn, args, kwargs, callback) -> None:  # 300 ns more than untimed
+    def timed(fn, args, kwargs, callback) -> None:  # 300 ns more than untimed, and 800 ns off the CPU
         now[0] += 1_300
+        wall[0] += 2_100
         last_timed[0] = True
 
     state = SimpleNamespace(countdown=0, period=9)
-    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost())
+    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
+                           wall_cost=PassCost())
     regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=1), timed_call=timed)
     call = compiled_mod.pass_call(inst, regions, untimed, 8)
     for _ in range(40 * 72):
@@ -415,3 +421,5 @@ def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
     assert cost.unsampled_ns == pytest.approx(1_000)  # the windows after runs stay out of this mean
     # 300 ns of its own, and a run of 8 shares the 2,400 ns switch back
     assert cost.per_sampled_pass_s() == pytest.approx(600e-9)
+    # the wall clock also sees the 800 ns each timed pass waited off the CPU
+    assert inst.wall_cost.per_sampled_pass_s() == pytest.approx(1_400e-9)
