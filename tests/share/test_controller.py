@@ -115,8 +115,11 @@ def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, cont
     # both were held at the gate for the other's turns
     a, b = (controller.stats.departed[n] for n in "ab")
     assert a["throttled_ns"] > 0 and b["throttled_ns"] > 0
-    # the larger share got more of the (fake) GPU time
-    assert a["gpu_ns"] > b["gpu_ns"] > 0
+    # both had the (fake) GPU. Not which had more: on this GPU, which takes no time, each gets the GPU
+    # time it launches in the CPU the host leaves it, whatever its share (two test workers on two
+    # cores left the 0.7 tenant less than the 0.3 one). Shares on a GPU that takes time, in wall
+    # time: test_work_conserving.py
+    assert a["gpu_ns"] > 0 and b["gpu_ns"] > 0
 
 
 def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_cuda, tmp_path):

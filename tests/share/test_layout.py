@@ -53,7 +53,8 @@ MEMORY = {
 #: the process page's counters, in ledger.PROC_COUNTERS order, as the C struct names them
 COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
             "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
-            "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns")
+            "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
+            "sync_open_since_ns")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from gpuscope.share.probes import Prober
+from gpuscope.share.processes import waited_ns
 from gpuscope.share.settings import PROBE_LEAD_S, PROBE_READ_LAG_S, PROBE_S
 
 
@@ -36,7 +37,7 @@ class Busy:
     def busy(self, slot: int) -> tuple[int, int]:
         return self.ns[slot], round(self.ns[slot] / 1e9 / self.LAUNCH_S)
 
-    def sync_wait_ns(self, slot: int) -> int:
+    def sync_wait_ns(self, slot: int, now_ns: int) -> int:
         return self.wait_ns[slot]
 
     def launches(self, slot: int) -> int:
@@ -160,3 +161,26 @@ def test_a_probe_that_saw_no_launch_leaves_the_estimate_alone():
     busy.ratio[0] = 0.98  # it starts its loop
     run(prober, busy, {0, 1}, 4.0, start=1.0)
     assert prober.busy_ratio[0] == pytest.approx(0.98, abs=0.05)  # its first probe with launches
+
+
+class Page:
+    """A process page's counters, as ``ProcView.counter`` reads them."""
+
+    def __init__(self, **counters: int) -> None:
+        self.counters = counters
+
+    def counter(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+
+def test_waits_under_way_count_up_to_now_and_a_torn_read_counts_none_of_them():
+    joined = 1_000 * 10**9
+    two_waiting = Page(started_ns=joined, sync_wait_ns=7, sync_open=2,
+                       sync_open_since_ns=(joined + 10) + (joined + 20))
+    assert waited_ns(two_waiting, joined + 100) == 7 + 90 + 80
+    # the count read after one ended, the sum of starts before: as if one began before the process joined
+    torn = Page(started_ns=joined, sync_wait_ns=7, sync_open=1,
+                sync_open_since_ns=(joined + 10) + (joined + 20))
+    assert waited_ns(torn, joined + 100) == 7
+    # and the sum read after the last one ended, the count before
+    assert waited_ns(Page(started_ns=joined, sync_wait_ns=7, sync_open=1), joined + 100) == 7

@@ -18,6 +18,7 @@ import pytest
 
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.metrics import ShareCollector
+from gpuscope.share.processes import ns
 from gpuscope.share.settings import SUGGESTED_STARVED_BELOW, Handover, Turns
 from tests.conftest import wait_for
 from tests.share.fakecuda import HERE, child_env, running_controller
@@ -208,3 +209,24 @@ def test_a_launch_bound_tenant_is_judged_against_its_untimed_launches(fake_cuda,
     assert 0.6 * alone_rate <= rate <= 1.5 * alone_rate, (rate, alone_rate)
     # and its estimate beside the hog near what it did there (a busy machine moves both)
     assert estimates and abs(estimates[-1] - fraction) <= 0.5 * fraction + 0.02, (estimates[-3:], fraction)
+
+
+def test_a_wait_under_way_counts_up_to_the_moment_it_is_read(fake_cuda, tmp_path):
+    """The time a tenant waited for the GPU between two readings is exact at both ends: a wait under
+    way counts up to the reading, not all at once when it ends (inside a probe's 10 ms lead, a wait
+    that began before it counted whole there, and the tenant read as waiting all its time alone)."""
+    ledger = str(tmp_path / "ledger")
+    one_long_step = (1, 1_500_000, 0.0)  # one kernel of 1.5 s, then its synchronize
+    with running_controller(ledger, [TenantPolicy("train", 1.0)]) as c, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        step = pool.submit(run, fake_cuda, tmp_path, ["steps"], ["train"], ledger, one_long_step, seconds=0.1)
+        wait_for(lambda: c.processes.sync_wait_ns(0, ns(time.monotonic())) > 0 or step.done(),
+                 timeout=30, what="the tenant to be in its synchronize")
+        ended = sum(s.view.counter("sync_wait_ns") for s in c.processes.procs.values())
+        now = ns(time.monotonic())
+        so_far, a_second_later = c.processes.sync_wait_ns(0, now), c.processes.sync_wait_ns(0, now + 10**9)
+        assert not step.done() and ended == 0, ended  # nothing has ended: read as it ends, this was 0
+        assert 0 < so_far <= 1.5e9 and a_second_later - so_far == 10**9, (so_far, a_second_later)
+        assert step.result() == [1]
+        wait_for(lambda: "train" in c.stats.departed, what="the tenant's counters")
+        assert 1.5e9 <= c.stats.departed["train"]["sync_wait_ns"] < 10e9, c.stats.departed

@@ -13,7 +13,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 11u
+#define LAYOUT_VERSION 12u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
@@ -61,7 +61,11 @@ typedef struct {
     _Atomic uint64_t launches, graph_launches, hook_errors, throttled_ns, gpu_ns, windows, last_launch_ns,
         inflight, failed_open, started_ns, waits, window_open, busy_launches, busy_ns;
     _Atomic uint64_t mem_bytes, mem_refused; /* device memory this process holds; allocations refused */
-    _Atomic uint64_t sync_wait_ns; /* time the program spent in its waits for the GPU (syncs) */
+    _Atomic uint64_t sync_wait_ns; /* time the program spent in its waits for the GPU (syncs), those ended */
+    /* The waits under way: how many, and the sum of their start times (CLOCK_MONOTONIC ns). A reader
+     * adds count * now - sum to sync_wait_ns for the time waited up to now, so an interval's waits are
+     * exact at both ends: a wait that began before a 10 ms probe and ended in it is not its own. */
+    _Atomic uint64_t sync_open, sync_open_since_ns;
 } proc_t;
 
 /* One per tenant, written by all its processes: what they hold together, reserved atomically before

@@ -1400,9 +1400,15 @@ typedef CUresult (*ctx_sync_fn)(void);
 #define WAIT_FOR_GPU(CALL)                                                                               \
     do {                                                                                                 \
         before_sync();                                                                                   \
+        proc_t *p_ = D->s.proc;                                                                          \
         uint64_t t0_ = now_ns();                                                                         \
+        /* under way: the start first, so a reader that sees the count sees the start too */            \
+        atomic_fetch_add_explicit(&p_->sync_open_since_ns, t0_, memory_order_release);                  \
+        atomic_fetch_add_explicit(&p_->sync_open, 1, memory_order_release);                              \
         CUresult rc_ = CALL;                                                                             \
-        atomic_fetch_add_explicit(&D->s.proc->sync_wait_ns, now_ns() - t0_, memory_order_relaxed);       \
+        atomic_fetch_add_explicit(&p_->sync_open, (uint64_t)-1, memory_order_release);                   \
+        atomic_fetch_add_explicit(&p_->sync_wait_ns, now_ns() - t0_, memory_order_release);              \
+        atomic_fetch_sub_explicit(&p_->sync_open_since_ns, t0_, memory_order_release);                   \
         after_sync();                                                                                    \
         return rc_;                                                                                      \
     } while (0)

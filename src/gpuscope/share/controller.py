@@ -32,7 +32,7 @@ from gpuscope.share.ledger import (
 )
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
-from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
+from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable, ns
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
 from gpuscope.share.settings import (
     KEEPER_RETURN_S,
@@ -54,13 +54,17 @@ DEFAULTS = ShareSettings()
 #: How often the controller checks that its tenant processes live (a dead one's share is given back),
 #: and how often it also reads /proc to tell a zombie (exited, not yet reaped by its parent).
 SCAN_S, ZOMBIE_CHECK_S = 0.1, 2.0
-#: How often the loop looks while shares do not bind, or while every active tenant runs beside the
-#: holder: with tenant processes attached (a second one starting to launch makes them bind), and with
-#: none (a process that joins rings the bell; the heartbeat must still move well inside the tenants'
-#: 2 s staleness limit). Looking more often costs an idle controller CPU for nothing: at 0.25 s, with
-#: three tenants beside one another on the CPU host's fake GPU, 0.33-0.35% of a core against
-#: 0.23-0.26% at 0.5 s (``results/share-controller-cpu-half-second.json``).
-OPEN_POLL_S, NO_TENANTS_POLL_S = 0.5, 0.5
+#: How often the loop looks while shares do not bind: with tenant processes attached (the gate is
+#: open, so a second one starting to launch rings nothing: this is how long it may run unshared
+#: before shares bind), and with none (a process that joins rings the bell; the heartbeat must still
+#: move well inside the tenants' 2 s staleness limit).
+OPEN_POLL_S, NO_TENANTS_POLL_S = 0.25, 0.5
+#: How often it looks while every active tenant runs beside the holder (nobody takes turns): a tenant
+#: that must take turns is held at the gate and rings, so only the next probe is waited for. Looking
+#: more often costs CPU for nothing: at 0.25 s, with three tenants beside one another on the CPU
+#: host's fake GPU, 0.33-0.35% of a core against 0.23-0.26% at 0.5 s
+#: (``results/share-controller-cpu-half-second.json``).
+BESIDE_POLL_S = 0.5
 #: A holder that goes quiet (nothing queued, no launch) with more than this left of its turn while
 #: others wait lends them the rest of it and keeps its claim: its next launch takes the turn back
 #: (a training step's host work between its kernels would otherwise cost it the whole turn).
@@ -268,7 +272,7 @@ class Controller:
             since, waited_ns, launched = self._wait_mark.get(slot, (now, 0, 0))
             if now - since < STARVED_JUDGE_S or slot not in self.prober.wait_ratio:
                 continue
-            total_ns, launches = self.processes.sync_wait_ns(slot), self.processes.launches(slot)
+            total_ns, launches = self.processes.sync_wait_ns(slot, ns(now)), self.processes.launches(slot)
             waiting = max(0, total_ns - waited_ns) / 1e9 / (now - since)
             alone_rate = self.prober.launch_rate.get(slot)
             launch_ratio = (max(0, launches - launched) / (now - since) / alone_rate
@@ -305,7 +309,7 @@ class Controller:
         gate follows."""
         if beside == self.beside:
             return
-        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s),
+        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s, ns(now)),
                                                           self.processes.launches(s)) for s in beside}
         self.beside_throughput = {s: r for s, r in self.beside_throughput.items() if s in beside}
         self.beside = beside
@@ -513,7 +517,7 @@ class Controller:
                 self._set_mask(self._beside_bits())
             # every active tenant runs beside (none takes turns): nothing to decide until the next
             # probe, or until a tenant held at the gate rings (nobody holds it)
-            return max(0.0, min(OPEN_POLL_S, self.prober.next_probe(active - set(gangs), now) - now))
+            return max(0.0, min(BESIDE_POLL_S, self.prober.next_probe(active - set(gangs), now) - now))
         # a gang's turns are not lent: its ranks on the other GPUs hold theirs meanwhile
         lends = self.holder not in gangs and self.lender not in gangs
         if lends and self._lend_or_reclaim(now, wanting):

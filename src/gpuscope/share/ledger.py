@@ -53,7 +53,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 11
+LAYOUT_VERSION = 12
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -82,7 +82,8 @@ M_MAGIC, M_VERSION, M_USED, M_REFUSED, M_PEAK, M_CARD = 0, 4, 8, 16, 24, 32
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
-                 "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns")
+                 "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
+                 "sync_open_since_ns")
 Q_COUNTERS = 64
 #: Where the words the controller's turn keeper reads (in C) lie in a process's page: whether it wants
 #: the GPU (threads held at the gate, a window open, windows in flight, its last launch) and the

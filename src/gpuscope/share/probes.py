@@ -41,7 +41,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 
 from gpuscope.share.ledger import Policy
-from gpuscope.share.processes import ProcessTable
+from gpuscope.share.processes import ProcessTable, ns
 from gpuscope.share.settings import PROBE_FIRST_S, PROBE_LEAD_S, PROBE_READ_LAG_S, PROBE_S
 
 #: Weight of a new probe's busy fraction in the running estimate.
@@ -119,8 +119,9 @@ class Prober:
     def start(self, slot: int, now: float) -> float:
         """Have ``slot`` run alone from ``now`` (the others already drained and paused): its lead, then
         each launch timed (``advance``). Returns how long the lead lasts."""
-        self.probe = Probe(slot=slot, until=now + PROBE_LEAD_S, started=now,
-                           launches=self.table.launches(slot), sync_wait_ns=self.table.sync_wait_ns(slot))
+        launches, waited_ns = self.table.launches(slot), self.table.sync_wait_ns(slot, ns(now))
+        self.probe = Probe(slot=slot, until=now + PROBE_LEAD_S, started=now, launches=launches,
+                           sync_wait_ns=waited_ns)
         self.last_probed[slot] = now
         self.first_seen.pop(slot, None)
         return PROBE_LEAD_S
@@ -158,7 +159,8 @@ class Prober:
             return
         # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
         # are compared with (scheduler.beside_fraction)
-        waited = min(1.0, max(0, self.table.sync_wait_ns(probe.slot) - probe.sync_wait_ns) / 1e9 / wall)
+        waited_ns = self.table.sync_wait_ns(probe.slot, ns(now)) - probe.sync_wait_ns
+        waited = min(1.0, max(0, waited_ns) / 1e9 / wall)
         old_wait = self.wait_ratio.get(probe.slot)
         self.wait_ratio[probe.slot] = (waited if old_wait is None
                                        else old_wait + PROBE_WEIGHT * (waited - old_wait))

@@ -30,6 +30,24 @@ class ProcState:
     launches_seen: int = 0
 
 
+def ns(monotonic_s: float) -> int:
+    """A ``time.monotonic()`` reading as the preload library's clock reads it (CLOCK_MONOTONIC ns)."""
+    return int(monotonic_s * 1e9)
+
+
+def waited_ns(view: ProcView, now_ns: int) -> int:
+    """One process's time in its waits for the GPU up to ``now_ns``: those ended, and the part so far
+    of those under way (their count times now, less the sum of their starts). The ended time is read
+    first and the waits under way after it, so a wait that ends between the reads is missed, never
+    counted twice; a torn read of the two words under way (outside 0 .. count x the time since the
+    process joined) counts nothing of them."""
+    ended = view.counter("sync_wait_ns")
+    under_way_count = view.counter("sync_open")
+    under_way = under_way_count * now_ns - view.counter("sync_open_since_ns")
+    since_join = max(0, now_ns - view.counter("started_ns"))
+    return ended + (under_way if 0 <= under_way <= under_way_count * since_join else 0)
+
+
 class ProcessTable:
     """The joined processes by pid. Its methods that change the table take ``lock``; the queries
     are called by the controller's loop with the lock held (or from the loop's own thread)."""
@@ -140,9 +158,14 @@ class ProcessTable:
                 launches += state.view.counter("busy_launches")
         return ns, launches
 
-    def sync_wait_ns(self, slot: int) -> int:
-        """``slot``'s processes' summed time in their waits for the GPU."""
-        return sum(s.view.counter("sync_wait_ns") for s in self.procs.values() if s.view.slot == slot)
+    def sync_wait_ns(self, slot: int, now_ns: int) -> int:
+        """``slot``'s processes' summed time in their waits for the GPU up to ``now_ns``
+        (CLOCK_MONOTONIC, the library's clock), the waits under way included: the time waited between
+        two readings is then exact at both ends. Counted only as each wait ended, a wait that began
+        before a probe's 10 ms lead and ended in it (its kernel queued behind the other tenant's,
+        drained as the lead began) counted whole in the lead: the tenant read waiting all its time
+        alone, where it waited 0.6 of it, and was never found starved beside the holder."""
+        return sum(waited_ns(s.view, now_ns) for s in self.procs.values() if s.view.slot == slot)
 
     def launches(self, slot: int) -> int:
         """``slot``'s processes' summed launches (a graph's launch counts one)."""
