@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import logger, percentile, rnd, write_json  # noqa: E402
-from share_bench import LEDGER, Controller, _helper_cpu_s, _lib, rate, sleep_until  # noqa: E402
+from share_bench import LEDGER, Controller, _helper_cpu_s, _helper_wakeups, _lib, rate, sleep_until  # noqa: E402
 
 from gpuscope.contract import catalogue as cat  # noqa: E402
 from gpuscope.share.settings import SUGGESTED_STARVED_BELOW  # noqa: E402
@@ -237,15 +237,17 @@ def worker(name: str, seconds: float) -> dict:
     for _ in range(5):  # warm-up: allocator, cuBLAS handles, kernel caches
         step()
     start_at = wait_for_start()
-    helper0 = _helper_cpu_s()
+    helper0, wakeups0 = _helper_cpu_s(), _helper_wakeups()
     stamps = []
     end = start_at + seconds
     while time.time() < end:
         step()
         stamps.append(time.time())
-    # the gpuscope-share helper threads' CPU over the measured run (0 when not under the library)
-    helper_pct = 100 * (_helper_cpu_s() - helper0) / seconds
-    return {"stamps": stamps, "helper_cpu_pct": helper_pct}
+    # the gpuscope-share helper threads' CPU over the measured run (0 when not under the library), and
+    # how often they slept and woke: against the tenant's steps a second, whether a helper follows
+    # each step's window (a graph replayed and synced every step, 1.6% of a core on an H100)
+    return {"stamps": stamps, "helper_cpu_pct": 100 * (_helper_cpu_s() - helper0) / seconds,
+            "helper_wakeups_per_s": (_helper_wakeups() - wakeups0) / seconds}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -363,6 +365,11 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
                      "worst_window_below_share_pts": rnd(max((max(0.0, share - v) * 100 for v in windows),
                                                              default=None), 2),
                      "timeline": timeline})
+    if controller:
+        for row, r in zip(rows, results, strict=True):
+            row.update(steps_per_s=rnd(len(r["stamps"]) / seconds, 1),
+                       helper_cpu_pct=rnd(r["helper_cpu_pct"]),
+                       helper_wakeups_per_s=rnd(r["helper_wakeups_per_s"], 1))
     helpers_pct = sum(r["helper_cpu_pct"] for r in results)
     return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
             "cpu_core_pct": rnd(ctl["cpu_core_pct"] + helpers_pct) if ctl else None,
