@@ -253,13 +253,14 @@ def extra_us(same_model: dict) -> float | None:
 
 def cost_estimates(inst, budget: dict) -> dict:
     """What a timed pass costs by the instrumentation's running means, on the launching thread's CPU
-    (what the budget reads) and on the wall clock (``inst.wall_cost``), and the loss each implies at
-    the share of passes the budget timed: set against the fine blocks' measured loss, which clock
-    sees what the timed passes cost."""
+    (what the budget reads), on the wall clock (``inst.wall_cost``) and over each pass's step to the
+    next pass (``inst.step_cost``: with the program's wait for the GPU after the call, where it
+    waits each step), and the loss each implies at the share of passes the budget timed: set
+    against the fine blocks' measured loss, which clock sees what the timed passes cost."""
     out: dict = {}
     share = budget["timed_passes"] / max(1, budget["passes"])
     pass_s = 1 / budget["untimed_steps_per_s"] if budget.get("untimed_steps_per_s") else None
-    for key, cost in (("thread", inst.cost), ("wall", inst.wall_cost)):
+    for key, cost in (("thread", inst.cost), ("wall", inst.wall_cost), ("step", inst.step_cost)):
         per_pass = cost.per_sampled_pass_s()
         out[f"timed_pass_cost_us_{key}"] = rnd(per_pass * 1e6, 1) if per_pass is not None else None
         out[f"implied_loss_{key}"] = (rnd(per_pass * share / pass_s, 5)
@@ -371,6 +372,7 @@ def run_parts(name: str, args: argparse.Namespace) -> dict:
                 timer.core.set_period(args.sparse_period)
                 inst.cost.__init__()  # the budget's estimate from this segment's passes alone
                 inst.wall_cost.__init__()
+                inst.step_cost.__init__()
             cpu0 = time.thread_time()
             try:
                 if variant in by_position:
@@ -715,7 +717,7 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict:
 
 def table(results: list[dict]) -> str:
     rows = ["| workload | mode | untimed steps/s | default budget loss (q1–q3) | same model | fine blocks "
-            "| period | estimate: thread CPU / wall | full loss (q1–q3) | same model | fine blocks "
+            "| period | estimate: thread CPU / wall / step | full loss (q1–q3) | same model | fine blocks "
             "| breaks | merged "
             "| regions / CUPTI kernel sum | regions / CUPTI pass span |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -736,7 +738,7 @@ def table(results: list[dict]) -> str:
         same_b, same_f = r["budget_same_model"]["loss"], r["full_same_model"]["loss"]
 
         def implied(budget: dict) -> str:  # the loss the running means imply, by each clock
-            got = [budget.get(f"implied_loss_{k}") for k in ("thread", "wall")]
+            got = [budget.get(f"implied_loss_{k}") for k in ("thread", "wall", "step")]
             return " / ".join("—" if v is None else f"{100 * v:.2f}%" for v in got)
 
         def fine(result: dict, key: str) -> str:  # the summed-time loss of the short alternating blocks

@@ -372,7 +372,7 @@ def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
 
     state = SimpleNamespace(countdown=0, period=8)
     inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
-                           wall_cost=PassCost())
+                           wall_cost=PassCost(), step_cost=PassCost())
     # a replayed graph's marks are nodes, not eager records: eager_marks stays 0
     regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=0),
                               timed_call=lambda fn, args, kwargs, callback: fn(*args, **kwargs))
@@ -383,6 +383,46 @@ def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
         call()
         timed.append(inst.sampled_passes > before)
     assert timed == [True, *[False] * 7] * 8
+
+
+def test_a_timed_pass_that_costs_the_gpu_shows_in_its_step_not_in_its_call(monkeypatch):
+    # A timed pass whose kernels run longer on the GPU (its marks split Inductor's fusions) returns
+    # from the call as fast as ever: the program pays when it waits for the GPU after it. Its step,
+    # from its start to the next pass's, holds that; idle time between requests is not a pass's cost.
+    from types import SimpleNamespace
+
+    from gpuscope.timing.instrument import PassCost
+
+    now, wall = [0], [0]
+    last_timed = [False]
+    monkeypatch.setattr(compiled_mod.time, "thread_time_ns", lambda: now[0])
+    monkeypatch.setattr(compiled_mod.time, "perf_counter_ns", lambda: wall[0])
+
+    def untimed() -> None:
+        now[0] += 1_000
+        wall[0] += 1_000
+        last_timed[0] = False
+
+    def timed(fn, args, kwargs, callback) -> None:  # 300 ns more on the CPU, all of it in the call
+        now[0] += 1_300
+        wall[0] += 1_300
+        last_timed[0] = True
+
+    state = SimpleNamespace(countdown=0, period=9)
+    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
+                           wall_cost=PassCost(), step_cost=PassCost())
+    regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=1), timed_call=timed)
+    call = compiled_mod.pass_call(inst, regions, untimed, 8)
+    for i in range(40 * 72):
+        call()
+        # the program waits for the GPU: 5,000 ns, and 700 more after a timed pass
+        wall[0] += 5_000 + (700 if last_timed[0] else 0)
+        if i % 97 == 96:
+            wall[0] += 10**6  # idle until the next request
+    assert inst.cost.per_sampled_pass_s() == pytest.approx(300e-9)  # the call: its CPU
+    assert inst.wall_cost.per_sampled_pass_s() == pytest.approx(300e-9)
+    assert inst.step_cost.per_sampled_pass_s() == pytest.approx(1_000e-9)  # and its wait: its GPU time
+    assert inst.step_cost.gaps >= 3  # idle gaps that closed a measured step, dropped
 
 
 def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
@@ -411,7 +451,7 @@ def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
 
     state = SimpleNamespace(countdown=0, period=9)
     inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
-                           wall_cost=PassCost())
+                           wall_cost=PassCost(), step_cost=PassCost())
     regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=1), timed_call=timed)
     call = compiled_mod.pass_call(inst, regions, untimed, 8)
     for _ in range(40 * 72):

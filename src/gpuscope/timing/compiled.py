@@ -82,6 +82,11 @@ MAX_COUNTED_SHAPES = 1024
 #: 28 µs for a timed pass's own work (docs/design.md, "Runs of timed passes"). Under CUDA graphs a
 #: timed graph runs again only once its last replay was read, so there a run is one pass.
 TIMED_RUN = 8
+#: A measured pass's step (``Instrumentation.step_cost``): which mean it goes to, and the longest one
+#: taken for the pass's, in untimed steps (once MIN_STEPS_FOR_GAPS of them are averaged); a longer
+#: one is the program idle between requests.
+STEP_SAMPLED, STEP_UNSAMPLED, STEP_AFTER = 1, 2, 3
+STEP_GAP_FACTOR, MIN_STEPS_FOR_GAPS = 4, 8
 
 _lock = threading.Lock()
 #: region id → (CompiledRegions, index, its markers) ; a marker's slot is 2 × region id (+1 for the end)
@@ -691,7 +696,7 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
     """The per-pass sampler around the compiled callable. Its frame is skipped by dynamo and the
     frames it calls run with dynamo's callback off, except the compiled call itself: none of the
     timer's Python is ever traced, so none of it can break a graph."""
-    state, cost, wall_cost = inst.pass_state, inst.cost, inst.wall_cost
+    state, cost, wall_cost, step_cost = inst.pass_state, inst.cost, inst.wall_cost, inst.step_cost
     clock, wall = time.thread_time_ns, time.perf_counter_ns
     timed_call = regions.timed_call
     setter = _set_eval_frame
@@ -709,13 +714,30 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
     # Each measured pass is read on the wall clock too (``inst.wall_cost``, a vDSO read): the thread's
     # CPU misses its waits off the CPU, and in short blocks on an H100 the timed passes cost about
     # twice what it shows (docs/design.md); the benchmarks compare the two, the budget reads the CPU.
+    # And each measured pass's step, from its start to the next pass's (``inst.step_cost``): a step is
+    # closed by the next call, whatever it is; one longer than STEP_GAP_FACTOR untimed steps is the
+    # program's idle time between requests, not the pass's cost, and is dropped.
     next_measured = 0
     measure_run = False
     after_left = 0  # untimed passes still to measure after the last measured run
+    step_start = step_kind = step_closes = 0  # the measured step under way (kind 0: none)
+
+    def close_step(now: int) -> None:
+        nonlocal step_kind
+        kind, step_kind, step_ns = step_kind, 0, now - step_start
+        if step_cost.n_unsampled >= MIN_STEPS_FOR_GAPS and step_ns > STEP_GAP_FACTOR * step_cost.unsampled_ns:
+            step_cost.gaps += 1
+        elif kind == STEP_AFTER:
+            step_cost.add_after(step_ns, step_closes)
+        else:
+            step_cost.add(kind == STEP_SAMPLED, step_ns)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal next_measured, run_left, run_length, measure_run, after_left
+        nonlocal step_start, step_kind, step_closes
         inst.passes += 1
+        if step_kind:
+            close_step(wall())
         countdown = state.countdown
         if countdown:
             state.countdown = countdown - 1
@@ -724,8 +746,10 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
                 t0, w0 = clock(), wall()
                 out = compiled(*args, **kwargs)
                 w1, t1 = wall(), clock()
-                cost.add_after(t1 - t0, 0 if after_left else run_length)
-                wall_cost.add_after(w1 - w0, 0 if after_left else run_length)
+                closes = 0 if after_left else run_length
+                cost.add_after(t1 - t0, closes)
+                wall_cost.add_after(w1 - w0, closes)
+                step_start, step_kind, step_closes = w0, STEP_AFTER, closes
                 return out
             if inst.passes % measure_every:
                 return compiled(*args, **kwargs)
@@ -734,6 +758,7 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
             w1, t1 = wall(), clock()
             cost.add(False, t1 - t0)
             wall_cost.add(False, w1 - w0)
+            step_start, step_kind = w0, STEP_UNSAMPLED
             return out
         inst.sampled_passes += 1
         if run_left <= 0:  # a run starts: as long as the period allows, if the last timed pass ran eagerly
@@ -753,11 +778,13 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
             w1, t1 = wall(), clock()
             cost.add(True, t1 - t0)
             wall_cost.add(True, w1 - w0)
+            step_start, step_kind = w0, STEP_SAMPLED
             next_measured = inst.passes + measure_every
             if not run_left:  # the run is over: measure the untimed passes that follow it
                 after_left = run_length
                 cost.begin_after()
                 wall_cost.begin_after()
+                step_cost.begin_after()
         finally:
             if setter is not None:
                 setter(callback)
