@@ -418,7 +418,7 @@ def plot(src: str, dst: str) -> None:
     fig.savefig(dst, dpi=110)
 
 
-def plot_variants(src: str, dst: str) -> None:
+def plot_variants(src: str, dst: str, title: str = "gpuscope share variants on realistic tenants") -> None:
     """One panel per mix: each tenant's fraction of its alone rate under every variant the file holds
     (bars side by side), its share as a line, and each variant's sum in the legend."""
     data, fig, panels = _panels(src, 6)
@@ -438,7 +438,7 @@ def plot_variants(src: str, dst: str) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     panels[0][0].set_ylabel("% of alone rate (dashed: share)")
-    fig.suptitle(f"gpuscope share variants on realistic tenants, {data['date']}")
+    fig.suptitle(f"{title}, {data['date']}")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 
