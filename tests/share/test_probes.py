@@ -184,3 +184,6 @@ def test_waits_under_way_count_up_to_now_and_a_torn_read_counts_none_of_them():
     assert waited_ns(torn, joined + 100) == 7
     # and the sum read after the last one ended, the count before
     assert waited_ns(Page(started_ns=joined, sync_wait_ns=7, sync_open=1), joined + 100) == 7
+    # a count written by hand to pass the bound (the page is the tenant's): none of it
+    forged = Page(started_ns=0, sync_wait_ns=7, sync_open=2**60, sync_open_since_ns=0)
+    assert waited_ns(forged, joined) == 7

@@ -30,6 +30,10 @@ class ProcState:
     launches_seen: int = 0
 
 
+#: More threads in one process waiting for the GPU at once than this is a page written by hand.
+MAX_WAITING_THREADS = 1 << 16
+
+
 def ns(monotonic_s: float) -> int:
     """A ``time.monotonic()`` reading as the preload library's clock reads it (CLOCK_MONOTONIC ns)."""
     return int(monotonic_s * 1e9)
@@ -40,9 +44,12 @@ def waited_ns(view: ProcView, now_ns: int) -> int:
     of those under way (their count times now, less the sum of their starts). The ended time is read
     first and the waits under way after it, so a wait that ends between the reads is missed, never
     counted twice; a torn read of the two words under way (outside 0 .. count x the time since the
-    process joined) counts nothing of them."""
+    process joined), or a count no process's threads could make (the page is the tenant's to write),
+    counts nothing of them."""
     ended = view.counter("sync_wait_ns")
     under_way_count = view.counter("sync_open")
+    if under_way_count > MAX_WAITING_THREADS:
+        return ended
     under_way = under_way_count * now_ns - view.counter("sync_open_since_ns")
     since_join = max(0, now_ns - view.counter("started_ns"))
     return ended + (under_way if 0 <= under_way <= under_way_count * since_join else 0)
