@@ -11,7 +11,8 @@ idle half the time must not spend its whole budget in the busy half)::
 
     cost = sampled direct regions × hot path + unsampled direct regions × skip cost
          + sampled passes × (their measured extra CPU, and the switch back to the untimed graph
-                             after a run of them under default compile)   [instrument(), per pass]
+                             after a run of them under default compile; on a GPU there, times
+                             what that CPU was measured to miss)   [instrument(), per pass]
          + resolved samples × resolution cost + the resolver's wake-ups in busy intervals
 
 Regions started with ``on_elapsed`` are timed every time: their cost comes off the allowance
@@ -183,7 +184,7 @@ class BudgetController:
             floor = per_region * sampler.samples_per_pass()
             passes.append(PassWindow(
                 passes=delta.get(f"passes:{id(sampler)}", 0), sampled=delta.get(f"sampled:{id(sampler)}", 0),
-                per_pass_s=max(sampler.cost.per_sampled_pass_s() or 0.0, floor),
+                per_pass_s=max(sampler.sampled_pass_cost_s() or 0.0, floor),
                 samples_per_pass=sampler.samples_per_pass()))
         window = Window(
             wall_s=delta["active"], direct_entered=delta["direct_entered"], always=delta["always"],

@@ -178,6 +178,17 @@ class Instrumentation:
         self._pass_wrapper: Callable | None = None
         self._local = threading.local()
 
+    def sampled_pass_cost_s(self) -> float | None:
+        """What the budget charges a sampled pass: its measured extra CPU (``cost``), times
+        ``compiled.UNSEEN_COST_FACTOR`` where the model runs under default torch.compile on a GPU
+        (region marks recorded as the pass runs, on a CUDA route), whose timed passes cost more than
+        that CPU shows. None until the means are trustworthy."""
+        measured = self.cost.per_sampled_pass_s()
+        regions = self.compiled
+        if measured is None or regions is None or not regions.ran_eagerly:
+            return measured
+        return measured * compiled_mod.UNSEEN_COST_FACTOR if self.core.route.gpu_queue else measured
+
     def sequence(self) -> RegionSequence:
         """This thread's sequence (partition mode)."""
         try:
