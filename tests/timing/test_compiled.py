@@ -385,34 +385,43 @@ def test_under_cuda_graphs_or_every_pass_timed_no_runs_are_made():
     assert timed == [True, *[False] * 7] * 8
 
 
-def test_a_timed_pass_that_costs_the_gpu_shows_in_its_step_not_in_its_call(monkeypatch):
-    # A timed pass whose kernels run longer on the GPU (its marks split Inductor's fusions) returns
-    # from the call as fast as ever: the program pays when it waits for the GPU after it. Its step,
-    # from its start to the next pass's, holds that; idle time between requests is not a pass's cost.
+def clocked_passes(monkeypatch, untimed_ns, timed_ns: tuple[int, int]):
+    """The per-pass sampler at a period of 9 over a fake thread clock and wall clock: an untimed pass
+    takes ``untimed_ns(right_after_a_timed_one)`` of both, a timed one ``timed_ns`` (CPU, wall). Returns
+    (the per-pass callable, the instrumentation's means, the wall clock, whether the last pass was
+    timed), the last two as one-element lists the caller may move."""
     from types import SimpleNamespace
 
     from gpuscope.timing.instrument import PassCost
 
-    now, wall = [0], [0]
-    last_timed = [False]
+    now, wall, last_timed = [0], [0], [False]
     monkeypatch.setattr(compiled_mod.time, "thread_time_ns", lambda: now[0])
     monkeypatch.setattr(compiled_mod.time, "perf_counter_ns", lambda: wall[0])
 
     def untimed() -> None:
-        now[0] += 1_000
-        wall[0] += 1_000
+        spent = untimed_ns(last_timed[0])
+        now[0] += spent
+        wall[0] += spent
         last_timed[0] = False
 
-    def timed(fn, args, kwargs, callback) -> None:  # 300 ns more on the CPU, all of it in the call
-        now[0] += 1_300
-        wall[0] += 1_300
+    def timed(fn, args, kwargs, callback) -> None:
+        now[0] += timed_ns[0]
+        wall[0] += timed_ns[1]
         last_timed[0] = True
 
     state = SimpleNamespace(countdown=0, period=9)
     inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
                            wall_cost=PassCost(), step_cost=PassCost())
     regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=1), timed_call=timed)
-    call = compiled_mod.pass_call(inst, regions, untimed, 8)
+    return compiled_mod.pass_call(inst, regions, untimed, 8), inst, wall, last_timed
+
+
+def test_a_timed_pass_that_costs_the_gpu_shows_in_its_step_not_in_its_call(monkeypatch):
+    # A timed pass whose kernels run longer on the GPU (its marks split Inductor's fusions) returns
+    # from the call as fast as ever: the program pays when it waits for the GPU after it. Its step,
+    # from its start to the next pass's, holds that; idle time between requests is not a pass's cost.
+    # An untimed pass is 1,000 ns; a timed one 300 ns more on the CPU, all of it in the call.
+    call, inst, wall, last_timed = clocked_passes(monkeypatch, lambda after_timed: 1_000, (1_300, 1_300))
     for i in range(40 * 72):
         call()
         # the program waits for the GPU: 5,000 ns, and 700 more after a timed pass
@@ -429,31 +438,10 @@ def test_switching_back_after_a_run_is_charged_to_the_run(monkeypatch):
     # Under default compile the pass after a run of timed ones switches back to the untimed graph,
     # whose code and buffers have gone cold (about 350 µs a timed pass on an H100's ResNet-50 at a
     # period of 9, where every pass timed cost 84-118 µs): the budget's estimate must include it.
-    from types import SimpleNamespace
-
-    from gpuscope.timing.instrument import PassCost
-
-    now, wall = [0], [0]
-    last_timed = [False]
-    monkeypatch.setattr(compiled_mod.time, "thread_time_ns", lambda: now[0])
-    monkeypatch.setattr(compiled_mod.time, "perf_counter_ns", lambda: wall[0])
-
-    def untimed() -> None:  # 1,000 ns; 2,400 more right after a timed pass
-        spent = 1_000 + (2_400 if last_timed[0] else 0)
-        now[0] += spent
-        wall[0] += spent
-        last_timed[0] = False
-
-    def timed(fn, args, kwargs, callback) -> None:  # 300 ns more than untimed, and 800 ns off the CPU
-        now[0] += 1_300
-        wall[0] += 2_100
-        last_timed[0] = True
-
-    state = SimpleNamespace(countdown=0, period=9)
-    inst = SimpleNamespace(passes=0, sampled_passes=0, pass_state=state, cost=PassCost(),
-                           wall_cost=PassCost(), step_cost=PassCost())
-    regions = SimpleNamespace(marks=SimpleNamespace(eager_marks=1), timed_call=timed)
-    call = compiled_mod.pass_call(inst, regions, untimed, 8)
+    # An untimed pass is 1,000 ns, 2,400 more right after a timed one; a timed pass 300 ns more than
+    # untimed, and 800 ns off the CPU.
+    call, inst, _, _ = clocked_passes(monkeypatch, lambda after_timed: 1_000 + (2_400 if after_timed else 0),
+                                      (1_300, 2_100))
     for _ in range(40 * 72):
         call()
     cost = inst.cost
