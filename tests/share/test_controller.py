@@ -23,7 +23,8 @@ from tests.share.fakecuda import child_env, running_controller
 
 # A fake tenant's program. Its sleeps are its workload, not waits of the test: it polls the clock
 # until the common start time, an 'idle' tenant stops launching after 10 kernels (the test ends it),
-# and a 'light' one spaces its kernels 2 ms apart.
+# a 'light' one spaces its kernels 2 ms apart, and a 'gpu' one launches kernels of 2 ms (on a GPU that
+# runs them in wall time: what it gets is GPU time, not the CPU a busy host leaves it).
 LOOP = """
 import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
@@ -34,7 +35,8 @@ end = max(start, time.time()) + float(sys.argv[1])
 n = 0
 light = sys.argv[2] == 'light'  # 5 µs kernels 2 ms apart: a latency-bound tenant
 while time.time() < end:
-    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(5 if light else 50), U(1), U(1), U(0), ctypes.c_void_p(1),
+    kernel_us = 5 if light else 2000 if sys.argv[2] == 'gpu' else 50
+    cuda.cuLaunchKernel(None, U(n), U(1), U(1), U(kernel_us), U(1), U(1), U(0), ctypes.c_void_p(1),
                         None, None)
     n += 1
     if sys.argv[2] == 'idle' and n == 10:
@@ -49,6 +51,8 @@ def tenant(fake, tmp_path, name: str, ledger: str, seconds: float, how: str = "b
     """A tenant process launching for ``seconds`` from ``start_at`` (``time.time()``; 0: at once)."""
     env = child_env(fake, tmp_path / f"log-{name}", tenant=name, ledger=ledger)
     env["FAKE_CUDA_LOG"] = os.devnull
+    if how == "gpu":  # the test's tenants share one GPU that runs in wall time
+        env.update(FAKE_CUDA_REALTIME="1", FAKE_CUDA_SHARED_GPU=str(tmp_path / "gpu"))
     return subprocess.Popen([sys.executable, "-c", LOOP, str(seconds), how, str(start_at)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -115,11 +119,28 @@ def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, cont
     # both were held at the gate for the other's turns
     a, b = (controller.stats.departed[n] for n in "ab")
     assert a["throttled_ns"] > 0 and b["throttled_ns"] > 0
-    # both had the (fake) GPU. Not which had more: on this GPU, which takes no time, each gets the GPU
-    # time it launches in the CPU the host leaves it, whatever its share (two test workers on two
-    # cores left the 0.7 tenant less than the 0.3 one). Shares on a GPU that takes time, in wall
-    # time: test_work_conserving.py
+    # both had the (fake) GPU. Which had more is the next test's: on this GPU, which takes no time,
+    # each gets the GPU time it launches in the CPU the host leaves it, whatever its share (two test
+    # workers on two cores left the 0.7 tenant less than the 0.3 one)
     assert a["gpu_ns"] > 0 and b["gpu_ns"] > 0
+
+
+def test_the_larger_share_gets_more_of_a_gpu_that_takes_time(fake_cuda, tmp_path, controller):
+    start_at = time.time() + 1.0  # over the same two seconds, as above
+    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0, "gpu", start_at=start_at)
+             for name in "ab"]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=30)
+            assert p.returncode == 0 and err == ""
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    wait_for(lambda: set(controller.stats.departed) == {"a", "b"}, what="both exits to be noticed")
+    # each launch is 2 ms of the one GPU's wall time: the larger share ran more of them
+    a, b = (controller.stats.departed[n]["launches"] for n in "ab")
+    assert a > b > 0, (a, b, controller.stats)
 
 
 def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_cuda, tmp_path):

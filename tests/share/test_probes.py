@@ -37,7 +37,7 @@ class Busy:
     def busy(self, slot: int) -> tuple[int, int]:
         return self.ns[slot], round(self.ns[slot] / 1e9 / self.LAUNCH_S)
 
-    def sync_wait_ns(self, slot: int, now_ns: int) -> int:
+    def sync_wait_ns(self, slot: int, now: float) -> int:
         return self.wait_ns[slot]
 
     def launches(self, slot: int) -> int:

@@ -32,7 +32,7 @@ from gpuscope.share.ledger import (
 )
 from gpuscope.share.policy import PolicyFile, PolicySpec
 from gpuscope.share.probes import Prober
-from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable, ns
+from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
 from gpuscope.share.settings import (
     KEEPER_RETURN_S,
@@ -272,7 +272,7 @@ class Controller:
             since, waited_ns, launched = self._wait_mark.get(slot, (now, 0, 0))
             if now - since < STARVED_JUDGE_S or slot not in self.prober.wait_ratio:
                 continue
-            total_ns, launches = self.processes.sync_wait_ns(slot, ns(now)), self.processes.launches(slot)
+            total_ns, launches = self.processes.sync_wait_ns(slot, now), self.processes.launches(slot)
             waiting = max(0, total_ns - waited_ns) / 1e9 / (now - since)
             alone_rate = self.prober.launch_rate.get(slot)
             launch_ratio = (max(0, launches - launched) / (now - since) / alone_rate
@@ -309,7 +309,7 @@ class Controller:
         gate follows."""
         if beside == self.beside:
             return
-        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s, ns(now)),
+        self._wait_mark = {s: self._wait_mark.get(s) or (now, self.processes.sync_wait_ns(s, now),
                                                           self.processes.launches(s)) for s in beside}
         self.beside_throughput = {s: r for s, r in self.beside_throughput.items() if s in beside}
         self.beside = beside

@@ -41,7 +41,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 
 from gpuscope.share.ledger import Policy
-from gpuscope.share.processes import ProcessTable, ns
+from gpuscope.share.processes import ProcessTable
 from gpuscope.share.settings import PROBE_FIRST_S, PROBE_LEAD_S, PROBE_READ_LAG_S, PROBE_S
 
 #: Weight of a new probe's busy fraction in the running estimate.
@@ -119,7 +119,7 @@ class Prober:
     def start(self, slot: int, now: float) -> float:
         """Have ``slot`` run alone from ``now`` (the others already drained and paused): its lead, then
         each launch timed (``advance``). Returns how long the lead lasts."""
-        launches, waited_ns = self.table.launches(slot), self.table.sync_wait_ns(slot, ns(now))
+        launches, waited_ns = self.table.launches(slot), self.table.sync_wait_ns(slot, now)
         self.probe = Probe(slot=slot, until=now + PROBE_LEAD_S, started=now, launches=launches,
                            sync_wait_ns=waited_ns)
         self.last_probed[slot] = now
@@ -159,7 +159,7 @@ class Prober:
             return
         # the part of its time alone it waited for the GPU (its syncs): what its waits beside the holder
         # are compared with (scheduler.beside_fraction)
-        waited_ns = self.table.sync_wait_ns(probe.slot, ns(now)) - probe.sync_wait_ns
+        waited_ns = self.table.sync_wait_ns(probe.slot, now) - probe.sync_wait_ns
         waited = min(1.0, max(0, waited_ns) / 1e9 / wall)
         old_wait = self.wait_ratio.get(probe.slot)
         self.wait_ratio[probe.slot] = (waited if old_wait is None

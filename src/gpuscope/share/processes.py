@@ -34,11 +34,6 @@ class ProcState:
 MAX_WAITING_THREADS = 1 << 16
 
 
-def ns(monotonic_s: float) -> int:
-    """A ``time.monotonic()`` reading as the preload library's clock reads it (CLOCK_MONOTONIC ns)."""
-    return int(monotonic_s * 1e9)
-
-
 def waited_ns(view: ProcView, now_ns: int) -> int:
     """One process's time in its waits for the GPU up to ``now_ns``: those ended, and the part so far
     of those under way (their count times now, less the sum of their starts). The ended time is read
@@ -165,13 +160,15 @@ class ProcessTable:
                 launches += state.view.counter("busy_launches")
         return ns, launches
 
-    def sync_wait_ns(self, slot: int, now_ns: int) -> int:
-        """``slot``'s processes' summed time in their waits for the GPU up to ``now_ns``
-        (CLOCK_MONOTONIC, the library's clock), the waits under way included: the time waited between
-        two readings is then exact at both ends. Counted only as each wait ended, a wait that began
-        before a probe's 10 ms lead and ended in it (its kernel queued behind the other tenant's,
-        drained as the lead began) counted whole in the lead: the tenant read waiting all its time
-        alone, where it waited 0.6 of it, and was never found starved beside the holder."""
+    def sync_wait_ns(self, slot: int, now: float) -> int:
+        """``slot``'s processes' summed time in their waits for the GPU up to ``now`` (a
+        ``time.monotonic()`` reading: CLOCK_MONOTONIC, the library's clock), the waits under way
+        included: the time waited between two readings is then exact at both ends. Counted only as
+        each wait ended, a wait that began before a probe's 10 ms lead and ended in it (its kernel
+        queued behind the other tenant's, drained as the lead began) counted whole in the lead: the
+        tenant read waiting all its time alone, where it waited 0.6 of it, and was never found
+        starved beside the holder."""
+        now_ns = int(now * 1e9)
         return sum(waited_ns(s.view, now_ns) for s in self.procs.values() if s.view.slot == slot)
 
     def launches(self, slot: int) -> int:

@@ -726,7 +726,8 @@ def pass_call(inst: Instrumentation, regions: CompiledRegions, compiled: Callabl
     # 9, against 84 and 118 µs a pass in two runs with every pass timed, where no switch happens).
     # Each measured pass is read on the wall clock too (``inst.wall_cost``, a vDSO read): the thread's
     # CPU misses its waits off the CPU, and in short blocks on an H100 the timed passes cost about
-    # twice what it shows (docs/design.md); the benchmarks compare the two, the budget reads the CPU.
+    # twice what it shows (docs/design.md); the benchmarks compare the clocks, and the budget reads the
+    # CPU, scaled where it was measured to miss (``Instrumentation.sampled_pass_cost_s``).
     # And each measured pass's step, from its start to the next pass's (``inst.step_cost``): a step is
     # closed by the next call, whatever it is; one longer than STEP_GAP_FACTOR untimed steps is the
     # program's idle time between requests, not the pass's cost, and is dropped.
