@@ -78,6 +78,11 @@ def run(fake: Path, tmp: Path, workloads: list[str], seconds: float,
     return [json.loads(p.communicate(timeout=120)[0])["steps"] for p in procs]
 
 
+def tenant_names(mix: tuple) -> list[str]:
+    """A mix's tenants as the controller and the results name them: t<index>-<workload>."""
+    return [f"t{i}-{w}" for i, (w, _) in enumerate(mix)]
+
+
 def run_variant(variant: str, fake: Path, tmp: Path, mix: tuple, seconds: float) -> tuple[list[float], dict]:
     """One mix in one variant: each tenant's steps, and the controller's counters (managed only)."""
     from gpuscope.share.ledger import TenantPolicy
@@ -87,7 +92,7 @@ def run_variant(variant: str, fake: Path, tmp: Path, mix: tuple, seconds: float)
     workloads = [w for w, _ in mix]
     if variant == "unmanaged":
         return run(fake, tmp, workloads, seconds), {}
-    names = [f"t{i}-{w}" for i, w in enumerate(workloads)]
+    names = tenant_names(mix)
     handover, _, rule = variant.partition("-")
     policy = [TenantPolicy(n, share) for n, (_, share) in zip(names, mix, strict=True)]
     with running_controller(str(tmp / "ledger"), policy, handover=Handover(handover),
@@ -135,9 +140,9 @@ def main() -> None:
             for variant in variants if rnd_i % 2 == 0 else variants[::-1]:
                 steps, stats = run_variant(variant, fake, tmp, mix, args.seconds)
                 fractions = [s / alone[w] for s, (w, _) in zip(steps, mix, strict=True)]
-                got[variant] = {"tenants": [{"name": f"t{i}-{w}", "workload": w, "share": share,
-                                             "fraction": rnd(f)} for i, ((w, share), f) in
-                                            enumerate(zip(mix, fractions, strict=True))],
+                got[variant] = {"tenants": [{"name": n, "workload": w, "share": share, "fraction": rnd(f)}
+                                            for n, (w, share), f in
+                                            zip(tenant_names(mix), mix, fractions, strict=True)],
                                 "sum": rnd(sum(fractions)), **stats}
                 log(f"{name} round {rnd_i} {variant}: {[rnd(f) for f in fractions]} sum {rnd(sum(fractions))}"
                     + (f" starved {stats['starved']}" if stats.get("starved") else ""))

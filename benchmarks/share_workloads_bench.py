@@ -245,7 +245,8 @@ def worker(name: str, seconds: float) -> dict:
         stamps.append(time.time())
     # the gpuscope-share helper threads' CPU over the measured run (0 when not under the library), and
     # how often they slept and woke: against the tenant's steps a second, whether a helper follows
-    # each step's window (a graph replayed and synced every step, 1.6% of a core on an H100)
+    # each step's window (the helpers of the mix with a graph loop took 1.6% of a core on an H100,
+    # which tenant's is not known)
     return {"stamps": stamps, "helper_cpu_pct": 100 * (_helper_cpu_s() - helper0) / seconds,
             "helper_wakeups_per_s": (_helper_wakeups() - wakeups0) / seconds}
 
