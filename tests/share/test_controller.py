@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -91,18 +92,16 @@ def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller)
         p.wait()
 
 
-def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, controller):
-    # both run over the same two seconds: one that came up late on a busy machine would otherwise find
-    # the other alone on the GPU (shares do not bind) and compare less time at its share
+@contextlib.contextmanager
+def tenants_a_and_b(fake, tmp_path, controller, how: str = "busy"):
+    """Tenants a and b launching over the same two seconds (one that came up late on a busy machine
+    would otherwise find the other alone on the GPU, shares not binding, and compare less time at its
+    share); the block's end waits for both to exit cleanly, and for the controller to notice."""
     start_at = time.time() + 1.0
-    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0, start_at=start_at)
+    procs = [tenant(fake, tmp_path, name, controller.policy.prefix, 2.0, how, start_at=start_at)
              for name in "ab"]
     try:
-        seen = {}
-        wait_for(lambda: all(p.pid in controller.procs for p in procs), what="both tenants")
-        wait_for(lambda: controller.stats.binding, what="shares to bind")
-        for p in procs:
-            seen[p.pid] = controller.procs[p.pid].view.counters()
+        yield procs
         for p in procs:
             _, err = p.communicate(timeout=30)
             assert p.returncode == 0 and err == ""
@@ -111,6 +110,15 @@ def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, cont
             p.kill()
             p.wait()
     wait_for(lambda: set(controller.stats.departed) == {"a", "b"}, what="both exits to be noticed")
+
+
+def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, controller):
+    seen = {}
+    with tenants_a_and_b(fake_cuda, tmp_path, controller) as procs:
+        wait_for(lambda: all(p.pid in controller.procs for p in procs), what="both tenants")
+        wait_for(lambda: controller.stats.binding, what="shares to bind")
+        for p in procs:
+            seen[p.pid] = controller.procs[p.pid].view.counters()
     assert controller.stats.slices["a"] > 0 and controller.stats.slices["b"] > 0
     assert controller.stats.drain_timeouts == 0
     if controller.handover == "drain" and controller.keeper:
@@ -126,18 +134,8 @@ def test_two_busy_tenants_are_sliced_and_both_progress(fake_cuda, tmp_path, cont
 
 
 def test_the_larger_share_gets_more_of_a_gpu_that_takes_time(fake_cuda, tmp_path, controller):
-    start_at = time.time() + 1.0  # over the same two seconds, as above
-    procs = [tenant(fake_cuda, tmp_path, name, controller.policy.prefix, 2.0, "gpu", start_at=start_at)
-             for name in "ab"]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=30)
-            assert p.returncode == 0 and err == ""
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    wait_for(lambda: set(controller.stats.departed) == {"a", "b"}, what="both exits to be noticed")
+    with tenants_a_and_b(fake_cuda, tmp_path, controller, "gpu"):
+        pass
     # each launch is 2 ms of the one GPU's wall time: the larger share ran more of them
     a, b = (controller.stats.departed[n]["launches"] for n in "ab")
     assert a > b > 0, (a, b, controller.stats)
