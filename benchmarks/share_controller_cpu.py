@@ -19,6 +19,9 @@ variant of the controller's flags:
 - ``lend``: the H100's training + encoder 70/30 mix in shape: a training-like loop busy about 75% of
   its time (ten 300 µs kernels, a sync, 1 ms on the host) at 0.7, so it takes turns, and lends each
   one to a GPU-bound loop (0.3) at its step's sync and takes it back at its next launch;
+- ``graph-turns``: the H100's train+encoder+graph mix as it ran there: as ``graph``, with the
+  launch-bound ``encoder`` loop in the GPU-bound loop's place (busy about two thirds of its time, so it
+  takes turns with the graph loop, and syncs every step);
 - ``all-beside``: the H200's mixes as they ran there: three training-like loops (as in ``graph``) at
   50/30/20, each busy about a third of its time, so all run beside one another and nobody takes turns.
 
@@ -139,6 +142,9 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     elif scenario == "graph":
         shares = "train=0.5,hog=0.3,graph=0.2"
         tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
+    elif scenario == "graph-turns":
+        shares = "train=0.5,enc=0.3,graph=0.2"
+        tenants = [("train", "train"), ("encoder", "enc"), ("graph", "graph")]
     elif scenario == "encoder":
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
     elif scenario == "all-beside":
@@ -164,7 +170,7 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
-    elif scenario in ("graph", "lend", "all-beside"):
+    elif scenario in ("graph", "graph-turns", "lend", "all-beside"):
         out["iterations"] = counts
         out["lends"] = next((float(ln.split()[-1]) for ln in c["metrics"]
                              if ln.startswith(cat.SHARE_LENDS.name)), None)
@@ -200,7 +206,7 @@ def main() -> None:
                     rows.append(r)
                     extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
                              f"iterations {r['iterations']}, lends {r['lends']}"
-                             if scenario in ("graph", "lend", "all-beside") else
+                             if scenario in ("graph", "graph-turns", "lend", "all-beside") else
                              f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "

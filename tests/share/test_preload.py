@@ -187,6 +187,38 @@ def test_a_probe_charges_kernels_not_the_launch_calls_between_them(fake_cuda, tm
         policy.close()
 
 
+SYNCED_STEPS = """
+import ctypes, json
+cuda = ctypes.CDLL('libcuda.so.1'); own = ctypes.CDLL(None); U = ctypes.c_uint
+out = (ctypes.c_uint64 * 8)()
+posted = []
+for step in range(30):  # three kernels of 50 µs of fake GPU time, then a wait for the GPU
+    for _ in range(3):
+        cuda.cuLaunchKernel(None, U(1), U(1), U(1), U(50), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+    cuda.cuCtxSynchronize()
+    own.gpuscope_share_stats(out)  # at once: no time for the helper thread to post anything
+    posted.append(out[4])
+print(json.dumps({"posted_gpu_ns": posted, "hook_errors": out[2]}))
+"""
+
+
+def test_a_slice_holder_posts_its_windows_when_its_wait_for_the_gpu_returns(fake_cuda, tmp_path):
+    """A holder that syncs every step posts its finished windows itself as each wait returns, so its
+    helper thread need not wake for each window."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    try:
+        policy.set_gate(0b10)  # shares bind and b holds the slice
+        env = child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix)
+        proc = subprocess.run([sys.executable, "-c", SYNCED_STEPS], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        stats = json.loads(proc.stdout)
+        assert stats["hook_errors"] == 0
+        assert stats["posted_gpu_ns"] == [150_000 * (step + 1) for step in range(30)]
+    finally:
+        policy.close()
+
+
 QUEUED_BESIDE = """
 import ctypes, sys, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
