@@ -9,7 +9,8 @@ Workloads (each a separate process, plain PyTorch; a step ends with a host sync)
 - small: ResNet-18 batch-1 inference, back to back (launch-bound);
 - compiled: a `torch.compile`d MLP (Triton kernels, launched through Triton's own launcher).
 
-Each workload's alone rate is measured first; then each mix runs unmanaged (plain time-slicing),
+Each workload's alone rate is measured first (and again after the mixes: ``alone_drift``, the ratio,
+says how far the host's speed moved meanwhile); then each mix runs unmanaged (plain time-slicing),
 managed with draining hand-overs (the default) and managed with overlapping hand-overs, one after the
 other. Per tenant: its fraction of its alone rate, and the worst 5 s window; per mix and variant: the
 sum of the fractions (the GPU's useful work) and the controller's CPU. The mix's headline fields
@@ -333,6 +334,18 @@ def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, 
     return out
 
 
+def measure_alone(workloads: list[str], seconds: float) -> dict[str, float]:
+    """Each workload's steps a second alone, one after the other, all warmed up first."""
+    procs = {w: spawn(w, seconds, None) for w in workloads}
+    start = release(list(procs.values()), [i * (seconds + 1) for i in range(len(workloads))])
+    rates = {}
+    for i, (w, pr) in enumerate(procs.items()):
+        lo = start + i * (seconds + 1)
+        rates[w] = rate(collect(pr), lo, lo + seconds)
+        log(f"alone {w}: {rates[w]:.1f} steps/s")
+    return rates
+
+
 def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float], port: int,
             ) -> dict:
     names = [f"t{i}-{w}" for i, (w, _) in enumerate(tenants)]
@@ -366,10 +379,11 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
                      "worst_window_below_share_pts": rnd(max((max(0.0, share - v) * 100 for v in windows),
                                                              default=None), 2),
                      "timeline": timeline})
+    for row, st in zip(rows, stamps, strict=True):
+        row["steps_per_s"] = rnd(rate(st, start, start + seconds), 1)  # the fraction's numerator
     if controller:
         for row, r in zip(rows, results, strict=True):
-            row.update(steps_per_s=rnd(len(r["stamps"]) / seconds, 1),
-                       helper_cpu_pct=rnd(r["helper_cpu_pct"]),
+            row.update(helper_cpu_pct=rnd(r["helper_cpu_pct"]),
                        helper_wakeups_per_s=rnd(r["helper_wakeups_per_s"], 1))
     helpers_pct = sum(r["helper_cpu_pct"] for r in results)
     return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
@@ -461,6 +475,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=9494)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--alone-seconds", type=float, default=6.0)
+    p.add_argument("--no-alone-again", dest="alone_again", action="store_false",
+                   help="skip measuring each workload alone again after the mixes (alone_drift)")
     p.add_argument("--mixes", default=",".join(MIXES))
     p.add_argument("--latency-rate", type=float, default=150.0, help="the latency tenant's requests/s")
     p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
@@ -498,14 +514,7 @@ def main() -> None:
     if not set(latency_variants) <= set(VARIANTS) - {"unmanaged", MANAGED}:
         p.error(f"--latency-variants: of {', '.join(sorted(set(VARIANTS) - {'unmanaged', MANAGED}))}")
     needed = sorted({w for tenants in mixes.values() for w, _ in tenants} | set(hogs))
-    # alone, one after the other, all warmed up first
-    procs = {w: spawn(w, args.alone_seconds, None) for w in needed}
-    start = release(list(procs.values()), [i * (args.alone_seconds + 1) for i in range(len(needed))])
-    for w, pr in procs.items():
-        i = needed.index(w)
-        lo = start + i * (args.alone_seconds + 1)
-        alone[w] = rate(collect(pr), lo, lo + args.alone_seconds)
-        log(f"alone {w}: {alone[w]:.1f} steps/s")
+    alone.update(measure_alone(needed, args.alone_seconds))
     save()
     for name, tenants in mixes.items():
         entry = {"name": name}
@@ -518,6 +527,16 @@ def main() -> None:
         entry.update(tenants=entry[MANAGED]["tenants"], sum_managed=entry[MANAGED]["sum"],
                      sum_unmanaged=entry["unmanaged"]["sum"], cpu_core_pct=entry[MANAGED]["cpu_core_pct"])
         out["mixes"].append(entry)
+        save()
+    if mixes and args.alone_again:
+        # The host's speed drifts within minutes (an encoder alone read 683 and 559 steps/s in two runs
+        # of one hour on one H100), and every fraction is against the rate at the start: measured again
+        # after the mixes, the ratio says how far the fractions can be trusted.
+        workloads = sorted({w for tenants in mixes.values() for w, _ in tenants})
+        out["alone_after_mixes"] = measure_alone(workloads, args.alone_seconds)
+        out["alone_drift"] = {w: rnd(out["alone_after_mixes"][w] / alone[w]) if alone[w] else None
+                              for w in workloads}
+        log(f"alone after the mixes ÷ before: {out['alone_drift']}")
         save()
     def latency(hog: str | None, variant: str) -> dict:
         return run_latency(hog, VARIANTS[variant], args.seconds, args.latency_rate, alone, args.port)

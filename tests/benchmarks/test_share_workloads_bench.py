@@ -64,3 +64,43 @@ def test_an_unknown_latency_variant_is_refused_before_anything_runs(tmp_path: Pa
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--latency-variants" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_each_workload_is_measured_alone_again_after_the_mixes(tmp_path: Path, monkeypatch) -> None:
+    """The fractions are against the alone rates at the start; the second measurement after the mixes
+    says how far the host drifted. Processes and mixes are stubbed (they need a GPU): each alone run
+    yields 100 steps a second at the start and 80 after the mixes."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import share_workloads_bench as bench
+
+    measured = {"rounds": 0}
+
+    class Proc:
+        def __init__(self, workload: str) -> None:
+            self.workload, self.start = workload, 0.0
+
+    def release(procs: list, offsets: list[float] | None = None, lead_s: float = 0.5) -> float:
+        measured["rounds"] += 1
+        for proc, offset in zip(procs, offsets or [0.0] * len(procs), strict=True):
+            proc.start, proc.steps_per_s = 1000.0 + offset, 100 if measured["rounds"] == 1 else 80
+        return 1000.0
+
+    def collect(proc: Proc) -> list[float]:
+        return [proc.start + k / proc.steps_per_s for k in range(int(proc.steps_per_s * 2))]
+
+    def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict, port: int) -> dict:
+        rows = [tenant(f"t{i}-{w}", s, [0.5]) for i, (w, s) in enumerate(tenants)]
+        return {"tenants": rows, "sum": 1.0, "cpu_core_pct": 0.1}
+
+    monkeypatch.setattr(bench, "spawn", lambda w, seconds, tenant_name, role="worker": Proc(w))
+    monkeypatch.setattr(bench, "release", release)
+    monkeypatch.setattr(bench, "collect", collect)
+    monkeypatch.setattr(bench, "run_mix", run_mix)
+    out = tmp_path / "results.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--out", str(out), "--alone-seconds", "1", "--mixes",
+                                      "train+encoder 70/30", "--variants", "unmanaged,drain", "--hogs", ""])
+    bench.main()
+    results = json.loads(out.read_text())
+    assert results["alone"] == {"encoder": 100.0, "train": 100.0}
+    assert results["alone_after_mixes"] == {"encoder": 80.0, "train": 80.0}
+    assert results["alone_drift"] == {"encoder": 0.8, "train": 0.8}
