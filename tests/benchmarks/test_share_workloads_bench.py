@@ -70,7 +70,7 @@ def test_each_workload_is_measured_alone_again_after_the_mixes(tmp_path: Path, m
     """The fractions are against the alone rates at the start; the second measurement after the mixes
     says how far the host drifted. Processes and mixes are stubbed (they need a GPU): each alone run
     yields 100 steps a second at the start and 80 after the mixes."""
-    sys.path.insert(0, str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     import share_workloads_bench as bench
 
     measured = {"rounds": 0}
