@@ -118,6 +118,14 @@ def vit() -> tuple:
     return model, (x,), {}, lambda path, m: path.startswith("encoder.layers.") and path.count(".") == 2
 
 
+def vit_sublayers() -> tuple:
+    """The same ViT timed by its layers' attention and MLP modules: at layer level each layer's closing
+    residual add is fused with the next layer's first norm, and every layer merges into one region."""
+    model, call_args, call_kwargs, _ = vit()
+    return model, call_args, call_kwargs, lambda path, m: path.startswith("encoder.layers.") and (
+        path.endswith(".self_attention") or path.endswith(".mlp"))
+
+
 def bert() -> tuple:
     """Another class outside the fit: a Hugging Face BERT-base encoder, batch 8 of 128 tokens."""
     from transformers import BertConfig, BertModel
@@ -128,7 +136,8 @@ def bert() -> tuple:
 
 
 WORKLOADS = {"encoder": encoder, "llama-decode": lambda: llama((1, 1)),
-             "llama-prefill": lambda: llama((4, 512)), "resnet50": resnet50, "vit": vit, "bert": bert}
+             "llama-prefill": lambda: llama((4, 512)), "resnet50": resnet50, "vit": vit,
+             "vit-sublayers": vit_sublayers, "bert": bert}
 
 
 def main_tensor(out: object) -> torch.Tensor:
