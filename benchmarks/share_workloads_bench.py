@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -303,6 +304,31 @@ def counters(ctl: dict) -> list[str]:
     return [ln for ln in ctl["metrics"] if not ln.startswith("#")]
 
 
+_WAKEUPS = re.compile(cat.SHARE_HELPER_WAKEUPS.name + r'\{.*?reason="(\w+)".*?tenant="([^"]+)".*?\} (\S+)$')
+
+
+def helper_wakeups_per_s(first: tuple[float, list[str]], second: tuple[float, list[str]]
+                         ) -> dict[str, dict[str, float]]:
+    """Each tenant's helper wake-ups a second by reason between two scrapes ((time, series) each), its
+    processes summed: what the controller's /metrics says each helper slept on."""
+    def totals(lines: list[str]) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for line in lines:
+            m = _WAKEUPS.match(line)
+            if m:
+                key = (m.group(2), m.group(1))
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+        return out
+
+    (t0, a), (t1, b) = first, second
+    before, after = totals(a), totals(b)
+    rates: dict[str, dict[str, float]] = {}
+    for (tenant, reason), value in after.items():
+        per_s = (value - before.get((tenant, reason), 0.0)) / max(t1 - t0, 1e-9)
+        rates.setdefault(tenant, {})[reason] = rnd(per_s, 1)
+    return rates
+
+
 def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, rate_per_s: float,
                 alone: dict[str, float], port: int) -> dict:
     """The latency tenant (priority 1, share 0.3) alone or beside ``hog`` (share 0.7), under a
@@ -357,12 +383,16 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
     start = release(procs)
     sleep_until(start)
     mid_run = None
+    wakeups: dict[str, dict[str, float]] = {}
     if controller:
         controller.mark()
+        first = (time.time(), controller.scrape())
         # the gauges of tenants beside the holder (duty, estimated throughput) exist only while they
-        # run: one look halfway through
+        # run: one look halfway through; the helpers' wake-ups by reason over the first half
         sleep_until(start + seconds / 2)
-        mid_run = [ln for ln in controller.scrape() if ln.split("{")[0] in MID_RUN_GAUGES]
+        second = (time.time(), controller.scrape())
+        mid_run = [ln for ln in second[1] if ln.split("{")[0] in MID_RUN_GAUGES]
+        wakeups = helper_wakeups_per_s(first, second)
     results = [result_of(p) for p in procs]
     stamps = [r["stamps"] for r in results]
     ctl = controller.stop() if controller else None
@@ -384,7 +414,8 @@ def run_mix(tenants: tuple, variant: str, seconds: float, alone: dict[str, float
     if controller:
         for row, r in zip(rows, results, strict=True):
             row.update(helper_cpu_pct=rnd(r["helper_cpu_pct"]),
-                       helper_wakeups_per_s=rnd(r["helper_wakeups_per_s"], 1))
+                       helper_wakeups_per_s=rnd(r["helper_wakeups_per_s"], 1),
+                       helper_wakeups_per_s_by_reason=wakeups.get(row["name"], {}))
     helpers_pct = sum(r["helper_cpu_pct"] for r in results)
     return {"tenants": rows, "sum": rnd(sum(r["fraction"] for r in rows)),
             "cpu_core_pct": rnd(ctl["cpu_core_pct"] + helpers_pct) if ctl else None,

@@ -104,3 +104,33 @@ def test_each_workload_is_measured_alone_again_after_the_mixes(tmp_path: Path, m
     assert results["alone"] == {"encoder": 100.0, "train": 100.0}
     assert results["alone_after_mixes"] == {"encoder": 80.0, "train": 80.0}
     assert results["alone_drift"] == {"encoder": 0.8, "train": 0.8}
+
+
+def test_the_helpers_wake_ups_are_read_by_reason_from_two_scrapes(monkeypatch) -> None:
+    """Each tenant's helper wake-ups a second by reason, its processes summed, from the controller's
+    series as prometheus_client writes them (the catalogue's family)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import share_workloads_bench as bench
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpuscope.contract import catalogue as cat
+
+    def scrape(counts: dict[tuple[str, str, str], float]) -> list[str]:
+        class Collector:
+            def collect(self):
+                family = cat.SHARE_HELPER_WAKEUPS.family()
+                for (tenant, pid, reason), value in counts.items():
+                    family.add_metric([tenant, pid, reason, "0", "GPU-1"], value)
+                yield family
+
+        registry = CollectorRegistry()
+        registry.register(Collector())
+        text = generate_latest(registry).decode()
+        return [ln for ln in text.splitlines() if ln.startswith("gpuscope_share_")]
+
+    first = scrape({("t0-train", "11", "nap"): 10, ("t0-train", "12", "nap"): 5,
+                    ("t1-encoder", "13", "gate"): 0})
+    second = scrape({("t0-train", "11", "nap"): 30, ("t0-train", "12", "nap"): 25,
+                     ("t1-encoder", "13", "gate"): 8})
+    rates = bench.helper_wakeups_per_s((100.0, first), (102.0, second))
+    assert rates == {"t0-train": {"nap": 20.0}, "t1-encoder": {"gate": 4.0}}

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuscope.contract import catalogue
 from gpuscope.share.controller import STARVED_JUDGE_S, Controller
-from gpuscope.share.ledger import TenantPolicy
+from gpuscope.share.ledger import HELPER_WAKE_REASONS, TenantPolicy
 from gpuscope.share.main import main as share_main
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
@@ -404,3 +404,65 @@ def test_a_tenant_starved_beside_the_holder_takes_turns_for_a_while(tmp_path):
         assert c.beside_throughput[1] == pytest.approx(0.8 / (2 / 3))
     finally:
         c.close()
+
+
+def _helper_thread(pid: int) -> str | None:
+    """/proc folder of process ``pid``'s gpuscope-share helper thread (None: none found)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == "gpuscope-share":
+                    return f"/proc/{pid}/task/{tid}"
+        except OSError:
+            continue
+    return None
+
+
+def _voluntary_switches(task: str) -> int:
+    with open(f"{task}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_each_helper_wake_up_is_counted_by_what_it_slept_on(fake_cuda, tmp_path):
+    """The helper thread's wake-ups by reason add up to what the kernel counts for that thread (its
+    voluntary context switches), its CPU is shown, and /metrics serves both per process."""
+    with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
+                 Handover.DRAIN) as c:
+        start_at = time.time() + 1.0
+        # launching for longer than the test reads them (a busy host may start one late)
+        procs = [tenant(fake_cuda, tmp_path, name, c.policy.prefix, 6.0, "gpu", start_at=start_at)
+                 for name in "ab"]
+        try:
+            wait_for(lambda: all(p.pid in c.procs for p in procs), what="both tenants")
+            wait_for(lambda: c.stats.slices["a"] >= 2 and c.stats.slices["b"] >= 2, what="turns taken")
+            registry = CollectorRegistry()
+            registry.register(ShareCollector(c))
+            for p in procs:
+                task = _helper_thread(p.pid)
+                assert task is not None
+                switches = _voluntary_switches(task)
+                counters = c.procs[p.pid].view.counters()
+                counted = sum(counters[f"helper_wakes_{reason}"] for reason in HELPER_WAKE_REASONS)
+                # read a moment apart, and a sleep that did not block (the gate changed as it began)
+                # is counted without a switch: close, not equal
+                assert abs(counted - switches) <= max(5, 0.2 * switches), (counted, switches, counters)
+                # taking turns, it waited on its windows' end events and on the gate
+                assert counters["helper_wakes_window"] + counters["helper_wakes_gate"] > 0
+                with open(f"{task}/schedstat") as f:
+                    thread_cpu_ns = int(f.read().split()[0])
+                assert 0 < counters["helper_cpu_ns"] <= thread_cpu_ns
+            text = generate_latest(registry).decode()
+            for p in procs:
+                name = "a" if p is procs[0] else "b"
+                for reason in HELPER_WAKE_REASONS:
+                    assert (f'gpuscope_share_helper_wakeups_total{{gpu="0",pid="{p.pid}",reason="{reason}",'
+                            f'tenant="{name}",uuid=""}}') in text
+                cpu = f'gpuscope_share_helper_cpu_seconds_total{{gpu="0",pid="{p.pid}",tenant="{name}"'
+                assert cpu in text
+            for p in procs:
+                _, err = p.communicate(timeout=30)
+                assert p.returncode == 0 and err == ""
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()

@@ -476,6 +476,16 @@ SHARE_HOOK_ERRORS = _m("gpuscope_share_hook_errors_total", "counter",
                        "Failures inside the preload library (an event record or query that failed, no "
                        "events for accounting); the launch itself always goes ahead.", "errors", _TP,
                        area=SHARE)
+SHARE_HELPER_WAKEUPS = _m("gpuscope_share_helper_wakeups_total", "counter",
+                          "Wake-ups of the process's share helper thread, by what it slept on: probe (a "
+                          "probe's batch posting), lock (the window lock a launching thread held), nap "
+                          "(while the launching thread posts its windows), window (a window's end event), "
+                          "drain (a drain's event), watch (a watch for a quiet holder), gate (the gate).",
+                          "wake-ups", ("tenant", "pid", "reason", "gpu", "uuid"), area=SHARE)
+SHARE_HELPER_CPU_SECONDS = _m("gpuscope_share_helper_cpu_seconds_total", "counter",
+                              "CPU time of the process's share helper thread, as of its last wake-up: what "
+                              "the share costs the program besides its launches.", "seconds", _TP,
+                              area=SHARE)
 SHARE_FAILED_OPEN = _m("gpuscope_share_failed_open", "gauge",
                        "1 while a tenant process runs unthrottled because it lost its controller.",
                        "boolean", _TP, area=SHARE)

@@ -13,7 +13,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 12u
+#define LAYOUT_VERSION 13u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
@@ -66,6 +66,12 @@ typedef struct {
      * adds count * now - sum to sync_wait_ns for the time waited up to now, so an interval's waits are
      * exact at both ends: a wait that began before a 10 ms probe and ended in it is not its own. */
     _Atomic uint64_t sync_open, sync_open_since_ns;
+    /* The helper thread's own cost, which no other reader can see per process: its wake-ups by what it
+     * slept on (a probe's batch posting, the window lock held by a launching thread, a nap while the
+     * launching thread posts, a window's end event, a drain's event, a watch for quiet, the gate) and
+     * its CPU time (CLOCK_THREAD_CPUTIME_ID, as of its last wake-up). */
+    _Atomic uint64_t helper_wakes_probe, helper_wakes_lock, helper_wakes_nap, helper_wakes_window,
+        helper_wakes_drain, helper_wakes_watch, helper_wakes_gate, helper_cpu_ns;
 } proc_t;
 
 /* One per tenant, written by all its processes: what they hold together, reserved atomically before

@@ -1012,6 +1012,24 @@ static CUevent drain_untimed(void) {
     return D->drain_event;
 }
 
+/* A wake-up of the helper, by what it slept on (a proc_t helper_wakes_* counter), and its CPU so far:
+ * what it costs the program, per process, where /proc shows only the thread's total. */
+static void helper_woke(_Atomic uint64_t *reason) {
+    atomic_fetch_add_explicit(reason, 1, memory_order_relaxed);
+    struct timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0)
+        atomic_store_explicit(&D->s.proc->helper_cpu_ns, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec,
+                              memory_order_relaxed);
+}
+
+/* The window lock from the helper: a launching thread takes it at every launch, and each time the
+ * helper finds it held it sleeps on it, a wake-up like any other. */
+static void helper_lock(void) {
+    if (pthread_mutex_trylock(&D->wlock) == 0) return;
+    pthread_mutex_lock(&D->wlock);
+    helper_woke(&D->s.proc->helper_wakes_lock);
+}
+
 static void *helper_main(void *arg) {
     D = arg; /* one helper per device: its events belong to that device's context */
     drv.set_ctx(D->acct_ctx);
@@ -1024,12 +1042,13 @@ static void *helper_main(void *arg) {
     int went_quiet = 0;
     uint64_t resolved_at = 0; /* when a quiet holder's last window finished (0: not watching) */
     for (;;) {
-        if (!busy_accounting()) pthread_mutex_lock(&D->wlock);
+        if (!busy_accounting()) helper_lock();
         else if (pthread_mutex_trylock(&D->wlock) != 0) {
             /* in a probe the launching thread takes the lock at every launch, thousands a second:
              * blocking on it would wake this thread (and cost the launcher a futex call) each time */
             struct timespec ts = {0, 2000000};
             nanosleep(&ts, NULL);
+            helper_woke(&D->s.proc->helper_wakes_probe);
             continue;
         }
         if (busy_accounting()) {
@@ -1044,6 +1063,7 @@ static void *helper_main(void *arg) {
             if (!crowded) {
                 struct timespec ts = {0, 2000000};
                 nanosleep(&ts, NULL);
+                helper_woke(&D->s.proc->helper_wakes_probe);
             }
             uint64_t t = now_ns();
             if (t > D->probe_alive_checked + 100000000ull) { /* a probe the controller never ended */
@@ -1076,6 +1096,7 @@ static void *helper_main(void *arg) {
             abs_after(&ts, alone ? ALONE_NAP_NS : tight ? WATCH_NAP_TIGHT_NS : HELPER_NAP_NS);
             futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
             atomic_store(&D->helper_sleeping, AWAKE);
+            helper_woke(&D->s.proc->helper_wakes_nap);
             continue;
         }
         if (D->head < D->tail) {
@@ -1088,7 +1109,8 @@ static void *helper_main(void *arg) {
             uint64_t h = D->head;
             pthread_mutex_unlock(&D->wlock);
             drv.sync(w.end);
-            pthread_mutex_lock(&D->wlock);
+            helper_woke(&D->s.proc->helper_wakes_window);
+            helper_lock();
             if (newest) {
                 resolve_finished(POOL);
                 D->helper_waited_newest = D->head == h; /* nothing posted: the oldest is on another stream */
@@ -1145,7 +1167,10 @@ static void *helper_main(void *arg) {
                 D->untimed_queued = 0;
                 CUevent e = drain_untimed();
                 pthread_mutex_unlock(&D->wlock);
-                if (e && drv.sync(e) != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+                if (e) {
+                    if (drv.sync(e) != 0) atomic_fetch_add(&D->s.proc->hook_errors, 1);
+                    helper_woke(&D->s.proc->helper_wakes_drain);
+                }
                 continue; /* the gate may have changed while it waited: look again */
             }
             last_seen_closed = g >> 16;
@@ -1167,6 +1192,7 @@ static void *helper_main(void *arg) {
             struct timespec ts;
             abs_after(&ts, nap);
             futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
+            helper_woke(watching ? &D->s.proc->helper_wakes_watch : &D->s.proc->helper_wakes_gate);
             if (!controller_alive()) fail_open("the share controller is gone");
         }
         atomic_store(&D->helper_sleeping, AWAKE);

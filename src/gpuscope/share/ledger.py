@@ -53,7 +53,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 12
+LAYOUT_VERSION = 13
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -78,12 +78,17 @@ MEM_CAP_FRACTION = 1 << 63
 TENANT_MAGIC = 0x54535347  # "GSST"
 M_MAGIC, M_VERSION, M_USED, M_REFUSED, M_PEAK, M_CARD = 0, 4, 8, 16, 24, 32
 
+#: What a process's helper thread slept on before each wake-up (``proc_t``'s ``helper_wakes_*``, in
+#: order): a probe's batch posting, the window lock a launching thread held, a nap while the launching
+#: thread posts its windows, a window's end event, a drain's event, a watch for quiet, the gate.
+HELPER_WAKE_REASONS = ("probe", "lock", "nap", "window", "drain", "watch", "gate")
+
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
                  "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
-                 "sync_open_since_ns")
+                 "sync_open_since_ns", *(f"helper_wakes_{r}" for r in HELPER_WAKE_REASONS), "helper_cpu_ns")
 Q_COUNTERS = 64
 #: Where the words the controller's turn keeper reads (in C) lie in a process's page: whether it wants
 #: the GPU (threads held at the gate, a window open, windows in flight, its last launch) and the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gpuscope.contract import catalogue as cat
 from gpuscope.share.controller import Controller
 from gpuscope.share.crosscheck import ReportCheck
+from gpuscope.share.ledger import HELPER_WAKE_REASONS
 from gpuscope.share.node import Node
 from gpuscope.share.unmanaged import UnmanagedWatch
 
@@ -18,6 +19,7 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
     (cat.SHARE_LAUNCHES, "launches", 1),
     (cat.SHARE_BUSY_LAUNCHES, "busy_launches", 1),
     (cat.SHARE_HOOK_ERRORS, "hook_errors", 1),
+    (cat.SHARE_HELPER_CPU_SECONDS, "helper_cpu_ns", 1e-9),
     (cat.SHARE_FAILED_OPEN, "failed_open", 1),
     (cat.SHARE_WAITING_THREADS, "waiting", 1),
 )
@@ -25,7 +27,8 @@ _PER_PROCESS = (  # catalogue metric, ledger counter, scale
 #: Every family collect() yields from the controller, then from the NVML watch and the cross-check
 #: (those only where they run): describe() names them without reading live state, so a registry
 #: refuses a second collector that would serve one of them.
-_CONTROLLER = (*(m for m, _, _ in _PER_PROCESS), cat.SHARE_TARGET_RATIO, cat.SHARE_PROCESSES,
+_CONTROLLER = (*(m for m, _, _ in _PER_PROCESS), cat.SHARE_HELPER_WAKEUPS, cat.SHARE_TARGET_RATIO,
+               cat.SHARE_PROCESSES,
                cat.SHARE_SLICES, cat.SHARE_CHARGED_SECONDS, cat.SHARE_STATE_SECONDS, cat.SHARE_BUSY_RATIO,
                cat.SHARE_DUTY_RATIO, cat.SHARE_BESIDE_THROUGHPUT, cat.SHARE_STARVED, cat.SHARE_PROBES,
                cat.SHARE_BINDING, cat.SHARE_DRAIN_TIMEOUTS, cat.SHARE_YIELDS, cat.SHARE_LENDS,
@@ -94,6 +97,9 @@ class ShareCollector:
         for metric, key, scale in _PER_PROCESS:
             for tenant, pid, counters in rows:
                 add(metric, [tenant, pid], counters[key] * scale)
+        for tenant, pid, counters in rows:
+            for reason in HELPER_WAKE_REASONS:
+                add(cat.SHARE_HELPER_WAKEUPS, [tenant, pid, reason], counters[f"helper_wakes_{reason}"])
         for t in snap.tenants:
             add(cat.SHARE_TARGET_RATIO, [t.name], t.share)
             add(cat.SHARE_PROCESSES, [t.name], sum(1 for tenant, _, _ in rows if tenant == t.name))
