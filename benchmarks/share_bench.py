@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,33 @@ from benchlib import write_json
 LEDGER = "/dev/shm/gpuscope-share-bench"
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+def helper_wakeups_per_s(first: tuple[float, list[str]], second: tuple[float, list[str]]
+                         ) -> dict[str, dict[str, float]]:
+    """Each tenant's helper wake-ups a second by reason between two scrapes of the controller's
+    ``gpuscope_share_*`` series ((time, lines) each), its processes summed: what each helper slept on."""
+    from gpuscope.contract import catalogue as cat
+
+    pattern = re.compile(cat.SHARE_HELPER_WAKEUPS.name
+                         + r'\{.*?reason="(\w+)".*?tenant="([^"]+)".*?\} (\S+)$')
+
+    def totals(lines: list[str]) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for line in lines:
+            m = pattern.match(line)
+            if m:
+                key = (m.group(2), m.group(1))
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+        return out
+
+    (t0, a), (t1, b) = first, second
+    before, after = totals(a), totals(b)
+    rates: dict[str, dict[str, float]] = {}
+    for (tenant, reason), value in after.items():
+        per_s = (value - before.get((tenant, reason), 0.0)) / max(t1 - t0, 1e-9)
+        rates.setdefault(tenant, {})[reason] = round(per_s, 1)
+    return rates
 
 
 # --------------------------------------------------------------------------------------------------

@@ -50,7 +50,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from benchlib import write_json  # noqa: E402
-from share_bench import Controller, _helper_cpu_s, _helper_wakeups, collect, pct, sleep_until  # noqa: E402
+from share_bench import (  # noqa: E402
+    Controller,
+    _helper_cpu_s,
+    _helper_wakeups,
+    collect,
+    helper_wakeups_per_s,
+    pct,
+    sleep_until,
+)
 
 from gpuscope.contract import catalogue as cat  # noqa: E402
 
@@ -157,6 +165,10 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     procs = [spawn(kind, name, seconds, start, fake) for kind, name in tenants]
     sleep_until(start)
     ctl.mark()
+    # the helpers' wake-ups by reason, from the controller's /metrics, while every tenant runs
+    first = (time.time(), ctl.scrape())
+    sleep_until(start + max(0.5, seconds - 0.5))
+    wakeups = helper_wakeups_per_s(first, (time.time(), ctl.scrape()))
     results = {name: collect(p) for (_, name), p in zip(tenants, procs, strict=True)}
     c = ctl.stop()
     counts = {name: sum(1 for s in r["stamps"] if start + 1 <= s < start + seconds)
@@ -167,6 +179,7 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "windows": {n: r["windows"] for n, r in results.items()},
            "helper_cpu_pct": {n: r["helper_cpu_pct"] for n, r in results.items()},
            "helper_wakeups_per_s": {n: r["helper_wakeups_per_s"] for n, r in results.items()},
+           "helper_wakeups_per_s_by_reason": wakeups,
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import logger, percentile, rnd, write_json  # noqa: E402
-from share_bench import LEDGER, Controller, _helper_cpu_s, _helper_wakeups, _lib, rate, sleep_until  # noqa: E402
+from share_bench import (  # noqa: E402
+    LEDGER,
+    Controller,
+    _helper_cpu_s,
+    _helper_wakeups,
+    _lib,
+    helper_wakeups_per_s,
+    rate,
+    sleep_until,
+)
 
 from gpuscope.contract import catalogue as cat  # noqa: E402
 from gpuscope.share.settings import SUGGESTED_STARVED_BELOW  # noqa: E402
@@ -302,31 +310,6 @@ def collect(p: subprocess.Popen) -> list[float]:
 def counters(ctl: dict) -> list[str]:
     """The stopped controller's series (its /metrics without the comment lines)."""
     return [ln for ln in ctl["metrics"] if not ln.startswith("#")]
-
-
-_WAKEUPS = re.compile(cat.SHARE_HELPER_WAKEUPS.name + r'\{.*?reason="(\w+)".*?tenant="([^"]+)".*?\} (\S+)$')
-
-
-def helper_wakeups_per_s(first: tuple[float, list[str]], second: tuple[float, list[str]]
-                         ) -> dict[str, dict[str, float]]:
-    """Each tenant's helper wake-ups a second by reason between two scrapes ((time, series) each), its
-    processes summed: what the controller's /metrics says each helper slept on."""
-    def totals(lines: list[str]) -> dict[tuple[str, str], float]:
-        out: dict[tuple[str, str], float] = {}
-        for line in lines:
-            m = _WAKEUPS.match(line)
-            if m:
-                key = (m.group(2), m.group(1))
-                out[key] = out.get(key, 0.0) + float(m.group(3))
-        return out
-
-    (t0, a), (t1, b) = first, second
-    before, after = totals(a), totals(b)
-    rates: dict[str, dict[str, float]] = {}
-    for (tenant, reason), value in after.items():
-        per_s = (value - before.get((tenant, reason), 0.0)) / max(t1 - t0, 1e-9)
-        rates.setdefault(tenant, {})[reason] = rnd(per_s, 1)
-    return rates
 
 
 def run_latency(hog: str | None, flags: tuple[str, ...] | None, seconds: float, rate_per_s: float,

@@ -132,5 +132,5 @@ def test_the_helpers_wake_ups_are_read_by_reason_from_two_scrapes(monkeypatch) -
                     ("t1-encoder", "13", "gate"): 0})
     second = scrape({("t0-train", "11", "nap"): 30, ("t0-train", "12", "nap"): 25,
                      ("t1-encoder", "13", "gate"): 8})
-    rates = bench.helper_wakeups_per_s((100.0, first), (102.0, second))
+    rates = bench.helper_wakeups_per_s((100.0, first), (102.0, second))  # share_bench's, as the bench uses it
     assert rates == {"t0-train": {"nap": 20.0}, "t1-encoder": {"gate": 4.0}}

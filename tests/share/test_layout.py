@@ -54,9 +54,9 @@ MEMORY = {
 COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
             "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
             "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
-            "sync_open_since_ns", "helper_wakes_probe", "helper_wakes_lock", "helper_wakes_nap",
-            "helper_wakes_window", "helper_wakes_drain", "helper_wakes_watch", "helper_wakes_gate",
-            "helper_cpu_ns")
+            "sync_open_since_ns", "helper_wakes_probe", "helper_wakes_lock", "helper_wakes_window",
+            "helper_wakes_drain", "helper_wakes_nap", "helper_wakes_nap_timeout", "helper_wakes_watch",
+            "helper_wakes_watch_timeout", "helper_wakes_gate", "helper_wakes_gate_timeout", "helper_cpu_ns")
 
 
 @pytest.fixture(scope="module")

@@ -478,9 +478,11 @@ SHARE_HOOK_ERRORS = _m("gpuscope_share_hook_errors_total", "counter",
                        area=SHARE)
 SHARE_HELPER_WAKEUPS = _m("gpuscope_share_helper_wakeups_total", "counter",
                           "Wake-ups of the process's share helper thread, by what it slept on: probe (a "
-                          "probe's batch posting), lock (the window lock a launching thread held), nap "
-                          "(while the launching thread posts its windows), window (a window's end event), "
-                          "drain (a drain's event), watch (a watch for a quiet holder), gate (the gate).",
+                          "probe's batch posting), lock (the window lock a launching thread held), window "
+                          "(a window's end event), drain (a drain's event); on the gate word nap (while the "
+                          "launching thread posts its windows), watch (for a quiet holder) and gate (a plain "
+                          "sleep), each woken by a gate write or its own launching thread, or run out "
+                          "(nap_timeout, watch_timeout, gate_timeout).",
                           "wake-ups", ("tenant", "pid", "reason", "gpu", "uuid"), area=SHARE)
 SHARE_HELPER_CPU_SECONDS = _m("gpuscope_share_helper_cpu_seconds_total", "counter",
                               "CPU time of the process's share helper thread, as of its last wake-up: what "

@@ -67,11 +67,13 @@ typedef struct {
      * exact at both ends: a wait that began before a 10 ms probe and ended in it is not its own. */
     _Atomic uint64_t sync_open, sync_open_since_ns;
     /* The helper thread's own cost, which no other reader can see per process: its wake-ups by what it
-     * slept on (a probe's batch posting, the window lock held by a launching thread, a nap while the
-     * launching thread posts, a window's end event, a drain's event, a watch for quiet, the gate) and
-     * its CPU time (CLOCK_THREAD_CPUTIME_ID, as of its last wake-up). */
-    _Atomic uint64_t helper_wakes_probe, helper_wakes_lock, helper_wakes_nap, helper_wakes_window,
-        helper_wakes_drain, helper_wakes_watch, helper_wakes_gate, helper_cpu_ns;
+     * slept on (a probe's batch posting, the window lock held by a launching thread, a window's end
+     * event, a drain's event; on the gate word, a nap while the launching thread posts, a watch for
+     * quiet and a plain sleep, each either woken or run out: _timeout) and its CPU time
+     * (CLOCK_THREAD_CPUTIME_ID, as of its last wake-up). */
+    _Atomic uint64_t helper_wakes_probe, helper_wakes_lock, helper_wakes_window, helper_wakes_drain,
+        helper_wakes_nap, helper_wakes_nap_timeout, helper_wakes_watch, helper_wakes_watch_timeout,
+        helper_wakes_gate, helper_wakes_gate_timeout, helper_cpu_ns;
 } proc_t;
 
 /* One per tenant, written by all its processes: what they hold together, reserved atomically before

@@ -1022,6 +1022,11 @@ static void helper_woke(_Atomic uint64_t *reason) {
                               memory_order_relaxed);
 }
 
+/* A sleep of the helper on the gate word, counted as `woken` or, where it ran its time, `timed_out`. */
+static void helper_slept_on_gate(long rc, _Atomic uint64_t *woken, _Atomic uint64_t *timed_out) {
+    helper_woke(rc == -1 && errno == ETIMEDOUT ? timed_out : woken);
+}
+
 /* The window lock from the helper: a launching thread takes it at every launch, and each time the
  * helper finds it held it sleeps on it, a wake-up like any other. */
 static void helper_lock(void) {
@@ -1094,9 +1099,9 @@ static void *helper_main(void *arg) {
             struct timespec ts;
             /* a tight holder's nap is its watch for quiet too (watch_nap) */
             abs_after(&ts, alone ? ALONE_NAP_NS : tight ? WATCH_NAP_TIGHT_NS : HELPER_NAP_NS);
-            futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
+            long rc = futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
             atomic_store(&D->helper_sleeping, AWAKE);
-            helper_woke(&D->s.proc->helper_wakes_nap);
+            helper_slept_on_gate(rc, &D->s.proc->helper_wakes_nap, &D->s.proc->helper_wakes_nap_timeout);
             continue;
         }
         if (D->head < D->tail) {
@@ -1191,8 +1196,9 @@ static void *helper_main(void *arg) {
         } else {
             struct timespec ts;
             abs_after(&ts, nap);
-            futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
-            helper_woke(watching ? &D->s.proc->helper_wakes_watch : &D->s.proc->helper_wakes_gate);
+            long rc = futex((void *)&D->s.policy->gate, FUTEX_WAIT_BITSET, g, &ts, D->helper_bit);
+            if (watching) helper_slept_on_gate(rc, &D->s.proc->helper_wakes_watch, &D->s.proc->helper_wakes_watch_timeout);
+            else helper_slept_on_gate(rc, &D->s.proc->helper_wakes_gate, &D->s.proc->helper_wakes_gate_timeout);
             if (!controller_alive()) fail_open("the share controller is gone");
         }
         atomic_store(&D->helper_sleeping, AWAKE);

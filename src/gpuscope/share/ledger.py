@@ -79,9 +79,12 @@ TENANT_MAGIC = 0x54535347  # "GSST"
 M_MAGIC, M_VERSION, M_USED, M_REFUSED, M_PEAK, M_CARD = 0, 4, 8, 16, 24, 32
 
 #: What a process's helper thread slept on before each wake-up (``proc_t``'s ``helper_wakes_*``, in
-#: order): a probe's batch posting, the window lock a launching thread held, a nap while the launching
-#: thread posts its windows, a window's end event, a drain's event, a watch for quiet, the gate.
-HELPER_WAKE_REASONS = ("probe", "lock", "nap", "window", "drain", "watch", "gate")
+#: order): a probe's batch posting, the window lock a launching thread held, a window's end event, a
+#: drain's event; and on the gate word a nap while the launching thread posts its windows, a watch for
+#: a quiet holder and a plain sleep, each woken (by a gate write or its own launching thread) or run out
+#: (``_timeout``).
+HELPER_WAKE_REASONS = ("probe", "lock", "window", "drain", "nap", "nap_timeout", "watch", "watch_timeout",
+                       "gate", "gate_timeout")
 
 # proc_t
 Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12, 16, 56, 60
