@@ -41,6 +41,18 @@ def finish(proc: subprocess.Popen, timeout: float = 30) -> tuple[dict, str]:
     return json.loads(out), err
 
 
+def helper_folder(pid: int) -> str | None:
+    """/proc folder of process ``pid``'s gpuscope-share helper thread (None: none found)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == "gpuscope-share":
+                    return f"/proc/{pid}/task/{tid}"
+        except OSError:
+            continue
+    return None
+
+
 def read_log(log: Path) -> list[tuple[str, int, int]]:
     rows = []
     for line in log.read_text().splitlines():

@@ -20,7 +20,7 @@ from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
 from gpuscope.share.settings import STARVED_TURNS_S, SUGGESTED_STARVED_BELOW, Handover, ShareSettings, Turns
 from tests.conftest import wait_for as shared_wait_for
-from tests.share.fakecuda import child_env, running_controller
+from tests.share.fakecuda import child_env, helper_folder, running_controller
 
 # A fake tenant's program. Its sleeps are its workload, not waits of the test: it polls the clock
 # until the common start time, an 'idle' tenant stops launching after 10 kernels (the test ends it),
@@ -93,12 +93,12 @@ def test_a_crashed_process_gives_its_share_back(fake_cuda, tmp_path, controller)
 
 
 @contextlib.contextmanager
-def tenants_a_and_b(fake, tmp_path, controller, how: str = "busy"):
-    """Tenants a and b launching over the same two seconds (one that came up late on a busy machine
+def tenants_a_and_b(fake, tmp_path, controller, how: str = "busy", seconds: float = 2.0):
+    """Tenants a and b launching over the same ``seconds`` (one that came up late on a busy machine
     would otherwise find the other alone on the GPU, shares not binding, and compare less time at its
     share); the block's end waits for both to exit cleanly, and for the controller to notice."""
     start_at = time.time() + 1.0
-    procs = [tenant(fake, tmp_path, name, controller.policy.prefix, 2.0, how, start_at=start_at)
+    procs = [tenant(fake, tmp_path, name, controller.policy.prefix, seconds, how, start_at=start_at)
              for name in "ab"]
     try:
         yield procs
@@ -406,18 +406,6 @@ def test_a_tenant_starved_beside_the_holder_takes_turns_for_a_while(tmp_path):
         c.close()
 
 
-def _helper_thread(pid: int) -> str | None:
-    """/proc folder of process ``pid``'s gpuscope-share helper thread (None: none found)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().strip() == "gpuscope-share":
-                    return f"/proc/{pid}/task/{tid}"
-        except OSError:
-            continue
-    return None
-
-
 def _voluntary_switches(task: str) -> int:
     with open(f"{task}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
@@ -426,43 +414,32 @@ def _voluntary_switches(task: str) -> int:
 def test_each_helper_wake_up_is_counted_by_what_it_slept_on(fake_cuda, tmp_path):
     """The helper thread's wake-ups by reason add up to what the kernel counts for that thread (its
     voluntary context switches), its CPU is shown, and /metrics serves both per process."""
-    with running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
-                 Handover.DRAIN) as c:
-        start_at = time.time() + 1.0
-        # launching for longer than the test reads them (a busy host may start one late)
-        procs = [tenant(fake_cuda, tmp_path, name, c.policy.prefix, 6.0, "gpu", start_at=start_at)
-                 for name in "ab"]
-        try:
-            wait_for(lambda: all(p.pid in c.procs for p in procs), what="both tenants")
-            wait_for(lambda: c.stats.slices["a"] >= 2 and c.stats.slices["b"] >= 2, what="turns taken")
-            registry = CollectorRegistry()
-            registry.register(ShareCollector(c))
-            for p in procs:
-                task = _helper_thread(p.pid)
-                assert task is not None
-                switches = _voluntary_switches(task)
-                counters = c.procs[p.pid].view.counters()
-                counted = sum(counters[f"helper_wakes_{reason}"] for reason in HELPER_WAKE_REASONS)
-                # read a moment apart, and a sleep that did not block (the gate changed as it began)
-                # is counted without a switch: close, not equal
-                assert abs(counted - switches) <= max(5, 0.2 * switches), (counted, switches, counters)
-                # taking turns, it waited on its windows' end events and on the gate
-                assert counters["helper_wakes_window"] + counters["helper_wakes_gate"] > 0
-                with open(f"{task}/schedstat") as f:
-                    thread_cpu_ns = int(f.read().split()[0])
-                assert 0 < counters["helper_cpu_ns"] <= thread_cpu_ns
-            text = generate_latest(registry).decode()
-            for p in procs:
-                name = "a" if p is procs[0] else "b"
-                for reason in HELPER_WAKE_REASONS:
-                    assert (f'gpuscope_share_helper_wakeups_total{{gpu="0",pid="{p.pid}",reason="{reason}",'
-                            f'tenant="{name}",uuid=""}}') in text
-                cpu = f'gpuscope_share_helper_cpu_seconds_total{{gpu="0",pid="{p.pid}",tenant="{name}"'
-                assert cpu in text
-            for p in procs:
-                _, err = p.communicate(timeout=30)
-                assert p.returncode == 0 and err == ""
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+    # launching for longer than the test reads them (a busy host may start one late)
+    with (running(str(tmp_path / "ledger"), [TenantPolicy("a", 0.7), TenantPolicy("b", 0.3)],
+                  Handover.DRAIN) as c,
+          tenants_a_and_b(fake_cuda, tmp_path, c, "gpu", seconds=6.0) as procs):
+        wait_for(lambda: all(p.pid in c.procs for p in procs), what="both tenants")
+        wait_for(lambda: c.stats.slices["a"] >= 2 and c.stats.slices["b"] >= 2, what="turns taken")
+        registry = CollectorRegistry()
+        registry.register(ShareCollector(c))
+        for p in procs:
+            task = helper_folder(p.pid)
+            assert task is not None
+            switches = _voluntary_switches(task)
+            counters = c.procs[p.pid].view.counters()
+            counted = sum(counters[f"helper_wakes_{reason}"] for reason in HELPER_WAKE_REASONS)
+            # read a moment apart, and a sleep that did not block (the gate changed as it began) is
+            # counted without a switch: close, not equal
+            assert abs(counted - switches) <= max(5, 0.2 * switches), (counted, switches, counters)
+            # taking turns, it waited on its windows' end events and on the gate
+            assert counters["helper_wakes_window"] + counters["helper_wakes_gate"] > 0
+            with open(f"{task}/schedstat") as f:
+                thread_cpu_ns = int(f.read().split()[0])
+            assert 0 < counters["helper_cpu_ns"] <= thread_cpu_ns
+        text = generate_latest(registry).decode()
+        for p, name in zip(procs, "ab", strict=True):
+            for reason in HELPER_WAKE_REASONS:
+                assert (f'gpuscope_share_helper_wakeups_total{{gpu="0",pid="{p.pid}",reason="{reason}",'
+                        f'tenant="{name}",uuid=""}}') in text
+            cpu = f'gpuscope_share_helper_cpu_seconds_total{{gpu="0",pid="{p.pid}",tenant="{name}"'
+            assert cpu in text

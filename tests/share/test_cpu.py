@@ -18,7 +18,7 @@ from gpuscope.share.node import Node
 from gpuscope.share.policy import PolicySpec
 from gpuscope.share.unmanaged import BACKOFF, UnmanagedWatch
 from tests.conftest import wait_for
-from tests.share.fakecuda import HERE, child_env, running_controller
+from tests.share.fakecuda import HERE, child_env, helper_folder, running_controller
 
 GiB = 1 << 30
 
@@ -102,17 +102,6 @@ def test_the_node_thread_sleeps_between_policy_checks(tmp_path):
         node.nudge()
         loop.join()
         node.close()
-
-
-def helper_folder(pid: int) -> str | None:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().strip() == "gpuscope-share":
-                    return f"/proc/{pid}/task/{tid}"
-        except OSError:
-            continue
-    return None
 
 
 def graph_launches(log: Path) -> int:
