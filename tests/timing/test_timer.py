@@ -370,3 +370,22 @@ def test_the_c_hot_path_records_through_the_routes_function_address(registry, fa
         assert set(route.streams[before:]) == {0x7F00}
         assert (samples("exact"), samples("first"), samples("second")) == (10, 5, 5)
         assert timer.dropped["error"] == errors_before
+
+
+def test_a_timer_without_the_c_hot_path_says_so_once(monkeypatch, caplog):
+    """An install without a compiler times in Python (dearer a region): the first timer says so, once;
+    one that chose the Python path (GPUSCOPE_TIMING_NATIVE=0) is not told."""
+    monkeypatch.setattr(hot, "_hotpath", None)
+    monkeypatch.setattr(hot, "_warned_not_built", False)
+    monkeypatch.delenv(hot.NATIVE_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
+        assert hot.use_native(None) is False
+        assert hot.use_native(None) is False
+    said = [r for r in caplog.records if "C hot path is not built" in r.getMessage()]
+    assert len(said) == 1
+    caplog.clear()
+    monkeypatch.setattr(hot, "_warned_not_built", False)
+    monkeypatch.setenv(hot.NATIVE_ENV, "0")
+    with caplog.at_level(logging.WARNING, logger="gpuscope.timing"):
+        assert hot.use_native(None) is False
+    assert not [r for r in caplog.records if "C hot path is not built" in r.getMessage()]
