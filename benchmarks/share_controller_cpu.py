@@ -30,7 +30,9 @@ variant of the controller's flags:
 
 Reported per round: the controller's CPU (% of a core), its wake-ups a second (voluntary context
 switches of all its threads) and CPU per wake-up; each tenant's share of the rounds' iterations; the
-latency tenant's p50/p99 step and the time it was held at the gate.
+latency tenant's p50/p99 step and the time it was held at the gate; each tenant's helper CPU and
+wake-ups a second, and those wake-ups by what the helper slept on (``helper_wakeups_per_s_by_reason``,
+from the controller's ``gpuscope_share_helper_wakeups_total`` between two scrapes).
 """
 
 from __future__ import annotations
