@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -50,18 +49,17 @@ def helper_wakeups_per_s(first: tuple[float, list[str]], second: tuple[float, li
                          ) -> dict[str, dict[str, float]]:
     """Each tenant's helper wake-ups a second by reason between two scrapes of the controller's
     ``gpuscope_share_*`` series ((time, lines) each), its processes summed: what each helper slept on."""
-    from gpuscope.contract import catalogue as cat
+    from prometheus_client.parser import text_string_to_metric_families
 
-    pattern = re.compile(cat.SHARE_HELPER_WAKEUPS.name
-                         + r'\{.*?reason="(\w+)".*?tenant="([^"]+)".*?\} (\S+)$')
+    from gpuscope.contract import catalogue as cat
 
     def totals(lines: list[str]) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
-        for line in lines:
-            m = pattern.match(line)
-            if m:
-                key = (m.group(2), m.group(1))
-                out[key] = out.get(key, 0.0) + float(m.group(3))
+        text = "\n".join(ln for ln in lines if ln.startswith(cat.SHARE_HELPER_WAKEUPS.name + "{")) + "\n"
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.labels["tenant"], sample.labels["reason"])
+                out[key] = out.get(key, 0.0) + sample.value
         return out
 
     (t0, a), (t1, b) = first, second

@@ -110,7 +110,7 @@ def test_the_helpers_wake_ups_are_read_by_reason_from_two_scrapes(monkeypatch) -
     """Each tenant's helper wake-ups a second by reason, its processes summed, from the controller's
     series as prometheus_client writes them (the catalogue's family)."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import share_workloads_bench as bench
+    import share_bench
     from prometheus_client import CollectorRegistry, generate_latest
 
     from gpuscope.contract import catalogue as cat
@@ -132,5 +132,5 @@ def test_the_helpers_wake_ups_are_read_by_reason_from_two_scrapes(monkeypatch) -
                     ("t1-encoder", "13", "gate"): 0})
     second = scrape({("t0-train", "11", "nap"): 30, ("t0-train", "12", "nap"): 25,
                      ("t1-encoder", "13", "gate"): 8})
-    rates = bench.helper_wakeups_per_s((100.0, first), (102.0, second))  # share_bench's, as the bench uses it
+    rates = share_bench.helper_wakeups_per_s((100.0, first), (102.0, second))
     assert rates == {"t0-train": {"nap": 20.0}, "t1-encoder": {"gate": 4.0}}
