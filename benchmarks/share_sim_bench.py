@@ -7,7 +7,8 @@ tenants contend for it as for a GPU; tests/share/workload.py is the tenant: ``st
 kernels, a stream synchronize, host work: a training step) or ``busy`` (GPU-bound, a bounded queue).
 Each workload runs alone first; then each mix unmanaged and managed in each variant (``--variants``:
 draining or overlapping hand-overs, the turn keeper in C; ``drain-starved``: draining with
-``--share.starved-below`` at its suggested value), the variants' order reversed every other round
+``--share.starved-below`` at its suggested value; ``drain-lone``: draining with
+``--share.lone-holder duty``), the variants' order reversed every other round
 (``--rounds``); per tenant its fraction of its alone rate, per mix the sums. The workloads:
 ``steps`` (ten 300 µs kernels, a sync, 3 ms on the host), ``busy`` (GPU-bound, 300 µs kernels),
 ``short`` (one 150 µs kernel, a sync, 0.1 ms on the host: a compiled MLP's step, launch-bound) and
@@ -51,7 +52,7 @@ MIXES = {
     "short+hog 25/75": (("short", 0.25), ("hog", 0.75)),
     "steps+busy+short 50/30/20": (("steps", 0.5), ("busy", 0.3), ("short", 0.2)),
 }
-VARIANTS = ("unmanaged", "drain", "overlap", "drain-starved")
+VARIANTS = ("unmanaged", "drain", "overlap", "drain-starved", "drain-lone")
 WORKLOAD = ROOT / "tests" / "share" / "workload.py"
 
 
@@ -86,7 +87,7 @@ def tenant_names(mix: tuple) -> list[str]:
 def run_variant(variant: str, fake: Path, tmp: Path, mix: tuple, seconds: float) -> tuple[list[float], dict]:
     """One mix in one variant: each tenant's steps, and the controller's counters (managed only)."""
     from gpuscope.share.ledger import TenantPolicy
-    from gpuscope.share.settings import SUGGESTED_STARVED_BELOW, Handover
+    from gpuscope.share.settings import SUGGESTED_STARVED_BELOW, Handover, LoneHolder
     from tests.share.fakecuda import running_controller
 
     workloads = [w for w, _ in mix]
@@ -96,10 +97,13 @@ def run_variant(variant: str, fake: Path, tmp: Path, mix: tuple, seconds: float)
     handover, _, rule = variant.partition("-")
     policy = [TenantPolicy(n, share) for n, (_, share) in zip(names, mix, strict=True)]
     with running_controller(str(tmp / "ledger"), policy, handover=Handover(handover),
-                            starved_below=SUGGESTED_STARVED_BELOW if rule == "starved" else 0.0) as c:
+                            starved_below=SUGGESTED_STARVED_BELOW if rule == "starved" else 0.0,
+                            lone_holder=LoneHolder.DUTY if rule == "lone" else LoneHolder.HOLD) as c:
         steps = run(fake, tmp, workloads, seconds, names)
     return steps, {"lends": c.stats.lends, "reclaims": c.stats.reclaims, "starved": dict(c.stats.starved),
-                   "beside_s": {n: rnd(c.stats.state_s.get((n, "beside"), 0.0), 2) for n in names}}
+                   "beside_s": {n: rnd(c.stats.state_s.get((n, "beside"), 0.0), 2) for n in names},
+                   "duty_at_end": {names[s]: rnd(d, 3) for s, d in c.duty.items() if d < 1.0},
+                   "lone_throughput_at_end": rnd(c.lone_throughput, 3)}
 
 
 def main() -> None:

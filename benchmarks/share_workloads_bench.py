@@ -71,7 +71,9 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "drain-rare-probes": ("--share.handover", "drain", "--share.probe-every", "5"),
             # a tenant starved beside the holder (its waits for the GPU and its launches) moved to turns
             "drain-starved": ("--share.handover", "drain",
-                              "--share.starved-below", str(SUGGESTED_STARVED_BELOW))}
+                              "--share.starved-below", str(SUGGESTED_STARVED_BELOW)),
+            # the one tenant taking turns while the others run beside it held to a duty
+            "drain-lone": ("--share.handover", "drain", "--share.lone-holder", "duty")}
 MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
 TIMELINE_S = 1.0

@@ -13,12 +13,19 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuscope.contract import catalogue
-from gpuscope.share.controller import STARVED_JUDGE_S, Controller
+from gpuscope.share.controller import LONE_JUDGE_S, STARVED_JUDGE_S, Controller
 from gpuscope.share.ledger import HELPER_WAKE_REASONS, TenantPolicy
 from gpuscope.share.main import main as share_main
 from gpuscope.share.metrics import ShareCollector
 from gpuscope.share.policy import parse_shares
-from gpuscope.share.settings import STARVED_TURNS_S, SUGGESTED_STARVED_BELOW, Handover, ShareSettings, Turns
+from gpuscope.share.settings import (
+    STARVED_TURNS_S,
+    SUGGESTED_STARVED_BELOW,
+    Handover,
+    LoneHolder,
+    ShareSettings,
+    Turns,
+)
 from tests.conftest import wait_for as shared_wait_for
 from tests.share.fakecuda import child_env, helper_folder, running_controller
 
@@ -185,6 +192,44 @@ def test_a_higher_priority_tenant_within_its_share_runs_beside_the_holder(fake_c
         # charged its measured busy fraction of the time it ran beside, not the gaps between kernels
         assert 0 < c.stats.charged_s["online"] <= 0.01 * wall
         assert c.stats.charged_s["batch"] > c.stats.charged_s["online"]
+
+
+@pytest.mark.parametrize("lone_holder", [LoneHolder.HOLD, LoneHolder.DUTY])
+def test_the_lone_holder_is_given_a_duty_only_where_asked(tmp_path, lone_holder):
+    tenants = [TenantPolicy("train", 0.5), TenantPolicy("encoder", 0.3), TenantPolicy("mlp", 0.2)]
+    c = Controller(str(tmp_path / "ledger"), tenants, ShareSettings(lone_holder=lone_holder))
+    try:
+        registry = CollectorRegistry()
+        registry.register(ShareCollector(c))
+        # training and the MLP idle the GPU most of the time and run beside; the encoder takes turns
+        c.beside, c.prober.busy_ratio = {0, 2}, {0: 0.45, 1: 0.85, 2: 0.25}
+        c._set_duties({0, 1, 2})
+        expected = 0.3 / 0.85 if lone_holder == LoneHolder.DUTY else 1.0
+        assert c.policy.duty(1) == pytest.approx(expected, rel=0.01)
+        assert c.policy.duty(0) == 1.0 and c.policy.duty(2) == 1.0  # within their shares
+        shown = [ln for ln in generate_latest(registry).decode().splitlines()
+                 if ln.startswith('gpuscope_share_duty_ratio{gpu="0",tenant="encoder",uuid=""}')]
+        assert [float(ln.split()[-1]) for ln in shown] == ([pytest.approx(expected, rel=0.01)]
+                                                          if lone_holder == LoneHolder.DUTY else [])
+        if lone_holder == LoneHolder.DUTY:
+            # a second on: 200 launches a second of 1 ms kernels, where alone it kept the GPU busy
+            # 85% of the time, is 0.235 of its alone rate: under its 0.3, so it gets more of the time
+            c.prober.launch_s = {1: 1e-3}
+            c._lone_mark = (1, time.monotonic() - LONE_JUDGE_S - 0.2, 0)
+            c.processes.launches = lambda slot: 240 if slot == 1 else 0
+            c._set_duties({0, 1, 2})
+            assert c.lone_throughput == pytest.approx(0.235, rel=0.1)
+            assert c.policy.duty(1) > expected * 1.2
+        # a second tenant takes turns: they hand the GPU to each other, and no duty holds the encoder
+        c.beside = {2}
+        c._set_duties({0, 1, 2})
+        assert c.policy.duty(1) == 1.0
+        # one moved to turns because it was starved beside the holder is not held back as the lone one
+        c.beside, c.to_turns = {0, 2}, {1: time.monotonic() + 30}
+        c._set_duties({0, 1, 2})
+        assert c.policy.duty(1) == 1.0
+    finally:
+        c.close()
 
 
 def test_a_tenant_beside_the_holder_over_its_share_is_given_a_duty(tmp_path):

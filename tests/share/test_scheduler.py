@@ -4,6 +4,8 @@ import pytest
 
 from gpuscope.share.ledger import TenantPolicy
 from gpuscope.share.scheduler import (
+    LONE_AIM,
+    LONE_STEP,
     SliceScheduler,
     TokenBuckets,
     beside_fraction,
@@ -109,6 +111,40 @@ def test_a_duty_holds_a_tenant_back_only_while_the_gpu_is_oversubscribed():
     assert s.duty(1, {0, 1}, 0.45, {0: 0.7, 1: 0.45}) == pytest.approx(0.3 / 0.45)
     # a tenant not yet probed counts as keeping the GPU busy
     assert s.duty(1, {0, 1}, 0.45, {1: 0.45}) == pytest.approx(0.3 / 0.45)
+
+
+def test_the_lone_holder_gets_the_time_the_tenants_beside_it_leave():
+    """The failure it is for (an H100): an encoder of share 0.3 held the GPU all the time beside a
+    training loop and a launch-bound MLP, which got 0.15 of its alone rate on a 0.2 share."""
+    s = SliceScheduler([TenantPolicy("train", 0.5), TenantPolicy("encoder", 0.3), TenantPolicy("mlp", 0.2),
+                        TenantPolicy("online", 0.2, 1)])
+    busy = {0: 0.45, 1: 0.85, 2: 0.25, 3: 0.1}
+    # the others need 0.7 of the GPU: 0.3 left, its share; busy 85% while it launches
+    assert s.lone_holder_duty(1, {0, 2}, busy) == pytest.approx(0.3 / 0.85)
+    # they need less: it gets what they leave, more than its share
+    assert s.lone_holder_duty(1, {0, 2}, {**busy, 0: 0.2, 2: 0.1}) == pytest.approx(0.7 / 0.85)
+    # they need more than the GPU: still its fair share among the three
+    assert s.lone_holder_duty(1, {0, 2}, {**busy, 0: 0.5, 2: 0.5}) == pytest.approx(0.3 / 0.85)
+    # everyone fits the GPU: nobody is held back
+    assert s.lone_holder_duty(1, {2}, {**busy, 1: 0.6}) == 1.0
+    # a tenant beside it not yet probed, or itself not probed: not held
+    assert s.lone_holder_duty(1, {0, 2}, {1: 0.85, 2: 0.25}) == 1.0
+    assert s.lone_holder_duty(1, {0, 2}, {0: 0.45, 2: 0.25}) == 1.0
+    # a latency tenant (higher priority) beside it: its own duty and the short queue serve it
+    assert s.lone_holder_duty(1, {2, 3}, busy) == 1.0
+    assert s.lone_holder_duty(1, set(), busy) == 1.0  # nobody beside: nothing to leave time for
+    # its throughput lately, under its duty: the others ran beside it in its part of the time too
+    base = 0.3 / 0.85
+    # under its share: more time, by at most LONE_STEP at a time
+    assert s.lone_holder_duty(1, {0, 2}, busy, throughput=0.25, current=base) == pytest.approx(
+        base * LONE_AIM * 0.3 / 0.25)
+    assert s.lone_holder_duty(1, {0, 2}, busy, throughput=0.05, current=base) == pytest.approx(
+        base * LONE_STEP)
+    # well over its aim: less time, but never under what the others leave
+    assert s.lone_holder_duty(1, {0, 2}, busy, throughput=0.9, current=0.9) == pytest.approx(
+        max(base, 0.9 / LONE_STEP))
+    assert s.lone_holder_duty(1, {0, 2}, busy, throughput=0.9, current=base) == pytest.approx(base)
+    assert s.lone_holder_duty(1, {0, 2}, busy, throughput=0.1, current=0.9) == 1.0
 
 
 def test_a_tenant_beside_the_holder_over_its_share_launches_for_its_share_of_the_time():

@@ -526,7 +526,9 @@ SHARE_STARVED = _m("gpuscope_share_starved_beside_total", "counter",
                    "that waits behind a GPU-bound holder at every step.", "moves", _TG, area=SHARE)
 SHARE_DUTY_RATIO = _m("gpuscope_share_duty_ratio", "gauge",
                       "Part of each 10 ms a tenant beside the slice holder may launch in: below 1 while its "
-                      "busy fraction is over its share (its share over its busy fraction), 1 otherwise.",
+                      "busy fraction is over its share (its share over its busy fraction), 1 otherwise; "
+                      "with --share.lone-holder duty, also the lone holder's (the time the tenants beside "
+                      "it leave, at least its share, over its busy fraction).",
                       "ratio", _TG, area=SHARE)
 SHARE_PROBES = _m("gpuscope_share_probes_total", "counter",
                   "Probes: the holder paused for --share.probe so that the tenants beside it time their "

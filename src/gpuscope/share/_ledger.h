@@ -46,7 +46,7 @@ typedef struct {
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active;
-        _Atomic uint32_t duty_ppm; /* beside the holder: the part of each DUTY_PERIOD_NS it may launch in */
+        _Atomic uint32_t duty_ppm; /* beside the holder, or the lone holder: its part of each DUTY_PERIOD_NS */
         uint64_t mem_cap;          /* 0: none; bytes, or MEM_CAP_FRACTION | ppm of the card */
     } tenants[MAX_TENANTS];
 } policy_t;

@@ -769,15 +769,30 @@ static int urgent_beside(const policy_t *p) {
     return 0;
 }
 
-/* The depth of the short queue in windows, 0 where the usual queue applies. In a lent turn,
- * LENT_INFLIGHT. While a tenant of higher priority runs beside it, the policy's beside_queue_us
- * (--share.beside-queue; 0: the usual queue) in LENT_WINDOW_US windows, at least LENT_INFLIGHT; as
- * long as the usual queue or longer, the usual queue. */
+/* This tenant's duty in parts per million (keep_duty). */
+static inline uint32_t duty_ppm(void) {
+    if (!D->s.policy || !D->s.slot_bit) return 0;
+    return atomic_load_explicit(&D->s.policy->tenants[__builtin_ctz(D->s.slot_bit) % MAX_TENANTS].duty_ppm,
+                                memory_order_relaxed);
+}
+
+/* Whether a duty holds this process back (0 and a million parts: launch all the time). */
+static inline int under_duty(void) {
+    uint32_t ppm = duty_ppm();
+    return ppm != 0 && ppm < 1000000u;
+}
+
+/* The depth of the short queue in windows, 0 where the usual queue applies. In a lent turn, and
+ * under a duty (keep_duty), LENT_INFLIGHT. While a tenant of higher priority runs beside it, the
+ * policy's beside_queue_us (--share.beside-queue; 0: the usual queue) in LENT_WINDOW_US windows, at
+ * least LENT_INFLIGHT; as long as the usual queue or longer, the usual queue. */
 static uint32_t short_queue(void) {
     const policy_t *p = D->s.policy;
     if (!p || beside()) return 0;
     uint32_t others = ~D->s.slot_bit;
     if (atomic_load_explicit(&p->lender_mask, memory_order_relaxed) & others) return LENT_INFLIGHT;
+    /* a lone holder under a duty: what it has queued runs on past its part of the period */
+    if (under_duty()) return LENT_INFLIGHT;
     uint32_t us = p->beside_queue_us;
     if (!us || !urgent_beside(p)) return 0; /* the usual queue */
     uint32_t usual = (p->inflight_slice ? p->inflight_slice : DEFAULT_QUEUED_WINDOWS) *
@@ -1281,11 +1296,15 @@ static void yield_slice(void) {
  * through the rest (no spinning, no controller wake-up), while the GPU runs the holder's work alone.
  * Its steps slow down by about what it is over its share, evenly, instead of waiting for another
  * tenant's whole turn. A period starts at the first launch after the previous one ended, so a
- * tenant that was idle starts with its full part. */
+ * tenant that was idle starts with its full part.
+ * The one tenant taking turns while every other runs beside it has nobody to hand the GPU to, so the
+ * controller may give it a duty too (--share.lone-holder duty): it then keeps a short queue
+ * (short_queue()) and closes its window before it sleeps, so that the GPU is the others' alone for
+ * the rest of each period and the sleep is not charged to it as GPU time. */
 #define DUTY_PERIOD_NS 10000000ull
 
 static void keep_duty(void) {
-    uint32_t ppm = atomic_load_explicit(&D->s.policy->tenants[__builtin_ctz(D->s.slot_bit)].duty_ppm, memory_order_relaxed);
+    uint32_t ppm = duty_ppm();
     if (ppm == 0 || ppm >= 1000000u || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) return;
     uint64_t now = now_ns(), start = atomic_load_explicit(&D->duty_started_ns, memory_order_relaxed);
     if (now - start >= DUTY_PERIOD_NS) {
@@ -1293,6 +1312,12 @@ static void keep_duty(void) {
         return;
     }
     if (now - start < DUTY_PERIOD_NS * ppm / 1000000u) return;
+    if (D->acct_ready) {
+        /* a holder's open window would span the sleep: end it at the last launch */
+        pthread_mutex_lock(&D->wlock);
+        if (D->win_open) close_window_and(WAKE_IF_ASLEEP);
+        pthread_mutex_unlock(&D->wlock);
+    }
     uint64_t until = start + DUTY_PERIOD_NS;
     struct timespec ts = {(time_t)(until / 1000000000ull), (long)(until % 1000000000ull)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
@@ -1311,7 +1336,7 @@ static void keep_duty(void) {
         if (atomic_load_explicit(&D->last_sync_ns, memory_order_relaxed)) note_relaunch(now_ns());       \
         if (!(atomic_load_explicit(D->gate, memory_order_relaxed) & D->s.slot_bit)) wait_turn();                 \
         else if (slice_over()) yield_slice();                                                            \
-        else if (beside() && !busy_accounting()) keep_duty();                                            \
+        else if (!busy_accounting()) keep_duty(); /* beside the holder, or the lone holder */             \
         if (!D->s.policy || atomic_load_explicit(&D->failed_open, memory_order_relaxed)) {                       \
             atomic_fetch_add_explicit(&D->s.proc->launches, 1, memory_order_relaxed);                         \
             if (GRAPH) atomic_fetch_add_explicit(&D->s.proc->graph_launches, 1, memory_order_relaxed);        \

@@ -39,6 +39,7 @@ from gpuscope.share.settings import (
     STARVED_TURNS_S,
     Accounting,
     Handover,
+    LoneHolder,
     ShareSettings,
     Turns,
 )
@@ -79,6 +80,9 @@ YIELD_GRACE_WINDOWS = 4
 #: on its waits for the GPU over at least this long there, and at most twice it: a training step's
 #: waits come in steps of tens of ms, and a window much shorter would judge a few of them.
 STARVED_JUDGE_S = 2.0
+#: The lone holder's throughput (its launches a second against its probes') is read over this long
+#: for its duty (``SliceScheduler.lone_holder_duty``): a GPU-bound step lasts milliseconds.
+LONE_JUDGE_S = 1.0
 #: Taking turns, such a tenant is charged its kernel time over its probed busy fraction (its holding
 #: time, running as it does alone), its busy fraction taken as at least this (probes read low for a
 #: tenant that waited for work during its probe).
@@ -120,7 +124,7 @@ class Snapshot:
     processes: tuple[tuple[str, int, dict[str, int]], ...]  # tenant, pid, counters (and "waiting")
     stats: Stats
     busy_ratio: dict[str, float]  # tenant -> busy fraction of its probes (running alone)
-    duty: dict[str, float]  # tenant beside the holder -> its duty
+    duty: dict[str, float]  # tenant beside the holder (or the lone holder under a duty) -> its duty
     beside_throughput: dict[str, float]  # tenant beside the holder -> its estimated fraction of alone
     joins: dict[str, int]
     memory: tuple[tuple[str, int, int, int], ...]  # tenant, bytes held, refusals, cap in bytes (0: none)
@@ -168,6 +172,9 @@ class Controller:
         self._wait_mark: dict[int, tuple[float, int, int]] = {}
         self.to_turns: dict[int, float] = {}  # slot found starved beside the holder -> taking turns until
         self.beside_throughput: dict[int, float] = {}  # slot beside -> its fraction of alone, estimated
+        #: the lone holder under a duty: (slot, since, its launches then), and its throughput lately
+        self._lone_mark: tuple[int, float, int] | None = None
+        self.lone_throughput: float | None = None
         self.lock = threading.Lock()  # /metrics reads the processes while the loop changes them
         self.processes = ProcessTable(self.policy, self.lock, lambda slot: self.tenants[slot].name,
                                       self.stats.departed)
@@ -209,7 +216,8 @@ class Controller:
                                 for pid, s in self.processes.procs.items()),
                 stats=copy.deepcopy(self.stats),
                 busy_ratio={names[slot]: r for slot, r in self.prober.busy_ratio.items()},
-                duty={names[slot]: self.duty.get(slot, 1.0) for slot in self.beside},
+                duty={names[slot]: self.duty.get(slot, 1.0)
+                      for slot in self.beside | {s for s, d in self.duty.items() if d < 1.0}},
                 beside_throughput={names[slot]: r for slot, r in self.beside_throughput.items()},
                 joins=dict(self.policy.joins.results),
                 memory=tuple((t.name, page.used, page.refused, self.policy.mem_cap_bytes(slot))
@@ -247,21 +255,62 @@ class Controller:
             self.gangs.gate_changed(self)  # the GPUs that follow a gang's turns here look now
         return gen
 
+    def _lone_holder(self, active: set[int]) -> int | None:
+        """The one active tenant taking turns while every other runs beside it, where
+        ``--share.lone-holder duty`` holds it by a duty (not a gang's, nor one moved to turns because
+        it was starved beside the holder)."""
+        if self.settings.lone_holder != LoneHolder.DUTY or not self.beside & active:
+            return None
+        contenders = active - self.beside
+        if len(contenders) != 1 or contenders & (set(self.gang_slots()) | set(self.to_turns)):
+            return None
+        return next(iter(contenders))
+
     def _set_duties(self, active: set[int]) -> None:
         """Hold each tenant beside the holder to its share by its duty (``SliceScheduler.duty``), while
-        the active tenants' summed demand is more than the GPU."""
+        the active tenants' summed demand is more than the GPU; and the lone holder, where
+        ``--share.lone-holder duty`` says so, to the time the others leave
+        (``SliceScheduler.lone_holder_duty``)."""
         busy = self.prober.busy_ratio
         demand = {slot: busy[slot] for slot in active if slot in busy}
         # each tenant's charged GPU seconds decay over the scheduler's memory: over it, a rate
         used = self.scheduler.usage(time.monotonic())
+        lone = self._lone_holder(active)
+        if lone is None:
+            self._lone_mark = self.lone_throughput = None
         for slot in range(len(self.tenants)):
-            duty = (self.scheduler.duty(slot, active, busy.get(slot), demand,
-                                        rate=used[slot] / self.scheduler.memory_s,
-                                        current=self.duty.get(slot, 1.0))
-                    if slot in self.beside else 1.0)
+            if slot in self.beside:
+                duty = self.scheduler.duty(slot, active, busy.get(slot), demand,
+                                           rate=used[slot] / self.scheduler.memory_s,
+                                           current=self.duty.get(slot, 1.0))
+            elif slot == lone:
+                duty = self._lone_holder_duty(slot, active, busy)
+            else:
+                duty = 1.0
             if duty != self.duty.get(slot, 1.0):
                 self.policy.set_duty(slot, duty)
                 self.duty[slot] = duty
+
+    def _lone_holder_duty(self, slot: int, active: set[int], busy: dict[int, float]) -> float:
+        """The lone holder's duty (``SliceScheduler.lone_holder_duty``), from its throughput over each
+        ``LONE_JUDGE_S`` (its launches a second against its probes'); between two readings it stays."""
+        now = time.monotonic()
+        launches = self.processes.launches(slot)
+        current = self.duty.get(slot, 1.0)
+        if self._lone_mark is None or self._lone_mark[0] != slot:
+            self._lone_mark, self.lone_throughput = (slot, now, launches), None
+        elif now - self._lone_mark[1] >= LONE_JUDGE_S:
+            # its launches a second alone, from its probes' timed part (its busy fraction over its
+            # kernel time a launch): the lead's rate, read just after a pause, reads low
+            per_launch = self.prober.launch_s.get(slot)
+            if per_launch and busy.get(slot):
+                rate = (launches - self._lone_mark[2]) / (now - self._lone_mark[1])
+                self.lone_throughput = rate * per_launch / busy[slot]
+            self._lone_mark = (slot, now, launches)
+        elif current < 1.0:
+            return current  # judged once a second, on a second under one duty
+        return self.scheduler.lone_holder_duty(slot, self.beside & active, busy, self.lone_throughput,
+                                               current)
 
     def _estimate_beside_throughput(self, now: float) -> None:
         """Each tenant beside the holder's throughput as a fraction of its alone rate

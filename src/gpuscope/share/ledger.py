@@ -12,11 +12,11 @@ would kill that process with SIGBUS), handed to each tenant process over the joi
   wake the launching threads alone), the beside mask (bit *i* set: slot *i* runs beside the slice
   holder, untimed), the turns mask (bit *i* set: slot *i* takes turns; a holder alone in it has
   nobody waiting for its hand-over, and its helper posts in batches), the busy mask (bit *i* set:
-  slot *i* times each launch on its own, in a probe), per
-  tenant the duty (the part of every 10 ms a tenant beside the holder may launch in, when it needs
-  more of the GPU than its share) and, with draining hand-overs, when the holder's slice ends (the
-  holder then stops launching by itself, drains its queue and rings the bell: one controller wake-up
-  per hand-over instead of two).
+  slot *i* times each launch on its own, in a probe), per tenant the duty (the part of every 10 ms
+  a tenant beside the holder may launch in, when it needs more of the GPU than its share; or the lone
+  holder, with ``--share.lone-holder duty``) and, with draining hand-overs, when the holder's slice
+  ends (the holder then stops launching by itself, drains its queue and rings the bell: one
+  controller wake-up per hand-over instead of two).
 - the bell, a page every joined tenant may write: the word the controller sleeps on. A tenant rings
   it when a thread starts waiting or a holder goes quiet. Writing it only wakes the controller early.
 - one page per tenant process, written by that process: its counters (launches, GPU ns, throttled
@@ -493,8 +493,8 @@ class Policy:
         return 1.0 if ppm == 0 else ppm / 1e6
 
     def set_duty(self, slot: int, fraction: float) -> None:
-        """Let tenant ``slot``, beside the holder, launch only in the first ``fraction`` of every duty
-        period (1: always)."""
+        """Let tenant ``slot``, beside the holder or the lone holder, launch only in the first
+        ``fraction`` of every duty period (1: always)."""
         ppm = 0 if fraction >= 1 else max(1, round(max(0.0, fraction) * 1e6))
         self.map.set_u32(P_TENANTS + slot * TENANT_SIZE + T_DUTY, ppm)
 

@@ -36,6 +36,13 @@ DUTY_MAX_BUSY = 0.5
 #: factor: probes vary by a few percent, and a tenant at the limit that moved between the duty and the
 #: turns at each probe waited a whole turn of the holder now and then (docs/share.md, Limits).
 DUTY_STAY_MARGIN = 1.25
+#: The lone holder's duty follows its throughput (``SliceScheduler.lone_holder_duty``) by at most this
+#: factor per judgement: a throughput read over a second moves by a few percent on its own.
+LONE_STEP = 1.5
+#: ... and aims its throughput this much above its fair share: read from its launches a second against
+#: those of its probes' timed part, where an event around each launch slows it, the estimate reads
+#: high (0.29-0.30 where it did 0.22-0.26 on the CPU host's fake GPU), and a share is a floor.
+LONE_AIM = 1.25
 
 
 class SliceScheduler:
@@ -169,6 +176,42 @@ class SliceScheduler:
         if need <= fair:
             return 1.0
         return max(1.0 / (DUTY_MAX_OVER * DUTY_STAY_MARGIN), fair / need)
+
+    def lone_holder_duty(self, slot: int, beside: Iterable[int], busy: Mapping[int, float],
+                         throughput: float | None = None, current: float = 1.0) -> float:
+        """The part of the time ``slot`` may launch as the one tenant taking turns while every other
+        active one (``beside``) runs beside it (``--share.lone-holder duty``): all of it while their
+        summed demand fits the GPU, else the time the others leave, at least its fair share, over the
+        part of the time it keeps the GPU busy (``busy``: each one's probed busy fraction). Nobody
+        waits for its turns, so nothing else holds it to its share: holding the GPU all the time, an
+        encoder of share 0.3 beside a training loop and a launch-bound MLP did 0.51 of its alone rate
+        and the MLP 0.15 on its 0.2 (an H100, docs/share.md, Limits). Under its duty the others run
+        alone for the rest of each period.
+
+        ``throughput``: its throughput as a fraction of its alone rate lately, under its ``current``
+        duty. Its part of the time is not its part of the GPU: the others run beside it in its part
+        too, and on the fake GPU of the CPU host a GPU-bound holder at a duty of its share over its
+        busy fraction did 0.25 of its alone rate on a 0.3 share. So the duty is also at least what
+        would bring that throughput to ``LONE_AIM`` times its fair share were it proportional to the
+        duty (moved at most ``LONE_STEP`` times per call).
+
+        Not while a tenant beside it has a higher priority (a latency tenant's requests, fewer than
+        its probe's flat-out run: ``duty`` holds that one, and the holder's queue is kept short
+        beside it), nor before every one has been probed."""
+        beside = set(beside) - {slot}
+        if not beside or slot not in busy or any(s not in busy for s in beside):
+            return 1.0
+        if any(self.tenants[s].priority > self.tenants[slot].priority for s in beside):
+            return 1.0
+        others = sum(busy[s] for s in beside)
+        if others + busy[slot] <= 1.0:
+            return 1.0
+        fair = self.fair_fraction(slot, beside | {slot})
+        duty = max(fair, 1.0 - others) / max(busy[slot], 1e-9)
+        if throughput is not None and current > 0:
+            proportional = current * LONE_AIM * fair / max(throughput, 1e-3)
+            duty = max(duty, min(current * LONE_STEP, max(current / LONE_STEP, proportional)))
+        return min(1.0, duty)
 
     def binds(self, active: Iterable[int]) -> bool:
         """Whether shares bind: more than one tenant has been launching lately."""

@@ -89,6 +89,13 @@ class Turns(Choice):
     PYTHON = "python"
 
 
+class LoneHolder(Choice):
+    """``--share.lone-holder``: what holds the one tenant taking turns while every other runs beside it."""
+
+    HOLD = "hold"
+    DUTY = "duty"
+
+
 @dataclass(frozen=True)
 class ShareSettings:
     """The flags of ``gpuscope share``."""
@@ -143,6 +150,13 @@ class ShareSettings:
         "that syncs at every short step and waits behind a GPU-bound holder at each. Off (0) by default: "
         "on an H100 it never fired in the mixes measured (docs/share.md)",
         parse=parse_starved_below)
+    lone_holder: LoneHolder = setting(
+        "--share.lone-holder", LoneHolder.HOLD, "the one tenant taking turns while every other active tenant "
+        "runs beside it (their probes found them idle most of the time) has nobody to hand the GPU to. "
+        "hold: it holds the GPU whenever it launches, and the others get what the GPU's time-slicing gives "
+        "them beside it; duty: while their probed demand and its own are more than the GPU, it launches "
+        "only in its part of every 10 ms (the time the others leave, at least its share), with a short "
+        "queue, and the others run alone for the rest")
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
