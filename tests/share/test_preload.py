@@ -341,6 +341,33 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
         policy.close()
 
 
+def test_a_process_held_from_its_first_launch_answers_drains_at_once(fake_cuda, tmp_path):
+    """Its helper starts at its first launch let through, so a process held since it joined has none;
+    nothing of it is queued, and its waiting thread says so: a drain (a hand-over, another tenant's
+    probe) does not wait out the drain timeout for it."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    try:
+        policy.set_gate(0b01)  # only a may launch
+        child = launch(child_env(fake_cuda, tmp_path / "log", tenant="b", ledger=policy.prefix), 3)
+        joined = Joined(policy)
+        view = joined.one()
+        try:
+            wait_for(lambda: view.waiting == 1, what="a thread held at the gate")
+            for _ in range(3):  # hand-overs between others, each a closed gate for b
+                policy.heartbeat()
+                gen = policy.set_gate(0b01)
+                started = time.monotonic()
+                assert view.wait_drained(gen, 5.0), "no answer to the drain"
+                assert time.monotonic() - started < 2.0
+            policy.set_gate(0b11)
+        finally:
+            joined.close()
+        result, err = finish(child)
+        assert result["stats"]["launches"] == 21 and err == ""
+    finally:
+        policy.close()
+
+
 @pytest.mark.parametrize(("gate", "priority", "rings"), [
     (0b01, 0, False),  # a holds, b is no higher: the controller looks at the slice's end anyway
     (0b01, 1, True),  # b may preempt the holder

@@ -1027,6 +1027,12 @@ static CUevent drain_untimed(void) {
     return D->drain_event;
 }
 
+/* Tell the controller that this process has nothing queued under gate generation `gen`. */
+static void post_drained(proc_t *p, uint32_t gen) {
+    atomic_store(&p->drained_gen, gen);
+    futex((void *)&p->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+}
+
 /* A wake-up of the helper, by what it slept on (a proc_t helper_wakes_* counter), and its CPU so far:
  * what it costs the program, per process, where /proc shows only the thread's total. */
 static void helper_woke(_Atomic uint64_t *reason) {
@@ -1194,8 +1200,7 @@ static void *helper_main(void *arg) {
                 continue; /* the gate may have changed while it waited: look again */
             }
             last_seen_closed = g >> 16;
-            atomic_store(&D->s.proc->drained_gen, g >> 16);
-            futex((void *)&D->s.proc->drained_gen, FUTEX_WAKE, 0x7fffffff, NULL, 0);
+            post_drained(D->s.proc, g >> 16);
             if (yielded) ring_bell(); /* the controller hands over now, without a drain of its own */
         }
         /* while the gate binds and a window is open, look again soon: a quiet holder is handed on; so
@@ -1248,6 +1253,13 @@ static void wait_turn(void) {
     for (;;) {
         uint32_t g = atomic_load(D->gate);
         if (g & D->s.slot_bit) break;
+        /* A process held from its first launch has no helper yet (it starts at the first launch let
+         * through) and nothing queued: its waiting thread answers the controller's drains, which
+         * otherwise waited out --share.drain-timeout for it at every hand-over and probe. Under the
+         * lock, so that no launch is let through between the look and the answer. */
+        pthread_mutex_lock(&D->wlock);
+        if (!D->acct_ready && atomic_load(&me->drained_gen) != (g >> 16)) post_drained(me, g >> 16);
+        pthread_mutex_unlock(&D->wlock);
         struct timespec ts;
         abs_after(&ts, 200000000ull);
         long r = futex((void *)D->gate, FUTEX_WAIT_BITSET, g, &ts, LAUNCHERS_BITSET);
