@@ -22,6 +22,9 @@ variant of the controller's flags:
 - ``graph-turns``: the H100's train+encoder+graph mix as it ran there: as ``graph``, with the
   launch-bound ``encoder`` loop in the GPU-bound loop's place (busy about two thirds of its time, so it
   takes turns with the graph loop, and syncs every step);
+- ``graph-gaps``: as ``graph-turns``, with the encoder-like loop back on the GPU 0.1 ms after each
+  sync, and 0.5 ms after one in seven (the Python before a model's first kernel varies: on an H100 the
+  encoder's helper ended its 300 µs watch for quiet after a sync about 1.5 times a step);
 - ``all-beside``: the H200's mixes as they ran there: three training-like loops (as in ``graph``) at
   50/30/20, each busy about a third of its time, so all run beside one another and nobody takes turns.
 
@@ -65,6 +68,8 @@ from share_bench import (  # noqa: E402
 from gpuscope.contract import catalogue as cat  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
+#: the scenarios reported by each tenant's iterations (the others by the hog's share or the latency tenant)
+ITERATION_SCENARIOS = ("graph", "graph-turns", "graph-gaps", "lend", "all-beside")
 
 
 def worker(kind: str, seconds: float, start_at: float) -> dict:
@@ -99,6 +104,17 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
             for _ in range(10):
                 launch(None, 1, 1, 1, 1400, 1, 1, 0, None, None, None)
             sync()
+            stamps.append(time.time())
+        elif kind == "encoder-gaps":  # the same, back on the GPU after 0.1 ms, one step in seven 0.5 ms
+            for _ in range(100):
+                launch(None, 1, 1, 1, 40, 1, 1, 0, None, None, None)
+                spin = time.perf_counter() + 20e-6
+                while time.perf_counter() < spin:
+                    pass
+            sync()
+            spin = time.perf_counter() + (500e-6 if len(stamps) % 7 == 6 else 100e-6)
+            while time.perf_counter() < spin:  # the Python before the next forward's first kernel
+                pass
             stamps.append(time.time())
         elif kind == "encoder":  # launch-bound but busy most of the time: it takes turns
             for _ in range(100):
@@ -155,6 +171,9 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     elif scenario == "graph-turns":
         shares = "train=0.5,enc=0.3,graph=0.2"
         tenants = [("train", "train"), ("encoder", "enc"), ("graph", "graph")]
+    elif scenario == "graph-gaps":
+        shares = "train=0.5,enc=0.3,graph=0.2"
+        tenants = [("train", "train"), ("encoder-gaps", "enc"), ("graph", "graph")]
     elif scenario == "encoder":
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
     elif scenario == "all-beside":
@@ -185,7 +204,7 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
            "process_cpu_pct": {n: r["process_cpu_pct"] for n, r in results.items()}}
     if scenario == "turns":
         out["share_a"] = counts["a"] / max(1, counts["a"] + counts["b"])
-    elif scenario in ("graph", "graph-turns", "lend", "all-beside"):
+    elif scenario in ITERATION_SCENARIOS:
         out["iterations"] = counts
         out["lends"] = next((float(ln.split()[-1]) for ln in c["metrics"]
                              if ln.startswith(cat.SHARE_LENDS.name)), None)
@@ -196,11 +215,44 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     return out
 
 
+def plot(src: str, dst: str, label: str) -> None:
+    """Each scenario's controller and helper CPU, one bar per value of the rows' ``label`` field (such
+    as the library a row ran with), the rounds' medians."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(src) as f:
+        rows = json.load(f)["rows"]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    labels = list(dict.fromkeys(str(r.get(label, "")) for r in rows))
+    fig, ax = plt.subplots(figsize=(2.6 * len(scenarios) + 2, 3.6))
+    width = 0.8 / len(labels)
+    for i, name in enumerate(labels):
+        totals = []
+        for scenario in scenarios:
+            picked = [r for r in rows if r["scenario"] == scenario and str(r.get(label, "")) == name]
+            totals.append(statistics.median(r["controller_cpu_pct"] + sum(r["helper_cpu_pct"].values())
+                                            for r in picked))
+        ax.bar([x + i * width for x in range(len(scenarios))], totals, width, label=name)
+    ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(scenarios))], scenarios)
+    ax.set_ylabel("controller + helpers, % of a core")
+    ax.axhline(0.5, color="black", linestyle="--", linewidth=1)  # the target with three tenants
+    ax.legend(fontsize=8)
+    ax.set_title("gpuscope share's CPU on the CPU host's fake GPU (median of rounds; dashed: 0.5%)")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         print(json.dumps(worker(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]))))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plot", metavar="JSON",
+                   help="draw a results file instead of measuring (--out: the picture)")
+    p.add_argument("--plot-label", default="library", help="the rows' field whose values are the bars")
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rounds", type=int, default=2)
@@ -209,6 +261,9 @@ def main() -> None:
                    help="controller flags of one variant, space-separated (repeat; default: the defaults)")
     p.add_argument("--port", type=int, default=9417)
     args = p.parse_args()
+    if args.plot:
+        plot(args.plot, args.out, args.plot_label)
+        return
     variants = [v.split() for v in (args.variant or [""])]
     rows = []
     with tempfile.TemporaryDirectory() as fake:
@@ -221,7 +276,7 @@ def main() -> None:
                     rows.append(r)
                     extra = (f"share a {r['share_a']:.3f}" if scenario == "turns" else
                              f"iterations {r['iterations']}, lends {r['lends']}"
-                             if scenario in ("graph", "graph-turns", "lend", "all-beside") else
+                             if scenario in ITERATION_SCENARIOS else
                              f"llm p50 {r['llm_p50_ms']:.1f} p99 {r['llm_p99_ms']:.1f} ms, held "
                              f"{r['throttled_s']['llm']:.3f} s")
                     print(f"round {rnd} {scenario:6s} {' '.join(flags) or '(defaults)':30s} controller "

@@ -341,6 +341,49 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
         policy.close()
 
 
+LATE_NOW_AND_THEN = """
+import ctypes, glob, json, time
+cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
+steps, t0 = 0, time.monotonic()
+while time.monotonic() - t0 < 1.0:  # three 300 us kernels, a sync, then the Python before the next
+    for i in range(3):
+        cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(300), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
+    cuda.cuStreamSynchronize(ctypes.c_void_p(1))
+    spin = time.perf_counter() + (500e-6 if steps % 7 == 6 else 100e-6)
+    while time.perf_counter() < spin:
+        pass
+    steps += 1
+helper = next(t for t in glob.glob('/proc/self/task/*')
+              if open(t + '/comm').read().strip() == 'gpuscope-share')
+status = open(helper + '/status').read().split('\\n')
+wakes = next(int(ln.split()[1]) for ln in status if ln.startswith('voluntary_ctxt_switches'))
+print(json.dumps({"steps": steps, "helper_wakes": wakes}))
+"""
+
+
+def test_a_holder_that_relaunches_late_now_and_then_does_not_wake_its_helper_at_each_sync(fake_cuda,
+                                                                                         tmp_path):
+    """A slice holder whose next launch comes 0.1 ms after each sync, and 0.5 ms (past QUIET_NS) after
+    one in seven, is a program that relaunches at once: its syncs do not wake its helper to watch for
+    quiet. Before, one late relaunch started the count of quick ones again, and the helper woke about
+    twice a step (on an H100 an encoder's helper woke 306 times a second)."""
+    policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
+    try:
+        policy.set_gate(0b10)  # b holds the GPU
+        policy.set_turns_mask(0b11)  # and a takes turns too: b is not alone, its quiet would be lent
+        env = child_env(fake_cuda, os.devnull, tenant="b", ledger=policy.prefix)
+        env["FAKE_CUDA_REALTIME"] = "1"
+        proc = subprocess.run([sys.executable, "-c", LATE_NOW_AND_THEN], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["steps"] > 200, result
+        # its 10 ms naps, its windows and a start: 0.18 a step on a quiet machine (2.2 before)
+        assert result["helper_wakes"] < 0.5 * result["steps"], result
+    finally:
+        policy.close()
+
+
 def test_a_process_held_from_its_first_launch_answers_drains_at_once(fake_cuda, tmp_path):
     """Its helper starts at its first launch let through, so a process held since it joined has none;
     nothing of it is queued, and its waiting thread says so: a drain (a hand-over, another tenant's

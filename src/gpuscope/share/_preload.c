@@ -197,6 +197,16 @@ typedef struct {
  * 43 times (0.06-0.09%). */
 #define ALONE_NAP_NS 25000000ull
 #define TIGHT_SYNCS 8
+/* A tight program stays tight through a late relaunch now and then: each wait followed by a launch
+ * within QUIET_NS counts one up (to TIGHT_MAX), each one followed later counts TIGHT_LATE down, so a
+ * program is tight while fewer than one relaunch in five comes late. One late relaunch used to start
+ * the count again: an encoder whose next forward reached its first kernel 0.1-0.5 ms after its sync
+ * was tight a third of the time on an H100, and its helper woke about 1.8 times a step (306 a second,
+ * 254 of them the end of a 300 us watch for quiet after a sync). What it costs: such a program's
+ * host gaps of more than QUIET_NS, when they are fewer than one in five, are lent WATCH_NAP_TIGHT_NS
+ * late or not at all. */
+#define TIGHT_MAX 16
+#define TIGHT_LATE 4
 
 /* Everything this process keeps about one GPU. Each GPU has a controller of its own (one `gpuscope
  * share` process holds them all, a ledger each), so a process that uses two GPUs joins twice, and is
@@ -242,8 +252,9 @@ struct device {
      * while it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
     _Atomic uint64_t synced_ns;
     /* When the program's last wait for the GPU returned while it held the GPU (0 once its next launch
-     * has looked), and how many of its last waits it followed with a launch within QUIET_NS (at most
-     * TIGHT_SYNCS): note_relaunch, syncs_tight. Launching threads write them; a race only miscounts. */
+     * has looked), and a count of its last waits it followed with a launch within QUIET_NS (up one
+     * for each, down TIGHT_LATE for each that was not, within 0..TIGHT_MAX): note_relaunch,
+     * syncs_tight. Launching threads write them; a race only miscounts. */
     _Atomic uint64_t last_sync_ns;
     _Atomic int tight_syncs;
     int conn_fd;           /* the connection to the controller: open while joined (its end tells either side) */
@@ -843,12 +854,13 @@ static inline void note_relaunch(uint64_t at) {
     if (!synced) return;
     atomic_store_explicit(&D->last_sync_ns, 0, memory_order_relaxed);
     int tight = atomic_load_explicit(&D->tight_syncs, memory_order_relaxed);
-    if (at - synced >= QUIET_NS) tight = 0; /* it went to the host after that wait: watch the next ones */
-    else if (tight < TIGHT_SYNCS) tight++;
+    if (at - synced >= QUIET_NS) tight = tight > TIGHT_LATE ? tight - TIGHT_LATE : 0; /* it went to the host */
+    else if (tight < TIGHT_MAX) tight++;
     atomic_store_explicit(&D->tight_syncs, tight, memory_order_relaxed);
 }
 
-/* Whether the program's last TIGHT_SYNCS waits for the GPU were each followed by a launch at once. */
+/* Whether the program's waits for the GPU are followed by a launch at once (TIGHT_SYNCS in a row to
+ * begin with, then all but fewer than one in five: note_relaunch). */
 static inline int syncs_tight(void) {
     return atomic_load_explicit(&D->tight_syncs, memory_order_relaxed) >= TIGHT_SYNCS;
 }
