@@ -73,7 +73,9 @@ VARIANTS = {"unmanaged": None, "drain": ("--share.handover", "drain"),
             "drain-starved": ("--share.handover", "drain",
                               "--share.starved-below", str(SUGGESTED_STARVED_BELOW)),
             # the one tenant taking turns while the others run beside it held to a duty
-            "drain-lone": ("--share.handover", "drain", "--share.lone-holder", "duty")}
+            "drain-lone": ("--share.handover", "drain", "--share.lone-holder", "duty"),
+            # each burst of a tenant of higher priority beside the holder holds the holder's launches
+            "drain-hold": ("--share.handover", "drain", "--share.priority-hold", "on")}
 MANAGED = "drain"  # the default hand-over: the headline figures
 WINDOW_S = 5.0
 TIMELINE_S = 1.0
@@ -578,7 +580,7 @@ def main() -> None:
         for variant in latency_variants:  # the same beside the hog under other flags
             other = latency(hog, variant)
             row[variant] = {"p99_vs_alone": rnd(other["p99_ms"] / alone_lat["p99_ms"], 2),
-                            "hog_fraction": other["hog_fraction"], "cpu_core_pct": other["cpu_core_pct"],
+                            "p50_ms": other["p50_ms"], "hog_fraction": other["hog_fraction"], "cpu_core_pct": other["cpu_core_pct"],
                             "controller_metrics": other["controller_metrics"],
                             "controller_mid_run": other["controller_mid_run"]}
             log(f"latency beside {hog}, {variant}: p99 {row[variant]['p99_vs_alone']}x alone")

@@ -26,6 +26,7 @@ POLICY = {
     "P_SLICE_END": "offsetof(policy_t, slice_end_ns)", "P_LENDER_MASK": "offsetof(policy_t, lender_mask)",
     "P_BESIDE_QUEUE_US": "offsetof(policy_t, beside_queue_us)",
     "P_TURNS_MASK": "offsetof(policy_t, turns_mask)",
+    "P_HOLD_MASK": "offsetof(policy_t, hold_mask)", "P_PRIORITY_HOLD": "offsetof(policy_t, priority_hold)",
     "P_TENANTS": "offsetof(policy_t, tenants)", "TENANT_SIZE": "sizeof(((policy_t *)0)->tenants[0])",
     "T_SHARE": "offsetof(policy_t, tenants[0].share_ppm) - offsetof(policy_t, tenants)",
     "T_PRIORITY": "offsetof(policy_t, tenants[0].priority) - offsetof(policy_t, tenants)",
@@ -56,7 +57,8 @@ COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns
             "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
             "sync_open_since_ns", "helper_wakes_probe", "helper_wakes_lock", "helper_wakes_window",
             "helper_wakes_drain", "helper_wakes_nap", "helper_wakes_nap_timeout", "helper_wakes_watch",
-            "helper_wakes_watch_timeout", "helper_wakes_gate", "helper_wakes_gate_timeout", "helper_cpu_ns")
+            "helper_wakes_watch_timeout", "helper_wakes_gate", "helper_wakes_gate_timeout", "helper_cpu_ns",
+            "burst_ns")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from gpuscope.share.scheduler import SliceScheduler
 
 _turns = pytest.importorskip("gpuscope.share._turns", reason="the turn keeper was not built (no C compiler)")
 
-WAITING, WINDOW_OPEN, INFLIGHT, LAST_LAUNCH, DRAINED = KEEPER_OFFSETS
+WAITING, WINDOW_OPEN, INFLIGHT, LAST_LAUNCH, DRAINED, BURST = KEEPER_OFFSETS
 
 
 class Page:
@@ -40,10 +40,12 @@ class Page:
         self.buf = ctypes.create_string_buffer(4096)
         self.slot, self.pid = slot, pid if pid is not None else os.getpid()
 
-    def set(self, *, waiting: int = 0, window_open: int = 0, inflight: int = 0, last_launch_ns: int = 0):
+    def set(self, *, waiting: int = 0, window_open: int = 0, inflight: int = 0, last_launch_ns: int = 0,
+            burst_ns: int = 0):
         base = ctypes.addressof(self.buf)
         ctypes.c_uint32.from_address(base + WAITING).value = waiting
-        for off, value in ((WINDOW_OPEN, window_open), (INFLIGHT, inflight), (LAST_LAUNCH, last_launch_ns)):
+        for off, value in ((WINDOW_OPEN, window_open), (INFLIGHT, inflight), (LAST_LAUNCH, last_launch_ns),
+                           (BURST, burst_ns)):
             ctypes.c_uint64.from_address(base + off).value = value
         return self
 
@@ -80,13 +82,19 @@ class Turns(NamedTuple):
     lend_end: int
     lends: int
     reclaims: int
+    holds: int
+    hold_ns: int
+    hold_credit_ns: int
 
 
 def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float = 0.0, return_s: float = 0.05,
          base_slice_s: float = 0.01, used=None, beside: int = 0, bell_seen: int | None = None,
-         drain_timeout_s: float = 0.0, grace_s: float = 0.0, lender: int = -1, lend_end_ns: int = 0):
+         drain_timeout_s: float = 0.0, grace_s: float = 0.0, lender: int = -1, lend_end_ns: int = 0,
+         hold: bool = False, hold_max_s: float = 0.02, hold_rate: float = 0.3, hold_credit_s: float = 0.1):
     """Run the keeper from now: the holder's slice ends ``slice_end_s`` from now, control comes back
-    ``return_s`` from now at the latest; ``lender``: the tenant whose turn the holder runs in."""
+    ``return_s`` from now at the latest; ``lender``: the tenant whose turn the holder runs in; ``hold``:
+    priority holds, a burst for at most ``hold_max_s``, earning ``hold_rate`` of the time as credit from
+    ``hold_credit_s`` (also the most saved up)."""
     now = time.monotonic_ns()
     out = _turns.take_turns(
         gate=policy.gate_address, bell=policy.bell_address, heartbeat=policy.heartbeat_address,
@@ -97,10 +105,14 @@ def keep(policy: Policy, tenants, pages, *, holder: int = 0, slice_end_s: float 
         grace_ns=int(grace_s * 1e9), shares=[t.share for t in tenants],
         priorities=[t.priority for t in tenants],
         used=used or [0.0] * len(tenants), procs=[p.entry for p in pages], offsets=KEEPER_OFFSETS,
-        lender_word=policy.lender_mask_address, lender=lender, lend_end_ns=lend_end_ns)
+        lender_word=policy.lender_mask_address, lender=lender, lend_end_ns=lend_end_ns,
+        hold_word=policy.hold_mask_address if hold else 0, hold_max_ns=int(hold_max_s * 1e9),
+        hold_rate=hold_rate, hold_credit_ns=int(hold_credit_s * 1e9),
+        hold_credit_cap_ns=int(hold_credit_s * 1e9))
     return Turns(out["reason"], out["holder"], out["gen"], out["slice_start_ns"], out["slice_end_ns"],
                  out["grants"], out["held_ns"], out["drain_timeouts"], out["yields"], out["lender"],
-                 out["lend_end_ns"], out["lends"], out["reclaims"])
+                 out["lend_end_ns"], out["lends"], out["reclaims"], out["holds"], out["hold_ns"],
+                 out["hold_credit_ns"])
 
 
 def busy() -> dict:
@@ -367,11 +379,10 @@ def test_a_holder_that_yields_at_its_slice_end_is_handed_on_without_the_keepers_
 
     t = threading.Thread(target=helper_of_a)
     t.start()
-    _, holder, _, *_, timeouts, yields, _, _, _, _ = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.01,
-                                                return_s=0.2, used=[0.7, 0.0], drain_timeout_s=2.0,
-                                                grace_s=1.0)
+    turns = keep(policy, tenants, [a, b], holder=0, slice_end_s=0.01, return_s=0.2, used=[0.7, 0.0],
+                 drain_timeout_s=2.0, grace_s=1.0)
     t.join()
-    assert holder == 1 and yields == 1 and timeouts == 0
+    assert turns.holder == 1 and turns.yields == 1 and turns.timeouts == 0
     assert gates[0] & 0xFFFF == 0b01  # a still held the gate when it yielded: the keeper never closed it
     assert policy.slice_end_ns == 0  # cleared once the Python loop has control again
 
@@ -476,3 +487,129 @@ def test_a_drain_wakes_the_old_holders_helper_and_no_other_tenants(policy, tenan
 
 def test_the_quiet_threshold_is_one_figure_for_c_and_python():
     assert _turns.QUIET_NS == QUIET_NS
+
+
+def poll(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+def ring(policy: Policy) -> None:
+    bell = ctypes.c_uint32.from_address(policy.bell_address)
+    bell.value += 1
+    policy.bell.futex_wake(0)
+
+
+@pytest.fixture
+def latency_pair():
+    """A GPU-bound tenant of priority 0 and a latency tenant of priority 1 beside it."""
+    return [TenantPolicy("hog", 0.7), TenantPolicy("online", 0.3, priority=1)]
+
+
+def burst_in_thread(policy: Policy, page: Page, seen: int, *, end: bool = True, hold_max_s: float = 0.0):
+    """The latency tenant's library: once the keeper sleeps, a burst begins (posted, rung); once the
+    holder's bit is clear it ends (cleared, rung), or with ``end`` False never does. What the gate and
+    the hold mask read at each step, and how long the holder's bit stayed clear, come back in a dict."""
+    keeper_tid = threading.get_native_id()
+    seen_states: dict = {}
+
+    def run():
+        poll(lambda: in_futex_wait(keeper_tid))
+        page.set(burst_ns=time.monotonic_ns())
+        ring(policy)
+        held = poll(lambda: policy.gate & 0b01 == 0, 2.0)
+        t0 = time.monotonic()
+        seen_states.update(held=held, gate_held=policy.gate & 0xFFFF, hold_mask=policy.hold_mask)
+        if end:
+            page.set()
+            ring(policy)
+        seen_states["released"] = poll(lambda: policy.gate & 0b01 != 0, 2.0)
+        seen_states.update(held_s=time.monotonic() - t0, hold_mask_after=policy.hold_mask)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, seen_states
+
+
+def test_a_burst_of_a_tenant_of_higher_priority_holds_the_holder_until_it_ends(tmp_path, latency_pair):
+    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
+    try:
+        policy.set_gate(0b11)
+        hog, online = Page(0).set(**busy()), Page(1)
+        seen = policy.bell_value()
+        t, states = burst_in_thread(policy, online, seen)
+        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
+                     beside=0b10, bell_seen=seen, hold=True)
+        t.join()
+        assert states["held"] and states["gate_held"] == 0b10 and states["hold_mask"] == 0b01
+        assert states["released"] and states["hold_mask_after"] == 0
+        assert turns.reason == _turns.RETURN_DEADLINE  # both bells were the burst's: no return to Python
+        assert turns.holds == 1 and 0 < turns.hold_ns < 1e9
+        assert policy.gate & 0xFFFF == 0b11 and policy.hold_mask == 0
+    finally:
+        policy.close()
+
+
+def test_a_burst_that_never_ends_holds_the_holder_no_longer_than_its_limit(tmp_path, latency_pair):
+    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
+    try:
+        policy.set_gate(0b11)
+        hog, online = Page(0).set(**busy()), Page(1)
+        seen = policy.bell_value()
+        t, states = burst_in_thread(policy, online, seen, end=False)
+        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
+                     beside=0b10, bell_seen=seen, hold=True, hold_max_s=0.05)
+        t.join()
+        assert states["held"] and states["released"]  # while its burst_ns still says it runs
+        assert turns.holds == 1 and 0.04e9 <= turns.hold_ns < 0.9e9
+    finally:
+        policy.close()
+
+
+def test_bursts_hold_the_holder_for_no_more_than_the_credit_their_share_earns(tmp_path, latency_pair):
+    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
+    try:
+        policy.set_gate(0b11)
+        hog, online = Page(0).set(**busy()), Page(1)
+        seen = policy.bell_value()
+        t, states = burst_in_thread(policy, online, seen, end=False)
+        # 20 ms saved up and none earned: the hold ends when they are spent, long before its 1 s limit
+        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
+                     beside=0b10, bell_seen=seen, hold=True, hold_max_s=1.0, hold_rate=0.0,
+                     hold_credit_s=0.02)
+        t.join()
+        assert states["held"] and states["released"]
+        assert turns.holds == 1 and 0.015e9 <= turns.hold_ns < 0.5e9
+        assert turns.hold_credit_ns <= 0
+    finally:
+        policy.close()
+
+
+@pytest.mark.parametrize("online_priority, hold", [(0, True), (1, False)])
+def test_no_hold_for_a_tenant_of_equal_priority_or_with_holds_off(tmp_path, online_priority, hold):
+    tenants = [TenantPolicy("hog", 0.7), TenantPolicy("online", 0.3, priority=online_priority)]
+    policy = Policy(str(tmp_path / "ledger-h"), tenants)
+    try:
+        policy.set_gate(0b11)
+        hog, online = Page(0).set(**busy()), Page(1)
+        seen = policy.bell_value()
+        keeper_tid = threading.get_native_id()
+
+        def burst():
+            poll(lambda: in_futex_wait(keeper_tid))
+            online.set(burst_ns=time.monotonic_ns())
+            ring(policy)
+
+        t = threading.Thread(target=burst)
+        t.start()
+        turns = keep(policy, tenants, [hog, online], holder=0, slice_end_s=10.0, return_s=0.3, beside=0b10,
+                     bell_seen=seen, hold=hold)
+        t.join()
+        assert turns.holds == 0 and turns.hold_ns == 0
+        assert policy.gate & 0xFFFF == 0b11 and policy.hold_mask == 0
+    finally:
+        policy.close()

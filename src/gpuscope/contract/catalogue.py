@@ -602,6 +602,14 @@ SHARE_LENDS = _m("gpuscope_share_lent_turns_total", "counter",
 SHARE_RECLAIMS = _m("gpuscope_share_reclaimed_turns_total", "counter",
                     "Lent turns taken back by their tenant's next launch, after the borrower's queued work.",
                     "turns", _G, area=SHARE)
+SHARE_PRIORITY_HOLDS = _m("gpuscope_share_priority_holds_total", "counter",
+                          "Bursts of launches of a tenant of higher priority beside the slice holder that "
+                          "held the holder's launches until they ended (--share.priority-hold on).",
+                          "holds", _G, area=SHARE)
+SHARE_PRIORITY_HOLD_SECONDS = _m("gpuscope_share_priority_hold_seconds_total", "counter",
+                                 "Time the slice holder's launches waited out bursts of a tenant of higher "
+                                 "priority (--share.priority-hold on).",
+                                 "seconds", _G, area=SHARE)
 
 def all_metrics() -> Iterator[Metric]:
     """Every metric, in definition order."""

@@ -13,7 +13,7 @@
 #define POLICY_MAGIC 0x48535347u /* "GSSH" */
 #define PROC_MAGIC 0x50535347u   /* "GSSP" */
 #define TENANT_MAGIC 0x54535347u /* "GSST" */
-#define LAYOUT_VERSION 13u
+#define LAYOUT_VERSION 14u
 #define MAX_TENANTS 16
 #define NAME_LEN 40
 /* A tenant's memory cap: bytes, or with this bit set a fraction of the card in parts per million. */
@@ -42,7 +42,9 @@ typedef struct {
     _Atomic uint32_t lender_mask;  /* bit i: slot i lent the rest of its turn; its first held thread rings */
     uint32_t beside_queue_us;      /* the holder's queue while a tenant runs beside it (short_queue()) */
     _Atomic uint32_t turns_mask;   /* bit i: slot i takes turns (active, not beside): holding_alone() */
-    uint32_t reserved[13];
+    _Atomic uint32_t hold_mask;    /* bit i: slot i holds the GPU but waits out a burst of a tenant of higher priority */
+    uint32_t priority_hold;        /* 1: tenants of higher priority than the holder post their bursts (burst_ns) */
+    uint32_t reserved[11];
     struct {
         char name[NAME_LEN];
         uint32_t share_ppm, priority, active;
@@ -74,6 +76,10 @@ typedef struct {
     _Atomic uint64_t helper_wakes_probe, helper_wakes_lock, helper_wakes_window, helper_wakes_drain,
         helper_wakes_nap, helper_wakes_nap_timeout, helper_wakes_watch, helper_wakes_watch_timeout,
         helper_wakes_gate, helper_wakes_gate_timeout, helper_cpu_ns;
+    /* Beside a slice holder of lower priority, with priority holds on: when its current burst of
+     * launches began (CLOCK_MONOTONIC ns; 0 between bursts, which end at its waits for the GPU). The
+     * turn keeper holds the holder's launches meanwhile, within this tenant's share of the time. */
+    _Atomic uint64_t burst_ns;
 } proc_t;
 
 /* One per tenant, written by all its processes: what they hold together, reserved atomically before
@@ -88,6 +94,7 @@ _Static_assert(sizeof(policy_t) == 128 + MAX_TENANTS * 64, "policy layout");
 _Static_assert(__builtin_offsetof(policy_t, lender_mask) == 64, "policy lender layout");
 _Static_assert(__builtin_offsetof(policy_t, beside_queue_us) == 68, "policy beside queue layout");
 _Static_assert(__builtin_offsetof(policy_t, turns_mask) == 72, "policy turns layout");
+_Static_assert(__builtin_offsetof(policy_t, priority_hold) == 80, "policy hold layout");
 _Static_assert(__builtin_offsetof(policy_t, tenants[0].mem_cap) == 128 + 56, "policy tenant layout");
 _Static_assert(__builtin_offsetof(proc_t, launches) == 64, "proc layout");
 _Static_assert(__builtin_offsetof(proc_t, mem_bytes) == 64 + 14 * 8, "proc memory layout");

@@ -45,7 +45,7 @@ typedef struct {
     uint32_t *gate, *bell;
     uint64_t *heartbeat; /* the controller's: tenants fail open when it goes stale (2 s) */
     uint32_t bell_seen, gen, beside;
-    size_t off_waiting, off_window_open, off_inflight, off_last_launch, off_drained;
+    size_t off_waiting, off_window_open, off_inflight, off_last_launch, off_drained, off_burst;
     int64_t drain_timeout; /* 0: overlapping hand-overs; else wait this long for the old holder's work */
     uint64_t *slice_end_word; /* draining: the holder's slice end, published so that it can yield */
     int64_t grace;            /* draining: how long past the slice's end a yield is awaited */
@@ -69,10 +69,21 @@ typedef struct {
     int lender; /* -1: no lend */
     int64_t lend_end;
     unsigned long lends, reclaims;
+    /* priority holds: while a tenant of higher priority beside the holder is in a burst of launches
+     * (its page's burst_ns), the holder's bit stays clear, so that the burst runs alone once the
+     * holder's queue has finished; hold_word NULL: off */
+    uint32_t *hold_word;
+    int holding;
+    int64_t hold_since, hold_max, credit, credit_at, credit_cap;
+    double hold_rate; /* credit earned per ns: the share of the tenants that may hold */
+    unsigned long holds;
+    int64_t hold_ns;
 } keeper_t;
 
 /* A turn with less than this left is not lent: the hand-over would cost more than it fills. */
 #define LEND_MIN_NS 1000000
+/* A priority hold starts only with this much credit. */
+#define HOLD_MIN_CREDIT_NS 1000000
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -140,7 +151,7 @@ static uint32_t wanting_slots(const keeper_t *k, int64_t now, int *holder_wants)
         if (k->beside >> p->slot & 1) continue;
         if (load32(p->page + k->off_waiting)) wanting |= 1u << p->slot;
         if (p->slot == k->holder &&
-            (load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) ||
+            (k->holding || load32(p->page + k->off_waiting) || load64(p->page + k->off_window_open) ||
              load64(p->page + k->off_inflight) || now - (int64_t)load64(p->page + k->off_last_launch) < k->recent))
             *holder_wants = 1;
     }
@@ -198,6 +209,59 @@ static void set_gate(keeper_t *k, uint32_t mask, uint32_t bitset) {
     if (bitset) syscall(SYS_futex, k->gate, FUTEX_WAKE_BITSET, 0x7fffffff, NULL, NULL, bitset);
 }
 
+/* The gate with `slot` holding the GPU: its bit set unless a priority hold keeps it waiting. */
+static uint32_t holder_mask(const keeper_t *k, int slot) { return (k->holding ? 0u : 1u << slot) | k->beside; }
+
+/* The credit for priority holds, earned at hold_rate since it was last counted, spent while holding. */
+static void count_credit(keeper_t *k, int64_t now) {
+    int64_t dt = now - k->credit_at;
+    k->credit_at = now;
+    k->credit += (int64_t)((double)dt * k->hold_rate) - (k->holding ? dt : 0);
+    if (k->credit > k->credit_cap) k->credit = k->credit_cap;
+}
+
+/* Whether a process of a tenant beside the holder, of higher priority than the holder's, is in a burst
+ * of launches that began less than hold_max ago (one that never waits for the GPU holds no longer). */
+static int priority_burst(const keeper_t *k, int64_t now) {
+    for (int i = 0; i < k->nprocs; i++) {
+        const proc_t *p = &k->procs[i];
+        if (!(k->beside >> p->slot & 1) || k->priority[p->slot] <= k->priority[k->holder]) continue;
+        int64_t since = (int64_t)load64(p->page + k->off_burst);
+        if (since && now - since < k->hold_max) return 1;
+    }
+    return 0;
+}
+
+/* Starts or ends a priority hold: the holder's launches wait while a burst of a tenant of higher
+ * priority runs, within the credit. Its queued work is not drained: it finishes (at most
+ * --share.beside-queue of it) and the burst then has the GPU alone. Its launching threads are woken at
+ * the end. Returns whether the gate changed. */
+static int update_hold(keeper_t *k, int64_t now) {
+    if (!k->hold_word) return 0;
+    count_credit(k, now);
+    /* a hold starts with at least HOLD_MIN_CREDIT_NS saved up: not a hand-over for a few microseconds */
+    int want = priority_burst(k, now) && k->credit > (k->holding ? 0 : HOLD_MIN_CREDIT_NS);
+    if (want == k->holding) return 0;
+    k->holding = want;
+    if (want) {
+        k->holds++;
+        k->hold_since = now;
+    } else {
+        k->hold_ns += now - k->hold_since;
+    }
+    __atomic_store_n(k->hold_word, want ? 1u << k->holder : 0u, __ATOMIC_RELEASE);
+    set_gate(k, holder_mask(k, k->holder), want ? 0 : LAUNCHERS_BITSET);
+    return 1;
+}
+
+/* When a hold must end though no bell rings: its burst's hold_max, or the credit spent. */
+static int64_t hold_ends(const keeper_t *k) {
+    if (!k->holding) return INT64_MAX;
+    int64_t by_credit = k->credit_at + (k->hold_rate < 1.0 ? (int64_t)((double)k->credit / (1.0 - k->hold_rate)) : INT64_MAX / 2);
+    int64_t by_max = k->hold_since + k->hold_max;
+    return by_credit < by_max ? by_credit : by_max;
+}
+
 /* A draining hand-over: hold the old holder (its helper threads, woken by the gate change, post each
  * process's drained generation once its queued work has finished) and wait for that, at most
  * drain_timeout; a process that died meanwhile never posts, and is no timeout. */
@@ -247,13 +311,16 @@ static void grant(keeper_t *k, int slot, uint32_t wanting, int64_t now, int64_t 
     /* Only the launching threads held at the gate (they wait with bitset 1): the tenants' helper
      * threads wait on the same word with other bits, and a hand-over needs nothing of them. A
      * holder given another slice is woken too when draining: it may have yielded. */
-    if (slot != k->holder || k->drain_timeout > 0) set_gate(k, (1u << slot) | k->beside, LAUNCHERS_BITSET);
+    int changed = slot != k->holder;
     k->holder = slot;
+    if (k->holding) __atomic_store_n(k->hold_word, 1u << slot, __ATOMIC_RELEASE);
+    if (changed || k->drain_timeout > 0) set_gate(k, holder_mask(k, slot), LAUNCHERS_BITSET);
 }
 
 /* Whether the holder yielded at its slice's end and drained: each of its processes posted the
  * current generation as drained (under a closed gate it would be a newer one). */
 static int holder_yielded(const keeper_t *k) {
+    if (k->holding) return 0; /* held for a priority burst: what it posted answers the hold's gate */
     int procs = 0;
     for (int i = 0; i < k->nprocs; i++) {
         if (k->procs[i].slot != k->holder) continue;
@@ -336,10 +403,12 @@ static int keep(keeper_t *k) {
         k->yield_due = others != 0;
         __atomic_store_n(k->slice_end_word, others ? (uint64_t)k->slice_end : 0, __ATOMIC_RELEASE);
     }
+    update_hold(k, mark);
     for (;;) {
         int64_t now = now_ns();
         int yielded = 0;
         beat(k);
+        update_hold(k, now); /* a priority burst began or ended (its process rang), or its hold ran out */
         if (load32(k->bell) != k->bell_seen) {
             /* the holder's helper rings once its yield has drained: hand over here */
             if (!draining || !holder_yielded(k)) {
@@ -361,7 +430,9 @@ static int keep(keeper_t *k) {
         int64_t end = k->slice_end + (k->yield_due ? k->grace : 0);
         int64_t wake = end < k->return_at ? end : k->return_at;
         if (!yielded && now < wake) {
-            struct timespec ts = {(time_t)((wake - now) / 1000000000), (long)((wake - now) % 1000000000)};
+            int64_t until = hold_ends(k) < wake ? hold_ends(k) : wake;
+            if (until <= now) until = now + 1000;
+            struct timespec ts = {(time_t)((until - now) / 1000000000), (long)((until - now) % 1000000000)};
             syscall(SYS_futex, k->bell, FUTEX_WAIT, k->bell_seen, &ts, NULL, 0);
             continue;
         }
@@ -456,24 +527,26 @@ static int doubles(PyObject *seq, int n, double *out, const char *what) {
 static char *KEYWORDS[] = {"gate", "bell", "heartbeat", "bell_seen", "gen", "beside", "holder", "slice_start_ns",
                            "slice_end_ns", "return_ns", "base_slice_ns", "recent_ns", "drain_timeout_ns",
                            "slice_end_word", "grace_ns", "shares", "priorities", "used", "procs", "offsets",
-                           "lender_word", "lender", "lend_end_ns", NULL};
-#define NARGS 23
+                           "lender_word", "lender", "lend_end_ns", "hold_word", "hold_max_ns", "hold_rate",
+                           "hold_credit_ns", "hold_credit_cap_ns", NULL};
+#define NARGS 28
 
 #define USAGE \
     "take_turns(*, gate, bell, heartbeat, bell_seen, gen, beside, holder, slice_start_ns, slice_end_ns, " \
     "return_ns, base_slice_ns, recent_ns, drain_timeout_ns, slice_end_word, grace_ns, shares, priorities, " \
-    "used, procs=[(slot, pid, page)], offsets, lender_word, lender, lend_end_ns) -> {reason, holder, gen, " \
-    "slice_start_ns, slice_end_ns, grants, held_ns, drain_timeouts, yields, lender, lend_end_ns, lends, " \
-    "reclaims}"
+    "used, procs=[(slot, pid, page)], offsets, lender_word, lender, lend_end_ns, hold_word, hold_max_ns, " \
+    "hold_rate, hold_credit_ns, hold_credit_cap_ns) -> {reason, holder, gen, slice_start_ns, slice_end_ns, " \
+    "grants, held_ns, drain_timeouts, yields, lender, lend_end_ns, lends, reclaims, holds, hold_ns, " \
+    "hold_credit_ns}"
 
 
 static PyObject *take_turns(PyObject *self, PyObject *posargs, PyObject *kwargs) {
     PyObject *args[NARGS];
-    if (!PyArg_ParseTupleAndKeywords(posargs, kwargs, "|$OOOOOOOOOOOOOOOOOOOOOOO:take_turns", KEYWORDS, &args[0],
-                                     &args[1], &args[2], &args[3], &args[4], &args[5], &args[6], &args[7],
-                                     &args[8], &args[9], &args[10], &args[11], &args[12], &args[13], &args[14],
-                                     &args[15], &args[16], &args[17], &args[18], &args[19], &args[20], &args[21],
-                                     &args[22]))
+    if (!PyArg_ParseTupleAndKeywords(posargs, kwargs, "|$OOOOOOOOOOOOOOOOOOOOOOOOOOOO:take_turns", KEYWORDS,
+                                     &args[0], &args[1], &args[2], &args[3], &args[4], &args[5], &args[6],
+                                     &args[7], &args[8], &args[9], &args[10], &args[11], &args[12], &args[13],
+                                     &args[14], &args[15], &args[16], &args[17], &args[18], &args[19], &args[20],
+                                     &args[21], &args[22], &args[23], &args[24], &args[25], &args[26], &args[27]))
         return NULL;
     if (!kwargs || PyDict_Size(kwargs) != NARGS) {
         PyErr_SetString(PyExc_TypeError, USAGE);
@@ -519,15 +592,15 @@ static PyObject *take_turns(PyObject *self, PyObject *posargs, PyObject *kwargs)
     k->holder = (int)holder;
     procs = PySequence_Fast(args[18], "procs must be a sequence of (slot, pid, page address)");
     offsets = PySequence_Fast(args[19], "offsets must be (waiting, window_open, inflight, last_launch_ns, "
-                                        "drained)");
+                                        "drained, burst_ns)");
     if (!procs || !offsets) goto done;
-    if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 5) {
-        PyErr_SetString(PyExc_ValueError, "too many processes, or not five offsets");
+    if (PySequence_Fast_GET_SIZE(procs) > MAX_PROCS || PySequence_Fast_GET_SIZE(offsets) != 6) {
+        PyErr_SetString(PyExc_ValueError, "too many processes, or not six offsets");
         goto done;
     }
-    size_t *off[5] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch,
-                      &k->off_drained};
-    for (int i = 0; i < 5; i++) {
+    size_t *off[6] = {&k->off_waiting, &k->off_window_open, &k->off_inflight, &k->off_last_launch,
+                      &k->off_drained, &k->off_burst};
+    for (int i = 0; i < 6; i++) {
         if (as_long(PySequence_Fast_GET_ITEM(offsets, i), &v)) goto done;
         if (v < 0 || v > 4088) {
             PyErr_SetString(PyExc_ValueError, "offsets lie inside a page");
@@ -558,13 +631,32 @@ static PyObject *take_turns(PyObject *self, PyObject *posargs, PyObject *kwargs)
         goto done;
     }
     k->lender = (int)lender;
+    if (as_ptr(args[23], (void **)&k->hold_word) || as_i64(args[24], &k->hold_max) ||
+        as_i64(args[26], &k->credit) || as_i64(args[27], &k->credit_cap))
+        goto done;
+    k->hold_rate = PyFloat_AsDouble(args[25]);
+    if (k->hold_rate == -1.0 && PyErr_Occurred()) goto done;
+    if (k->hold_max < 0 || k->credit_cap < 0 || !(k->hold_rate >= 0.0 && k->hold_rate <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "hold_max_ns and hold_credit_cap_ns are >= 0, hold_rate in [0, 1]");
+        goto done;
+    }
+    k->credit_at = now_ns();
     int reason;
     Py_BEGIN_ALLOW_THREADS
     reason = keep(k);
+    int was_holding = k->holding;
+    if (k->holding) { /* the Python loop decides until the next call, which looks at the bursts again */
+        count_credit(k, now_ns());
+        k->hold_ns += now_ns() - k->hold_since;
+        k->holding = 0;
+        __atomic_store_n(k->hold_word, 0u, __ATOMIC_RELEASE);
+    }
     if (k->drain_timeout > 0) {
         /* the Python loop decides until the next call: no yields meanwhile, and a holder that has
          * yielded is released (its slice goes on until the loop decides otherwise) */
         __atomic_store_n(k->slice_end_word, 0, __ATOMIC_RELEASE);
+        set_gate(k, (1u << k->holder) | k->beside, LAUNCHERS_BITSET);
+    } else if (was_holding) {
         set_gate(k, (1u << k->holder) | k->beside, LAUNCHERS_BITSET);
     }
     Py_END_ALLOW_THREADS
@@ -574,11 +666,13 @@ static PyObject *take_turns(PyObject *self, PyObject *posargs, PyObject *kwargs)
             PyTuple_SET_ITEM(grants, s, PyLong_FromUnsignedLong(k->grants[s]));
             PyTuple_SET_ITEM(held, s, PyLong_FromLongLong(k->held[s]));
         }
-        result = Py_BuildValue("{s:i,s:i,s:i,s:L,s:L,s:O,s:O,s:k,s:k,s:i,s:L,s:k,s:k}", "reason", reason,
+        result = Py_BuildValue("{s:i,s:i,s:i,s:L,s:L,s:O,s:O,s:k,s:k,s:i,s:L,s:k,s:k,s:k,s:L,s:L}", "reason", reason,
                                "holder", k->holder, "gen", (int)k->gen, "slice_start_ns", (long long)k->slice_start,
                                "slice_end_ns", (long long)k->slice_end, "grants", grants, "held_ns", held,
                                "drain_timeouts", k->drain_timeouts, "yields", k->yields, "lender", k->lender,
-                               "lend_end_ns", (long long)k->lend_end, "lends", k->lends, "reclaims", k->reclaims);
+                               "lend_end_ns", (long long)k->lend_end, "lends", k->lends, "reclaims", k->reclaims,
+                               "holds", k->holds, "hold_ns", (long long)k->hold_ns, "hold_credit_ns",
+                               (long long)k->credit);
     }
     Py_XDECREF(grants);
     Py_XDECREF(held);

@@ -35,11 +35,14 @@ from gpuscope.share.probes import Prober
 from gpuscope.share.processes import HOLDER_RECENT_S, ProcessTable
 from gpuscope.share.scheduler import SliceScheduler, TokenBuckets, beside_fraction
 from gpuscope.share.settings import (
+    HOLD_CREDIT_S,
+    HOLD_MAX_S,
     KEEPER_RETURN_S,
     STARVED_TURNS_S,
     Accounting,
     Handover,
     LoneHolder,
+    PriorityHold,
     ShareSettings,
     Turns,
 )
@@ -108,6 +111,8 @@ class Stats:
     yields: int = 0  # draining hand-overs where the holder yielded at its slice's end by itself
     lends: int = 0  # quiet holders that lent the rest of their turn
     reclaims: int = 0  # lent turns taken back by their lender before they ended
+    priority_holds: int = 0  # bursts of a tenant of higher priority that held the holder's launches
+    priority_hold_s: float = 0.0
     probes: int = 0
     starved: dict[str, int] = field(default_factory=dict)  # tenant -> moves from beside to turns
     state_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (tenant, gate state) -> seconds
@@ -147,17 +152,22 @@ class Controller:
         self.settings = settings
         first = settings.gpus[0] if isinstance(settings.gpus, tuple) else 0
         self.gpu = gpu or (Gpu(first) if isinstance(first, int) else Gpu(NO_INDEX, first))
+        # hand-overs between slice holders in C (nvml mode has none: it stays in Python)
+        self.keeper = (settings.turns == Turns.C and _turns is not None
+                       and settings.accounting == Accounting.EVENTS)
+        # bursts of a tenant of higher priority hold the slice holder (in the turn keeper only)
+        self.priority_hold = self.keeper and settings.priority_hold == PriorityHold.ON
         self.policy = Policy(prefix, tenants, mode=str(settings.accounting),
                              window_us=int(settings.window * 1e6), inflight_slice=settings.queued_windows,
                              beside_queue_us=int(settings.beside_queue * 1e6),
+                             priority_hold=self.priority_hold,
                              access=access, log=self.log, files=files, uuid=self.gpu.uuid_bytes)
         self.tenants = tenants
         self.mode = settings.accounting
         self.slice_s = settings.slice
         self.drain_timeout_s = settings.drain_timeout
         self.handover = settings.handover
-        # hand-overs between slice holders in C (nvml mode has none: it stays in Python)
-        self.keeper = settings.turns == Turns.C and _turns is not None and self.mode == Accounting.EVENTS
+        self._hold_credit_ns = int(HOLD_CREDIT_S * 1e9)
         self.scheduler = SliceScheduler(tenants, starved_below=settings.starved_below)
         self.buckets = TokenBuckets(tenants)
         self.utilization = utilization
@@ -715,6 +725,12 @@ class Controller:
         return (self.keeper and self.stats.binding and self.holder is not None and self.prober.probe is None
                 and not self.gang_slots())
 
+    def _hold_rate(self) -> float:
+        """The part of the time bursts may hold the holder (``--share.priority-hold``): the shares of the
+        tenants beside it of higher priority than its own."""
+        mine = self.tenants[self.holder].priority
+        return min(1.0, sum(self.tenants[s].share for s in self.beside if self.tenants[s].priority > mine))
+
     def keep_turns(self, seen: int) -> float:
         """Hand over between slice holders in C until the next bookkeeping (at most
         ``KEEPER_RETURN_S``, or the next probe), or until a tenant rings the bell (``seen``: the bell's
@@ -725,6 +741,7 @@ class Controller:
             until = min(now + KEEPER_RETURN_S, self.prober.next_probe(candidates, now))
             procs = self.processes.keeper_view()
             used = self.scheduler.usage(now, self._pending(now))
+            hold_rate = self._hold_rate()
         policy = self.policy
         out = _turns.take_turns(
             gate=policy.gate_address, bell=policy.bell_address, heartbeat=policy.heartbeat_address,
@@ -737,8 +754,14 @@ class Controller:
             grace_ns=int(YIELD_GRACE_WINDOWS * policy.window_us * 1e3),
             shares=[t.share for t in self.tenants], priorities=[t.priority for t in self.tenants], used=used,
             procs=procs, offsets=KEEPER_OFFSETS, lender_word=policy.lender_mask_address,
-            lender=-1 if self.lender is None else self.lender, lend_end_ns=int(self.lend_end * 1e9))
+            lender=-1 if self.lender is None else self.lender, lend_end_ns=int(self.lend_end * 1e9),
+            hold_word=policy.hold_mask_address if self.priority_hold else 0,
+            hold_max_ns=int(HOLD_MAX_S * 1e9), hold_rate=hold_rate, hold_credit_ns=self._hold_credit_ns,
+            hold_credit_cap_ns=int(HOLD_CREDIT_S * 1e9))
         with self.lock:
+            self._hold_credit_ns = out["hold_credit_ns"]
+            self.stats.priority_holds += out["holds"]
+            self.stats.priority_hold_s += out["hold_ns"] / 1e9
             policy.gen = out["gen"]
             self.stats.drain_timeouts += out["drain_timeouts"]
             self.stats.yields += out["yields"]

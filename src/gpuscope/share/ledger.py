@@ -53,7 +53,7 @@ except ImportError:  # no compiler where gpuscope was installed: ctypes serves (
 
 POLICY_MAGIC = 0x48535347  # "GSSH"
 PROC_MAGIC = 0x50535347  # "GSSP"
-LAYOUT_VERSION = 13
+LAYOUT_VERSION = 14
 MAX_TENANTS = 16
 NAME_LEN = 40
 OPEN_MASK = 0xFFFF  # every slot may launch: no share binds
@@ -68,6 +68,8 @@ P_SLICE_END = 56  # draining hand-overs from the turn keeper: when the holder's 
 P_LENDER_MASK = 64  # slots that lent the rest of their turn: their first held thread rings the bell
 P_BESIDE_QUEUE_US = 68  # GPU time (µs) a slice holder queues while a tenant runs beside it
 P_TURNS_MASK = 72  # slots taking turns (active, not beside): a holder alone among them is not watched
+P_HOLD_MASK = 76  # the turn keeper's: the holder waits out a burst of a tenant of higher priority
+P_PRIORITY_HOLD = 80  # 1: tenants of higher priority beside the holder post their bursts
 P_TENANTS, TENANT_SIZE = 128, 64  # name[40], share_ppm, priority, active, duty_ppm, mem_cap
 T_SHARE, T_PRIORITY, T_ACTIVE = NAME_LEN, NAME_LEN + 4, NAME_LEN + 8  # in a tenant's entry
 T_DUTY = NAME_LEN + 12  # in a tenant's entry: the part of each duty period it may launch in (0: all)
@@ -91,13 +93,16 @@ Q_MAGIC, Q_VERSION, Q_PID, Q_SLOT, Q_TENANT, Q_WAITING, Q_DRAINED = 0, 4, 8, 12,
 PROC_COUNTERS = ("launches", "graph_launches", "hook_errors", "throttled_ns", "gpu_ns", "windows",
                  "last_launch_ns", "inflight", "failed_open", "started_ns", "waits", "window_open",
                  "busy_launches", "busy_ns", "mem_bytes", "mem_refused", "sync_wait_ns", "sync_open",
-                 "sync_open_since_ns", *(f"helper_wakes_{r}" for r in HELPER_WAKE_REASONS), "helper_cpu_ns")
+                 "sync_open_since_ns", *(f"helper_wakes_{r}" for r in HELPER_WAKE_REASONS), "helper_cpu_ns",
+                 "burst_ns")
 Q_COUNTERS = 64
 #: Where the words the controller's turn keeper reads (in C) lie in a process's page: whether it wants
-#: the GPU (threads held at the gate, a window open, windows in flight, its last launch) and the
-#: generation its queued work was drained under.
+#: the GPU (threads held at the gate, a window open, windows in flight, its last launch), the
+#: generation its queued work was drained under, and when its burst of launches began (a tenant of
+#: higher priority beside the holder, with priority holds on).
 KEEPER_OFFSETS = (Q_WAITING, *(Q_COUNTERS + 8 * PROC_COUNTERS.index(name)
-                                for name in ("window_open", "inflight", "last_launch_ns")), Q_DRAINED)
+                                for name in ("window_open", "inflight", "last_launch_ns")), Q_DRAINED,
+                  Q_COUNTERS + 8 * PROC_COUNTERS.index("burst_ns"))
 
 #: A slice holder with nothing queued and no launch for this long is quiet: it lends the rest of its
 #: turn (``_wake_bits.h`` QUIET_NS, which the preload library and the turn keeper use; equal by test).
@@ -313,7 +318,7 @@ class Policy:
     def __init__(self, prefix: str, tenants: Sequence[TenantPolicy], *, mode: str = "events",
                  window_us: int = DEFAULT_WINDOW_US, inflight_slice: int = DEFAULT_QUEUED_WINDOWS,
                  inflight_open: int = DEFAULT_INFLIGHT_OPEN, beside_queue_us: int = DEFAULT_BESIDE_QUEUE_US,
-                 stale_ms: int = DEFAULT_STALE_MS, access: Access | None = None,
+                 stale_ms: int = DEFAULT_STALE_MS, priority_hold: bool = False, access: Access | None = None,
                  log: Callable[[str], None] | None = None, files: LedgerFiles | None = None,
                  uuid: bytes = b"") -> None:
         if not 1 <= len(tenants) <= MAX_TENANTS:
@@ -328,7 +333,8 @@ class Policy:
         self._own_files = files is None
         self.files = files if files is not None else LedgerFiles(prefix, log=log)
         try:
-            self._build(mode, window_us, inflight_slice, inflight_open, beside_queue_us, stale_ms)
+            self._build(mode, window_us, inflight_slice, inflight_open, beside_queue_us, stale_ms,
+                        priority_hold)
         except BaseException:
             self._close_pages()
             if self._own_files:
@@ -342,7 +348,7 @@ class Policy:
             self.files.start()
 
     def _build(self, mode: str, window_us: int, inflight_slice: int, inflight_open: int,
-               beside_queue_us: int, stale_ms: int) -> None:
+               beside_queue_us: int, stale_ms: int, priority_hold: bool) -> None:
         bell_fd, policy_fd = sealed_page("gpuscope-share-bell"), sealed_page("gpuscope-share-policy")
         self._fds += [bell_fd, policy_fd]
         self._fds.append(read_only(policy_fd))
@@ -357,7 +363,7 @@ class Policy:
         m.set_u32(P_MODE, MODES[mode])
         for off, value in ((P_WINDOW_US, window_us), (P_INFLIGHT_SLICE, inflight_slice),
                            (P_INFLIGHT_OPEN, inflight_open), (P_BESIDE_QUEUE_US, beside_queue_us),
-                           (P_STALE_MS, stale_ms)):
+                           (P_STALE_MS, stale_ms), (P_PRIORITY_HOLD, int(priority_hold))):
             m.set_u32(off, value)
         self._write_entries()
         self.gen = 1
@@ -458,6 +464,18 @@ class Policy:
         """Mark the slots in ``mask`` as having lent the rest of their turn: a thread of theirs held at
         the gate rings the bell, so the turn comes back at once."""
         self.map.set_u32(P_LENDER_MASK, mask & 0xFFFF)
+
+    @property
+    def hold_mask_address(self) -> int:
+        return self.map.addr + P_HOLD_MASK
+
+    @property
+    def hold_mask(self) -> int:
+        return self.map.u32(P_HOLD_MASK)
+
+    @property
+    def priority_hold(self) -> bool:
+        return bool(self.map.u32(P_PRIORITY_HOLD))
 
     @property
     def turns_mask(self) -> int:

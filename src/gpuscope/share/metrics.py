@@ -32,7 +32,8 @@ _CONTROLLER = (*(m for m, _, _ in _PER_PROCESS), cat.SHARE_HELPER_WAKEUPS, cat.S
                cat.SHARE_SLICES, cat.SHARE_CHARGED_SECONDS, cat.SHARE_STATE_SECONDS, cat.SHARE_BUSY_RATIO,
                cat.SHARE_DUTY_RATIO, cat.SHARE_BESIDE_THROUGHPUT, cat.SHARE_STARVED, cat.SHARE_PROBES,
                cat.SHARE_BINDING, cat.SHARE_DRAIN_TIMEOUTS, cat.SHARE_YIELDS, cat.SHARE_LENDS,
-               cat.SHARE_RECLAIMS, cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP, cat.SHARE_MEMORY_REFUSED,
+               cat.SHARE_RECLAIMS, cat.SHARE_PRIORITY_HOLDS, cat.SHARE_PRIORITY_HOLD_SECONDS,
+               cat.SHARE_MEMORY_USED, cat.SHARE_MEMORY_CAP, cat.SHARE_MEMORY_REFUSED,
                cat.SHARE_JOINS, cat.SHARE_POLICY_RELOADS)
 _WATCH = (cat.SHARE_UNMANAGED_PROCESSES, cat.SHARE_UNMANAGED_MEMORY)
 _CHECK = (cat.SHARE_NVML_BUSY_SECONDS, cat.SHARE_UNDER_REPORTED)
@@ -121,6 +122,8 @@ class ShareCollector:
         add(cat.SHARE_YIELDS, [], stats.yields)
         add(cat.SHARE_LENDS, [], stats.lends)
         add(cat.SHARE_RECLAIMS, [], stats.reclaims)
+        add(cat.SHARE_PRIORITY_HOLDS, [], stats.priority_holds)
+        add(cat.SHARE_PRIORITY_HOLD_SECONDS, [], stats.priority_hold_s)
         for tenant, held, refusals, cap_bytes in snap.memory:
             add(cat.SHARE_MEMORY_USED, [tenant], held)
             add(cat.SHARE_MEMORY_REFUSED, [tenant], refusals)

@@ -96,6 +96,21 @@ class LoneHolder(Choice):
     DUTY = "duty"
 
 
+class PriorityHold(Choice):
+    """``--share.priority-hold``: whether a burst of a tenant of higher priority beside the slice holder
+    holds the holder's launches until it ends."""
+
+    ON = "on"
+    OFF = "off"
+
+
+#: A burst of launches of a tenant of higher priority holds the slice holder for at most this long (a
+#: program that never waits for the GPU would hold it for ever), and the bursts together for at most
+#: that tenant's share of the time, with up to HOLD_CREDIT_S saved up (``_turns.c`` takes both as
+#: arguments).
+HOLD_MAX_S, HOLD_CREDIT_S = 0.02, 0.1
+
+
 @dataclass(frozen=True)
 class ShareSettings:
     """The flags of ``gpuscope share``."""
@@ -157,6 +172,14 @@ class ShareSettings:
         "them beside it; duty: while their probed demand and its own are more than the GPU, it launches "
         "only in its part of every 10 ms (the time the others leave, at least its share), with a short "
         "queue, and the others run alone for the rest")
+    priority_hold: PriorityHold = setting(
+        "--share.priority-hold", PriorityHold.OFF, "on: while a tenant of higher priority than the slice "
+        "holder runs beside it (a latency tenant), each of its bursts of launches (from its first launch to "
+        "its next wait for the GPU) holds the holder's next launches, so that its requests run alone once "
+        "the holder's short queue (--share.beside-queue) has finished: on a GPU that time-slices the "
+        "contexts they otherwise wait for the holder's time slices at each gap between their kernels. A "
+        f"burst holds for at most {HOLD_MAX_S * 1e3:g} ms, and all of a tenant's bursts for at most its "
+        "share of the time. off: the holder keeps launching beside it")
     window: float = setting("--share.window", DEFAULT_WINDOW_US / 1e6, "GPU time one accounting window aims "
                             "at (two CUDA events per window)", parse=parse_duration)
     queued_windows: int = setting("--share.queued-windows", DEFAULT_QUEUED_WINDOWS, "finished-but-unresolved "
