@@ -476,6 +476,42 @@ def plot_variants(src: str, dst: str, title: str = "gpuscope share variants on r
     fig.savefig(dst, dpi=110)
 
 
+def plot_latency(src: str, dst: str) -> None:
+    """One panel per hog: the latency tenant's p50 and p99 alone, unmanaged, at the defaults and under
+    each latency variant the file holds (bars), the hog's fraction of its alone rate in each label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(src) as f:
+        data = json.load(f)
+    rows = data["latency"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.5 * len(rows), 3.8), sharey=True, squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        variants = [k for k, v in row.items() if isinstance(v, dict) and "p99_vs_alone" in v]
+        p99_alone = row["p99_alone_ms"]
+        bars = [("alone", row["p50_alone_ms"], p99_alone, None),
+                ("unmanaged", row["p50_ms_unmanaged"], p99_alone * row["p99_vs_alone_unmanaged"],
+                 row["hog_fraction_unmanaged"]),
+                (MANAGED, row["p50_ms_managed"], p99_alone * row["p99_vs_alone_managed"],
+                 row["hog_fraction_managed"]),
+                *((v, row[v].get("p50_ms"), p99_alone * row[v]["p99_vs_alone"], row[v]["hog_fraction"])
+                  for v in variants)]
+        xs = range(len(bars))
+        ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], 0.4, label="p50", color="C0")
+        ax.bar([x + 0.2 for x in xs], [b[2] for b in bars], 0.4, label="p99", color="C1")
+        ax.axhline(1.3 * p99_alone, color="black", linestyle="--", linewidth=1, label="1.3 x p99 alone")
+        ax.set_xticks(list(xs), [b[0] if b[3] is None else f"{b[0]}\nhog {b[3]}" for b in bars], fontsize=7)
+        ax.set_title(f"beside {row['hog']} at {row['rate_per_s']:g} requests/s", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("latency tenant, ms")
+    fig.suptitle(f"gpuscope share: the latency tenant beside each hog, {data['date']}")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "worker":
         print(json.dumps(worker(sys.argv[2], float(sys.argv[3]))), flush=True)
@@ -489,6 +525,8 @@ def main() -> None:
     p.add_argument("--plot-out", default="share-workloads.png")
     p.add_argument("--plot-variants", action="store_true",
                    help="with --plot: each tenant's fraction under every variant, as bars")
+    p.add_argument("--plot-latency", action="store_true",
+                   help="with --plot: the latency tenant's p50 and p99 beside each hog, under every variant")
     p.add_argument("--out")
     p.add_argument("--port", type=int, default=9494)
     p.add_argument("--seconds", type=float, default=20.0)
@@ -506,7 +544,8 @@ def main() -> None:
                    "starting a new file (a run split in parts)")
     args = p.parse_args()
     if args.plot:
-        (plot_variants if args.plot_variants else plot)(args.plot, args.plot_out)
+        drawing = plot_latency if args.plot_latency else plot_variants if args.plot_variants else plot
+        drawing(args.plot, args.plot_out)
         return
     if not args.out:
         p.error("--out is required to measure")
@@ -580,7 +619,8 @@ def main() -> None:
         for variant in latency_variants:  # the same beside the hog under other flags
             other = latency(hog, variant)
             row[variant] = {"p99_vs_alone": rnd(other["p99_ms"] / alone_lat["p99_ms"], 2),
-                            "p50_ms": other["p50_ms"], "hog_fraction": other["hog_fraction"], "cpu_core_pct": other["cpu_core_pct"],
+                            "p50_ms": other["p50_ms"], "hog_fraction": other["hog_fraction"],
+                            "cpu_core_pct": other["cpu_core_pct"],
                             "controller_metrics": other["controller_metrics"],
                             "controller_mid_run": other["controller_mid_run"]}
             log(f"latency beside {hog}, {variant}: p99 {row[variant]['p99_vs_alone']}x alone")
