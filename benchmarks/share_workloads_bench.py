@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -535,6 +536,9 @@ def main() -> None:
                    help="skip measuring each workload alone again after the mixes (alone_drift)")
     p.add_argument("--mixes", default=",".join(MIXES))
     p.add_argument("--latency-rate", type=float, default=150.0, help="the latency tenant's requests/s")
+    p.add_argument("--latency-rounds", type=int, default=1, help="rounds of the latency tenant beside each "
+                   "hog (alone, unmanaged, managed, each round its own alone run; the order of the last two "
+                   "flips each round): the row holds the medians and each round")
     p.add_argument("--hogs", default=",".join(HOGS), help="GPU-bound classes the latency tenant runs beside")
     p.add_argument("--variants", default="unmanaged,drain,overlap",
                    help=f"which of {', '.join(VARIANTS)} to run")
@@ -600,13 +604,17 @@ def main() -> None:
 
     if not hogs:
         return
-    for hog in hogs:
-        # the tenant alone again beside each hog's runs: the host's speed drifts within minutes (a
-        # decode loop alone read p99 8.1 ms at one run's start and 12.0 ms at its end), more than the
-        # 1.3x being checked
+    def latency_round(hog: str, flip: bool) -> dict:
+        """The tenant alone, then beside ``hog`` unmanaged and managed (in the other order when
+        ``flip``), then under each latency variant: each ratio against this round's alone run. The host's
+        speed drifts within minutes (a decode loop alone read p99 8.1 ms at one run's start and 12.0 ms
+        at its end), more than the 1.3x being checked, so every round has its own alone run."""
         alone_lat = latency(None, "unmanaged")
         log(f"latency tenant alone at {args.latency_rate:g}/s: p99 {alone_lat['p99_ms']} ms")
-        plain, managed = latency(hog, "unmanaged"), latency(hog, MANAGED)
+        if flip:
+            managed, plain = latency(hog, MANAGED), latency(hog, "unmanaged")
+        else:
+            plain, managed = latency(hog, "unmanaged"), latency(hog, MANAGED)
         row = {"hog": hog, "rate_per_s": args.latency_rate, "p99_alone_ms": alone_lat["p99_ms"],
                "p99_vs_alone_managed": rnd(managed["p99_ms"] / alone_lat["p99_ms"], 2),
                "p99_vs_alone_unmanaged": rnd(plain["p99_ms"] / alone_lat["p99_ms"], 2),
@@ -624,10 +632,28 @@ def main() -> None:
                             "controller_metrics": other["controller_metrics"],
                             "controller_mid_run": other["controller_mid_run"]}
             log(f"latency beside {hog}, {variant}: p99 {row[variant]['p99_vs_alone']}x alone")
-        out["latency"].append(row)
         log(f"latency beside {hog}: p99 {row['p99_vs_alone_managed']}x alone managed, "
             f"{row['p99_vs_alone_unmanaged']}x unmanaged; hog {row['hog_fraction_managed']} / "
             f"{row['hog_fraction_unmanaged']}")
+        return row
+
+    for hog in hogs:
+        rounds = [latency_round(hog, flip=r % 2 == 1) for r in range(args.latency_rounds)]
+        row = dict(rounds[-1])
+        if len(rounds) > 1:
+            # the medians over the rounds, each round's figures kept as measured
+            for key in ("p99_vs_alone_managed", "p99_vs_alone_unmanaged", "hog_fraction_managed",
+                        "hog_fraction_unmanaged", "cpu_core_pct"):
+                row[key] = rnd(statistics.median(r[key] for r in rounds), 3)
+            for variant in latency_variants:
+                for key in ("p99_vs_alone", "hog_fraction", "cpu_core_pct"):
+                    row[variant][key] = rnd(statistics.median(r[variant][key] for r in rounds), 3)
+            kept = ("controller_metrics", "controller_mid_run")  # the last round's, in the row itself
+            row["rounds"] = [{k: v for k, v in r.items() if k not in kept} for r in rounds]
+            for r in row["rounds"]:
+                for variant in latency_variants:
+                    r[variant] = {k: v for k, v in r[variant].items() if k not in kept}
+        out["latency"].append(row)
         save()
     print(json.dumps({"mixes": [{k: m[k] for k in ("name", "sum_managed", "sum_unmanaged", "cpu_core_pct")}
                                 for m in out["mixes"]], "latency": out["latency"]}, indent=1))

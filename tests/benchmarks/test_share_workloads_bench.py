@@ -134,3 +134,54 @@ def test_the_helpers_wake_ups_are_read_by_reason_from_two_scrapes(monkeypatch) -
                      ("t1-encoder", "13", "gate"): 8})
     rates = share_bench.helper_wakeups_per_s((100.0, first), (102.0, second))
     assert rates == {"t0-train": {"nap": 20.0}, "t1-encoder": {"gate": 4.0}}
+
+
+def test_latency_rounds_each_have_their_alone_run_and_the_row_holds_the_medians(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """Processes are stubbed (they need a GPU): each call of run_latency is logged, and its p99 reads
+    from a list, so the ratios each round and their medians are known."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import share_workloads_bench as bench
+
+    calls = []
+    # per round: alone, then unmanaged and managed (flipped in the second round), then drain-hold
+    p99s = iter([2.0, 3.0, 2.4, 2.2,  # round 1: alone, unmanaged, managed, variant
+                 4.0, 4.4, 6.0, 4.8,  # round 2: alone, managed, unmanaged, variant
+                 2.0, 3.2, 2.2, 2.0])  # round 3
+
+    def run_latency(hog, flags, seconds, rate, alone, port):
+        calls.append((hog, flags))
+        return {"p99_ms": next(p99s), "p50_ms": 1.0, "hog_fraction": 0.8 if hog else None,
+                "cpu_core_pct": 0.2 if flags else None, "controller_metrics": [], "controller_mid_run": []}
+
+    monkeypatch.setattr(bench, "run_latency", run_latency)
+    monkeypatch.setattr(bench, "measure_alone", lambda workloads, seconds: {w: 100.0 for w in workloads})
+    out = tmp_path / "results.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--out", str(out), "--mixes", "", "--hogs", "train",
+                                      "--latency-rounds", "3", "--latency-variants", "drain-hold"])
+    bench.main()
+    managed, plain, hold = bench.VARIANTS["drain"], bench.VARIANTS["unmanaged"], bench.VARIANTS["drain-hold"]
+    assert calls == [(None, plain), ("train", plain), ("train", managed), ("train", hold),
+                     (None, plain), ("train", managed), ("train", plain), ("train", hold),
+                     (None, plain), ("train", plain), ("train", managed), ("train", hold)]
+    row = json.loads(out.read_text())["latency"][0]
+    assert [r["p99_vs_alone_managed"] for r in row["rounds"]] == [1.2, 1.1, 1.1]
+    assert [r["p99_vs_alone_unmanaged"] for r in row["rounds"]] == [1.5, 1.5, 1.6]
+    assert row["p99_vs_alone_managed"] == 1.1 and row["p99_vs_alone_unmanaged"] == 1.5
+    assert row["drain-hold"]["p99_vs_alone"] == 1.1  # 1.1, 1.2, 1.0
+    assert "controller_metrics" not in row["rounds"][0] and "controller_metrics" in row
+
+
+def test_the_latency_tenant_is_drawn_beside_each_hog(tmp_path: Path) -> None:
+    row = {"hog": "train", "rate_per_s": 150.0, "p99_alone_ms": 4.0, "p99_vs_alone_managed": 1.1,
+           "p99_vs_alone_unmanaged": 1.4, "hog_fraction_managed": 0.85, "hog_fraction_unmanaged": 0.9,
+           "p50_ms_managed": 3.0, "p50_ms_unmanaged": 3.2, "p50_alone_ms": 2.5,
+           "drain-hold": {"p99_vs_alone": 1.0, "p50_ms": 2.8, "hog_fraction": 0.7}}
+    results = {"date": "2026-12-07", "seconds": 4, "alone": {}, "mixes": [],
+               "latency": [row, {**row, "hog": "encoder"}]}
+    src, out = tmp_path / "results.json", tmp_path / "latency.png"
+    src.write_text(json.dumps(results))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-latency", "--plot-out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
