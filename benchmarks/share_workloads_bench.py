@@ -429,6 +429,14 @@ def _panels(src: str, width: float) -> tuple[dict, object, list]:
     return data, fig, list(zip(axes[0], mixes, strict=True))
 
 
+def finish(fig, first_ax, ylabel: str, title: str, dst: str) -> None:
+    """The figure's y label (on its first panel), title and file."""
+    first_ax.set_ylabel(ylabel)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
 def plot(src: str, dst: str) -> None:
     """One panel per mix: each tenant's fraction of its alone rate over time, managed (solid) and
     unmanaged (dotted), its share as a band."""
@@ -446,10 +454,8 @@ def plot(src: str, dst: str) -> None:
         ax.set_xlabel(f"seconds ({TIMELINE_S:g} s windows)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    panels[0][0].set_ylabel("% of alone (solid: managed, dotted: unmanaged)")
-    fig.suptitle(f"gpuscope share ({MANAGED} hand-overs) on realistic tenants, {data['date']}")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    finish(fig, panels[0][0], "% of alone (solid: managed, dotted: unmanaged)",
+           f"gpuscope share ({MANAGED} hand-overs) on realistic tenants, {data['date']}", dst)
 
 
 def plot_variants(src: str, dst: str, title: str = "gpuscope share variants on realistic tenants") -> None:
@@ -471,10 +477,7 @@ def plot_variants(src: str, dst: str, title: str = "gpuscope share variants on r
         ax.set_title(mix["name"], fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    panels[0][0].set_ylabel("% of alone rate (dashed: share)")
-    fig.suptitle(f"{title}, {data['date']}")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    finish(fig, panels[0][0], "% of alone rate (dashed: share)", f"{title}, {data['date']}", dst)
 
 
 def plot_latency(src: str, dst: str) -> None:
@@ -507,10 +510,8 @@ def plot_latency(src: str, dst: str) -> None:
         ax.set_title(f"beside {row['hog']} at {row['rate_per_s']:g} requests/s", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("latency tenant, ms")
-    fig.suptitle(f"gpuscope share: the latency tenant beside each hog, {data['date']}")
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    finish(fig, axes[0][0], "latency tenant, ms",
+           f"gpuscope share: the latency tenant beside each hog, {data['date']}", dst)
 
 
 def main() -> None:

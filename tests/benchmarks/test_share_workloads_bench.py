@@ -12,6 +12,14 @@ SCRIPT = ROOT / "benchmarks" / "share_workloads_bench.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def draw(src: Path, out: Path, *flags: str) -> None:
+    """The script's --plot of ``src`` into ``out``, which must come out a PNG."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), *flags, "--plot-out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
+
+
 def tenant(name: str, share: float, timeline: list[float]) -> dict:
     return {"name": name, "workload": name.split("-")[1], "share": share,
             "fraction": sum(timeline) / len(timeline), "worst_window_pts": 1.0,
@@ -34,10 +42,7 @@ def test_each_mix_is_drawn_managed_beside_unmanaged(tmp_path: Path) -> None:
     ]}
     src, out = tmp_path / "results.json", tmp_path / "mixes.png"
     src.write_text(json.dumps(results))
-    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-out", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert out.read_bytes().startswith(PNG_MAGIC)
+    draw(src, out)
 
 
 def test_the_variants_of_a_run_are_drawn_side_by_side(tmp_path: Path) -> None:
@@ -47,10 +52,7 @@ def test_the_variants_of_a_run_are_drawn_side_by_side(tmp_path: Path) -> None:
     results["mixes"][0]["drain-short-queue"] = results["mixes"][0]["drain"]  # a variant named by its run
     src, out = tmp_path / "results.json", tmp_path / "variants.png"
     src.write_text(json.dumps(results))
-    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-variants", "--plot-out",
-                           str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert out.read_bytes().startswith(PNG_MAGIC)
+    draw(src, out, "--plot-variants")
 
 
 def test_measuring_needs_an_output_file() -> None:
@@ -181,7 +183,4 @@ def test_the_latency_tenant_is_drawn_beside_each_hog(tmp_path: Path) -> None:
                "latency": [row, {**row, "hog": "encoder"}]}
     src, out = tmp_path / "results.json", tmp_path / "latency.png"
     src.write_text(json.dumps(results))
-    done = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(src), "--plot-latency", "--plot-out",
-                           str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert out.read_bytes().startswith(PNG_MAGIC)
+    draw(src, out, "--plot-latency")

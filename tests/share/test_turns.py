@@ -510,7 +510,7 @@ def latency_pair():
     return [TenantPolicy("hog", 0.7), TenantPolicy("online", 0.3, priority=1)]
 
 
-def burst_in_thread(policy: Policy, page: Page, seen: int, *, end: bool = True, hold_max_s: float = 0.0):
+def burst_in_thread(policy: Policy, page: Page, seen: int, *, end: bool = True):
     """The latency tenant's library: once the keeper sleeps, a burst begins (posted, rung); once the
     holder's bit is clear it ends (cleared, rung), or with ``end`` False never does. What the gate and
     the hold mask read at each step, and how long the holder's bit stayed clear, come back in a dict."""
@@ -535,58 +535,47 @@ def burst_in_thread(policy: Policy, page: Page, seen: int, *, end: bool = True, 
     return t, seen_states
 
 
-def test_a_burst_of_a_tenant_of_higher_priority_holds_the_holder_until_it_ends(tmp_path, latency_pair):
-    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
+def keep_through_a_burst(tmp_path, tenants, *, end: bool = True, **hold):
+    """The hog (slot 0, busy) holds the GPU and the latency tenant (slot 1) runs beside it; the keeper
+    runs for a second with priority holds on (``hold``: keep()'s hold arguments) while a burst of the
+    latency tenant begins, and ends unless ``end`` is False. Returns what keep() returned, what the
+    burst's thread saw (burst_in_thread) and the gate and hold mask after."""
+    policy = Policy(str(tmp_path / "ledger-h"), tenants)
     try:
         policy.set_gate(0b11)
         hog, online = Page(0).set(**busy()), Page(1)
         seen = policy.bell_value()
-        t, states = burst_in_thread(policy, online, seen)
-        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
-                     beside=0b10, bell_seen=seen, hold=True)
+        t, states = burst_in_thread(policy, online, seen, end=end)
+        turns = keep(policy, tenants, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0, beside=0b10,
+                     bell_seen=seen, hold=True, **hold)
         t.join()
-        assert states["held"] and states["gate_held"] == 0b10 and states["hold_mask"] == 0b01
-        assert states["released"] and states["hold_mask_after"] == 0
-        assert turns.reason == _turns.RETURN_DEADLINE  # both bells were the burst's: no return to Python
-        assert turns.holds == 1 and 0 < turns.hold_ns < 1e9
-        assert policy.gate & 0xFFFF == 0b11 and policy.hold_mask == 0
+        return turns, states, policy.gate & 0xFFFF, policy.hold_mask
     finally:
         policy.close()
+
+
+def test_a_burst_of_a_tenant_of_higher_priority_holds_the_holder_until_it_ends(tmp_path, latency_pair):
+    turns, states, gate, hold_mask = keep_through_a_burst(tmp_path, latency_pair)
+    assert states["held"] and states["gate_held"] == 0b10 and states["hold_mask"] == 0b01
+    assert states["released"] and states["hold_mask_after"] == 0
+    assert turns.reason == _turns.RETURN_DEADLINE  # both bells were the burst's: no return to Python
+    assert turns.holds == 1 and 0 < turns.hold_ns < 1e9
+    assert gate == 0b11 and hold_mask == 0
 
 
 def test_a_burst_that_never_ends_holds_the_holder_no_longer_than_its_limit(tmp_path, latency_pair):
-    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
-    try:
-        policy.set_gate(0b11)
-        hog, online = Page(0).set(**busy()), Page(1)
-        seen = policy.bell_value()
-        t, states = burst_in_thread(policy, online, seen, end=False)
-        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
-                     beside=0b10, bell_seen=seen, hold=True, hold_max_s=0.05)
-        t.join()
-        assert states["held"] and states["released"]  # while its burst_ns still says it runs
-        assert turns.holds == 1 and 0.04e9 <= turns.hold_ns < 0.9e9
-    finally:
-        policy.close()
+    turns, states, *_ = keep_through_a_burst(tmp_path, latency_pair, end=False, hold_max_s=0.05)
+    assert states["held"] and states["released"]  # while its burst_ns still says it runs
+    assert turns.holds == 1 and 0.04e9 <= turns.hold_ns < 0.9e9
 
 
 def test_bursts_hold_the_holder_for_no_more_than_the_credit_their_share_earns(tmp_path, latency_pair):
-    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
-    try:
-        policy.set_gate(0b11)
-        hog, online = Page(0).set(**busy()), Page(1)
-        seen = policy.bell_value()
-        t, states = burst_in_thread(policy, online, seen, end=False)
-        # 20 ms saved up and none earned: the hold ends when they are spent, long before its 1 s limit
-        turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=1.0,
-                     beside=0b10, bell_seen=seen, hold=True, hold_max_s=1.0, hold_rate=0.0,
-                     hold_credit_s=0.02)
-        t.join()
-        assert states["held"] and states["released"]
-        assert turns.holds == 1 and 0.015e9 <= turns.hold_ns < 0.5e9
-        assert turns.hold_credit_ns <= 0
-    finally:
-        policy.close()
+    # 20 ms saved up and none earned: the hold ends when they are spent, long before its 1 s limit
+    turns, states, *_ = keep_through_a_burst(tmp_path, latency_pair, end=False, hold_max_s=1.0, hold_rate=0.0,
+                                             hold_credit_s=0.02)
+    assert states["held"] and states["released"]
+    assert turns.holds == 1 and 0.015e9 <= turns.hold_ns < 0.5e9
+    assert turns.hold_credit_ns <= 0
 
 
 @pytest.mark.parametrize("online_priority, hold", [(0, True), (1, False)])
