@@ -25,6 +25,8 @@ variant of the controller's flags:
 - ``graph-gaps``: as ``graph-turns``, with the encoder-like loop back on the GPU 0.1 ms after each
   sync, and 0.5 ms after one in seven (the Python before a model's first kernel varies: on an H100 the
   encoder's helper ended its 300 µs watch for quiet after a sync about 1.5 times a step);
+- ``graph-spread``: as ``graph-gaps``, the encoder-like loop back 0.1, 0.2, 0.3, 0.4 and 0.5 ms after
+  its syncs in turn (as an H100's encoder reached its next first kernel 0.1-0.5 ms after its sync);
 - ``all-beside``: the H200's mixes as they ran there: three training-like loops (as in ``graph``) at
   50/30/20, each busy about a third of its time, so all run beside one another and nobody takes turns.
 
@@ -69,7 +71,7 @@ from gpuscope.contract import catalogue as cat  # noqa: E402
 
 LEDGER = "/dev/shm/gpuscope-share-cpu-bench"
 #: the scenarios reported by each tenant's iterations (the others by the hog's share or the latency tenant)
-ITERATION_SCENARIOS = ("graph", "graph-turns", "graph-gaps", "lend", "all-beside")
+ITERATION_SCENARIOS = ("graph", "graph-turns", "graph-gaps", "graph-spread", "lend", "all-beside")
 
 
 def worker(kind: str, seconds: float, start_at: float) -> dict:
@@ -105,7 +107,7 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
                 launch(None, 1, 1, 1, 1400, 1, 1, 0, None, None, None)
             sync()
             stamps.append(time.time())
-        elif kind in ("encoder", "encoder-gaps"):  # launch-bound but busy most of the time: it takes turns
+        elif kind.startswith("encoder"):  # launch-bound but busy most of its time: it takes turns
             for _ in range(100):
                 launch(None, 1, 1, 1, 40, 1, 1, 0, None, None, None)
                 spin = time.perf_counter() + 20e-6
@@ -115,6 +117,10 @@ def worker(kind: str, seconds: float, start_at: float) -> dict:
             if kind == "encoder-gaps":  # back on the GPU 0.1 ms after its sync, 0.5 ms one step in seven
                 spin = time.perf_counter() + (500e-6 if len(stamps) % 7 == 6 else 100e-6)
                 while time.perf_counter() < spin:  # the Python before the next forward's first kernel
+                    pass
+            elif kind == "encoder-spread":  # back 0.1, 0.2, 0.3, 0.4 or 0.5 ms after its sync, in turn
+                spin = time.perf_counter() + 100e-6 * (1 + len(stamps) % 5)
+                while time.perf_counter() < spin:
                     pass
             stamps.append(time.time())
         else:
@@ -164,9 +170,10 @@ def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: 
     elif scenario == "graph-turns":
         shares = "train=0.5,enc=0.3,graph=0.2"
         tenants = [("train", "train"), ("encoder", "enc"), ("graph", "graph")]
-    elif scenario == "graph-gaps":
+    elif scenario in ("graph-gaps", "graph-spread"):
         shares = "train=0.5,enc=0.3,graph=0.2"
-        tenants = [("train", "train"), ("encoder-gaps", "enc"), ("graph", "graph")]
+        worker = "encoder-gaps" if scenario == "graph-gaps" else "encoder-spread"
+        tenants = [("train", "train"), (worker, "enc"), ("graph", "graph")]
     elif scenario == "encoder":
         shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
     elif scenario == "all-beside":

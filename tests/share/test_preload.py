@@ -342,14 +342,15 @@ def test_a_closed_gate_holds_launches_until_it_opens(fake_cuda, tmp_path):
 
 
 LATE_NOW_AND_THEN = """
-import ctypes, glob, json, time
+import ctypes, glob, json, os, time
 cuda = ctypes.CDLL('libcuda.so.1'); U = ctypes.c_uint
+gaps = [int(us) * 1e-6 for us in os.environ['GAPS_US'].split(',')]
 steps, t0 = 0, time.monotonic()
 while time.monotonic() - t0 < 1.0:  # three 300 us kernels, a sync, then the Python before the next
     for i in range(3):
         cuda.cuLaunchKernel(None, U(i), U(1), U(1), U(300), U(1), U(1), U(0), ctypes.c_void_p(1), None, None)
     cuda.cuStreamSynchronize(ctypes.c_void_p(1))
-    spin = time.perf_counter() + (500e-6 if steps % 7 == 6 else 100e-6)
+    spin = time.perf_counter() + gaps[steps % len(gaps)]
     while time.perf_counter() < spin:
         pass
     steps += 1
@@ -361,18 +362,22 @@ print(json.dumps({"steps": steps, "helper_wakes": wakes}))
 """
 
 
+@pytest.mark.parametrize("gaps_us", ["100,100,100,100,100,100,500", "100,200,300,400,500"],
+                         ids=["late-one-in-seven", "spread"])
 def test_a_holder_that_relaunches_late_now_and_then_does_not_wake_its_helper_at_each_sync(fake_cuda,
-                                                                                         tmp_path):
+                                                                                         tmp_path, gaps_us):
     """A slice holder whose next launch comes 0.1 ms after each sync, and 0.5 ms (past QUIET_NS) after
-    one in seven, is a program that relaunches at once: its syncs do not wake its helper to watch for
-    quiet. Before, one late relaunch started the count of quick ones again, and the helper woke about
-    twice a step (on an H100 an encoder's helper woke 306 times a second)."""
+    one in seven, or 0.1 to 0.5 ms after its syncs in turn, is a program that relaunches at once: its
+    syncs do not wake its helper to watch for quiet. Before, one late relaunch started the count of
+    quick ones again, and the helper woke about twice a step (on an H100 an encoder's helper woke 306
+    times a second); and a relaunch counted as quick only within QUIET_NS, so the spread gaps never
+    made the program tight (its helper woke about 2.5 times a step)."""
     policy = Policy(str(tmp_path / "ledger"), [TenantPolicy("a", 0.5), TenantPolicy("b", 0.5)])
     try:
         policy.set_gate(0b10)  # b holds the GPU
         policy.set_turns_mask(0b11)  # and a takes turns too: b is not alone, its quiet would be lent
         env = child_env(fake_cuda, os.devnull, tenant="b", ledger=policy.prefix)
-        env["FAKE_CUDA_REALTIME"] = "1"
+        env.update(FAKE_CUDA_REALTIME="1", GAPS_US=gaps_us)
         proc = subprocess.run([sys.executable, "-c", LATE_NOW_AND_THEN], env=env, capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr

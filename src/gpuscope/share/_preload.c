@@ -198,8 +198,8 @@ typedef struct {
 #define ALONE_NAP_NS 25000000ull
 #define TIGHT_SYNCS 8
 /* A tight program stays tight through a late relaunch now and then: each wait followed by a launch
- * within QUIET_NS counts one up (to TIGHT_MAX), each one followed later counts TIGHT_LATE down, so a
- * program is tight while fewer than one relaunch in five comes late. One late relaunch used to start
+ * within TIGHT_GAP_NS counts one up (to TIGHT_MAX), each one followed later counts TIGHT_LATE down, so a
+ * program is tight while fewer than one relaunch in five comes late (later than TIGHT_GAP_NS). One late relaunch used to start
  * the count again: an encoder whose next forward reached its first kernel 0.1-0.5 ms after its sync
  * was tight a third of the time on an H100, and its helper woke about 1.8 times a step (306 a second,
  * 254 of them the end of a 300 us watch for quiet after a sync). What it costs: such a program's
@@ -207,6 +207,13 @@ typedef struct {
  * late or not at all. */
 #define TIGHT_MAX 16
 #define TIGHT_LATE 4
+/* A relaunch this soon after a wait counts as quick. Not QUIET_NS: an H100's encoder reached its next
+ * forward's first kernel 0.1-0.5 ms after its sync, so about half its relaunches came after QUIET_NS,
+ * it never counted as tight, and its helper watched 300 us for quiet after nearly every sync (154
+ * times a second, 0.84 a step) to find it back within a few hundred microseconds each time: 20 lends
+ * in 12 s. A gap that short is not worth lending (the lend and its reclaim cost about nine wake-ups);
+ * a tight holder's longer gaps are still found at its helper's next look (WATCH_NAP_TIGHT_NS). */
+#define TIGHT_GAP_NS 1000000ull
 
 /* Everything this process keeps about one GPU. Each GPU has a controller of its own (one `gpuscope
  * share` process holds them all, a ledger each), so a process that uses two GPUs joins twice, and is
@@ -855,7 +862,7 @@ static inline void note_relaunch(uint64_t at) {
     if (!synced) return;
     atomic_store_explicit(&D->last_sync_ns, 0, memory_order_relaxed);
     int tight = atomic_load_explicit(&D->tight_syncs, memory_order_relaxed);
-    if (at - synced >= QUIET_NS) tight = tight > TIGHT_LATE ? tight - TIGHT_LATE : 0; /* it went to the host */
+    if (at - synced >= TIGHT_GAP_NS) tight = tight > TIGHT_LATE ? tight - TIGHT_LATE : 0; /* it went to the host */
     else if (tight < TIGHT_MAX) tight++;
     atomic_store_explicit(&D->tight_syncs, tight, memory_order_relaxed);
 }
