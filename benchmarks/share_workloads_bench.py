@@ -18,11 +18,16 @@ sum of the fractions (the GPU's useful work) and the controller's CPU. The mix's
 
 Then a latency tenant (ResNet-18 batch 1, open loop at ``--latency-rate`` requests/s, priority 1,
 share 0.3) runs, for each GPU-bound class, alone and then beside it unmanaged and managed: its p99
-(arrival to result) against its alone run just before, and the hog's fraction.
+(arrival to result) against its alone run just before, and the hog's fraction. With
+``--latency-rounds N`` that is repeated N times per class (the managed and unmanaged runs in the other
+order every second round), and the row holds the medians and each round: the host's p99 tail moves
+from run to run (1.54x and 0.94x beside the same hog on two days).
 
 Usage (a GPU host, the preload library built):
     PYTHONPATH=src python benchmarks/share_workloads_bench.py --out X.json
     python benchmarks/share_workloads_bench.py --plot X.json --plot-out X.png   # each tenant over time
+    python benchmarks/share_workloads_bench.py --plot X.json --plot-variants --plot-out V.png
+    python benchmarks/share_workloads_bench.py --plot X.json --plot-latency --plot-out L.png
 """
 
 from __future__ import annotations
