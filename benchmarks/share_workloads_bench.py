@@ -21,7 +21,7 @@ share 0.3) runs, for each GPU-bound class, alone and then beside it unmanaged an
 (arrival to result) against its alone run just before, and the hog's fraction. With
 ``--latency-rounds N`` that is repeated N times per class (the managed and unmanaged runs in the other
 order every second round), and the row holds the medians and each round: the host's p99 tail moves
-from run to run (1.54x and 0.94x beside the same hog on two days).
+from run to run (1.54x and 0.94x beside the same hog in two runs a few hours apart).
 
 Usage (a GPU host, the preload library built):
     PYTHONPATH=src python benchmarks/share_workloads_bench.py --out X.json
