@@ -578,8 +578,11 @@ def test_bursts_hold_the_holder_for_no_more_than_the_credit_their_share_earns(tm
     assert turns.hold_credit_ns <= 0
 
 
-@pytest.mark.parametrize("online_priority, hold", [(0, True), (1, False)])
-def test_no_hold_for_a_tenant_of_equal_priority_or_with_holds_off(tmp_path, online_priority, hold):
+@pytest.mark.parametrize("online_priority, hold, ahead_s", [(0, True, 0.0), (1, False, 0.0), (1, True, 10.0)],
+                         ids=["equal-priority", "holds-off", "burst-in-the-future"])
+def test_no_hold_for_a_tenant_of_equal_priority_or_with_holds_off(tmp_path, online_priority, hold, ahead_s):
+    """Nor for a burst whose word says it begins in the future: the word is the tenant's own, and one
+    written ahead would otherwise pass the 20 ms limit of a burst for as long as it stays ahead."""
     tenants = [TenantPolicy("hog", 0.7), TenantPolicy("online", 0.3, priority=online_priority)]
     policy = Policy(str(tmp_path / "ledger-h"), tenants)
     try:
@@ -590,7 +593,7 @@ def test_no_hold_for_a_tenant_of_equal_priority_or_with_holds_off(tmp_path, onli
 
         def burst():
             poll(lambda: in_futex_wait(keeper_tid))
-            online.set(burst_ns=time.monotonic_ns())
+            online.set(burst_ns=time.monotonic_ns() + int(ahead_s * 1e9))
             ring(policy)
 
         t = threading.Thread(target=burst)
@@ -600,5 +603,39 @@ def test_no_hold_for_a_tenant_of_equal_priority_or_with_holds_off(tmp_path, onli
         t.join()
         assert turns.holds == 0 and turns.hold_ns == 0
         assert policy.gate & 0xFFFF == 0b11 and policy.hold_mask == 0
+    finally:
+        policy.close()
+
+
+def test_bursts_one_after_another_are_cut_at_the_limit_and_the_keeper_sleeps_between(tmp_path, latency_pair):
+    """A tenant's processes may keep a burst going one after another (or a process rewrite its word):
+    each hold is still cut hold_max after it began, by the keeper's clock, and a new one starts only
+    for a burst that began after that. Timing the cut wakes the keeper once, not a spin: with the burst
+    restarted every 5 ms the hold used to end past its limit and the keeper woke every microsecond."""
+    policy = Policy(str(tmp_path / "ledger-h"), latency_pair)
+    try:
+        policy.set_gate(0b11)
+        hog, online = Page(0).set(**busy()), Page(1)
+        done = threading.Event()
+
+        def bursts():  # a new burst every 5 ms, rung only the first time
+            online.set(burst_ns=time.monotonic_ns())
+            ring(policy)
+            while not done.wait(0.005):
+                online.set(burst_ns=time.monotonic_ns())
+
+        t = threading.Thread(target=bursts)
+        cpu0, wall0 = time.thread_time(), time.monotonic()
+        t.start()
+        try:
+            turns = keep(policy, latency_pair, [hog, online], holder=0, slice_end_s=10.0, return_s=0.5,
+                         beside=0b10, hold=True, hold_max_s=0.05, hold_rate=1.0, hold_credit_s=1.0)
+        finally:
+            done.set()
+            t.join()
+        cpu, wall = time.thread_time() - cpu0, time.monotonic() - wall0
+        assert turns.holds >= 2  # cut, then held again for a later burst
+        assert turns.hold_ns <= turns.holds * 0.06e9, turns  # each at most its 50 ms, and a wake-up
+        assert cpu < 0.5 * wall, (cpu, wall)  # asleep between its looks
     finally:
         policy.close()

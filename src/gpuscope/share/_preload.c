@@ -198,8 +198,8 @@ typedef struct {
 #define ALONE_NAP_NS 25000000ull
 #define TIGHT_SYNCS 8
 /* A tight program stays tight through a late relaunch now and then: each wait followed by a launch
- * within TIGHT_GAP_NS counts one up (to TIGHT_MAX), each one followed later counts TIGHT_LATE down, so a
- * program is tight while fewer than one relaunch in five comes late (later than TIGHT_GAP_NS). One late relaunch used to start
+ * within TIGHT_GAP_NS counts one up (to TIGHT_MAX), each one followed later counts TIGHT_LATE down, so
+ * a program is tight while fewer than one relaunch in five comes late. One late relaunch used to start
  * the count again: an encoder whose next forward reached its first kernel 0.1-0.5 ms after its sync
  * was tight a third of the time on an H100, and its helper woke about 1.8 times a step (306 a second,
  * 254 of them the end of a 300 us watch for quiet after a sync). What it costs: such a program's
@@ -259,7 +259,7 @@ struct device {
      * while it held the GPU (0: not since the helper looked): it is on the host now, its work done. */
     _Atomic uint64_t synced_ns;
     /* When the program's last wait for the GPU returned while it held the GPU (0 once its next launch
-     * has looked), and a count of its last waits it followed with a launch within QUIET_NS (up one
+     * has looked), and a count of its last waits it followed with a launch within TIGHT_GAP_NS (up one
      * for each, down TIGHT_LATE for each that was not, within 0..TIGHT_MAX): note_relaunch,
      * syncs_tight. Launching threads write them; a race only miscounts. */
     _Atomic uint64_t last_sync_ns;

@@ -74,7 +74,9 @@ typedef struct {
      * holder's queue has finished; hold_word NULL: off */
     uint32_t *hold_word;
     int holding;
-    int64_t hold_since, hold_max, credit, credit_at, credit_cap;
+    /* hold_since: when the hold under way (or the last) began; cut_at: when the last hold cut at
+     * hold_max began (a burst must begin after it to hold again) */
+    int64_t hold_since, cut_at, hold_max, credit, credit_at, credit_cap;
     double hold_rate; /* credit earned per ns: the share of the tenants that may hold */
     unsigned long holds;
     int64_t hold_ns;
@@ -221,13 +223,14 @@ static void count_credit(keeper_t *k, int64_t now) {
 }
 
 /* Whether a process of a tenant beside the holder, of higher priority than the holder's, is in a burst
- * of launches that began less than hold_max ago (one that never waits for the GPU holds no longer). */
-static int priority_burst(const keeper_t *k, int64_t now) {
+ * of launches that began after `after` and less than hold_max ago. The time is the tenant's own word:
+ * one in the future, or older, holds nothing. */
+static int priority_burst(const keeper_t *k, int64_t now, int64_t after) {
     for (int i = 0; i < k->nprocs; i++) {
         const proc_t *p = &k->procs[i];
         if (!(k->beside >> p->slot & 1) || k->priority[p->slot] <= k->priority[k->holder]) continue;
         int64_t since = (int64_t)load64(p->page + k->off_burst);
-        if (since && now - since < k->hold_max) return 1;
+        if (since > after && since <= now && now - since < k->hold_max) return 1;
     }
     return 0;
 }
@@ -239,8 +242,18 @@ static int priority_burst(const keeper_t *k, int64_t now) {
 static int update_hold(keeper_t *k, int64_t now) {
     if (!k->hold_word) return 0;
     count_credit(k, now);
-    /* a hold starts with at least HOLD_MIN_CREDIT_NS saved up: not a hand-over for a few microseconds */
-    int want = priority_burst(k, now) && k->credit > (k->holding ? 0 : HOLD_MIN_CREDIT_NS);
+    int want;
+    if (k->holding) {
+        /* a hold lasts at most hold_max by the keeper's clock, whatever the bursts' words say (one
+         * burst after another of a tenant's processes, or a word rewritten) */
+        int cut = now - k->hold_since >= k->hold_max;
+        if (cut) k->cut_at = k->hold_since;
+        want = !cut && k->credit > 0 && priority_burst(k, now, 0);
+    } else {
+        /* a hold starts with at least HOLD_MIN_CREDIT_NS saved up (not a hand-over for a few
+         * microseconds), for a burst that began after the last hold cut at hold_max */
+        want = k->credit > HOLD_MIN_CREDIT_NS && priority_burst(k, now, k->cut_at);
+    }
     if (want == k->holding) return 0;
     k->holding = want;
     if (want) {
@@ -254,7 +267,7 @@ static int update_hold(keeper_t *k, int64_t now) {
     return 1;
 }
 
-/* When a hold must end though no bell rings: its burst's hold_max, or the credit spent. */
+/* When a hold must end though no bell rings: hold_max after it began, or the credit spent. */
 static int64_t hold_ends(const keeper_t *k) {
     if (!k->holding) return INT64_MAX;
     int64_t by_credit = k->credit_at + (k->hold_rate < 1.0 ? (int64_t)((double)k->credit / (1.0 - k->hold_rate)) : INT64_MAX / 2);

@@ -474,10 +474,6 @@ class Policy:
         return self.map.u32(P_HOLD_MASK)
 
     @property
-    def priority_hold(self) -> bool:
-        return bool(self.map.u32(P_PRIORITY_HOLD))
-
-    @property
     def turns_mask(self) -> int:
         return self.map.u32(P_TURNS_MASK)
 
