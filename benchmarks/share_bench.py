@@ -300,11 +300,13 @@ def process_cpu_s(pid: int) -> float:
 class Controller:
     """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
 
-    def __init__(self, shares: str, accounting: str, port: int, *extra: str, ledger: str = LEDGER) -> None:
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    def __init__(self, shares: str, accounting: str, port: int, *extra: str, ledger: str = LEDGER,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "gpuscope.cli"),
+                 env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), **(env or {}))
         self.port = port
         tenants = ["--share", shares] if shares else []  # none: a --share.policy-file in ``extra``
-        self.p = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "share", *tenants,
+        self.p = subprocess.Popen([*launcher, "share", *tenants,
                                    "--share.accounting", accounting, "--share.ledger", ledger,
                                    "--web.listen-address", f"127.0.0.1:{port}", *extra], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
