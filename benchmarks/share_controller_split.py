@@ -34,6 +34,8 @@ from benchlib import rnd, write_json  # noqa: E402
 from share_bench import Controller, collect, sleep_until  # noqa: E402
 from share_controller_cpu import LEDGER, build_fake_driver, spawn  # noqa: E402
 
+from gpuscope.contract import catalogue as cat  # noqa: E402
+
 #: the scenarios' tenants as (worker kind, tenant name) and shares (``share_controller_cpu.py``'s)
 SCENARIOS = {
     "graph-spread": ("train=0.5,enc=0.3,graph=0.2",
@@ -117,7 +119,13 @@ def threads(pid: int) -> dict[str, tuple[str, float, int]]:
     return out
 
 
-def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int) -> dict:
+def probes(lines: list[str]) -> float:
+    """The controller's probes so far, from its ``/metrics`` lines."""
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(cat.SHARE_PROBES.name))
+
+
+def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int,
+              settle_s: float = 2.0) -> dict:
     shares, tenants = SCENARIOS[scenario]
     dump_to = tempfile.mktemp(prefix="share-split-")
     ctl = Controller(shares, "events", port, ledger=LEDGER, launcher=(sys.executable, __file__, "controller"),
@@ -133,13 +141,18 @@ def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int)
         os.unlink(dump_to)
         return got
 
-    run_s = seconds + 4.0
+    run_s = settle_s + seconds + 2.0
     start = time.time() + 1.0
     procs = [spawn(kind, name, run_s, start, fake) for kind, name in tenants]
-    sleep_until(start + 2.0)  # past the tenants' first probes
+    # past the tenants' first probes; the probes back off over the first half-minute (a steady
+    # tenant's spacing doubles per agreeing probe up to --share.probe-backoff), so a long settle reads
+    # the steady state and a short one the start
+    sleep_until(start + settle_s)
+    probes_a = (time.time(), probes(ctl.scrape()))  # scraped outside the window measured
     a, threads_a, cpu_a, t_a = counts(), threads(ctl.p.pid), ctl.cpu(), time.time()
     time.sleep(seconds)
     b, threads_b, cpu_b, t_b = counts(), threads(ctl.p.pid), ctl.cpu(), time.time()
+    probes_b = (time.time(), probes(ctl.scrape()))
     wall = t_b - t_a
     cpu_before_scrapes = ctl.cpu()
     for _ in range(scrapes):
@@ -157,7 +170,7 @@ def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int)
 
     step_n = b["step_n"] - a["step_n"]
     return {
-        "scenario": scenario, "seconds": rnd(wall, 2),
+        "scenario": scenario, "seconds": rnd(wall, 2), "settle_s": settle_s,
         "controller_cpu_pct": rnd(100 * (cpu_b - cpu_a) / wall, 3),
         "steps_per_s": per_s("step_n"),
         "step_cpu_pct": rnd(100 * (b["step_cpu_s"] - a["step_cpu_s"]) / wall, 3),
@@ -168,6 +181,7 @@ def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int)
         "threads": {tid: {"name": name, "cpu_pct": rnd(100 * (cpu - threads_a[tid][1]) / wall, 3),
                           "wakeups_per_s": rnd((sw - threads_a[tid][2]) / wall, 1)}
                     for tid, (name, cpu, sw) in threads_b.items() if tid in threads_a},
+        "probes_per_s": rnd((probes_b[1] - probes_a[1]) / (probes_b[0] - probes_a[0]), 2),
         "scrape_cpu_ms": rnd(scrape_ms, 2),
     }
 
@@ -181,6 +195,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--scrapes", type=int, default=20)
+    p.add_argument("--settle-s", type=float, default=2.0, help="seconds after the tenants start before "
+                   "measuring")
     p.add_argument("--scenarios", default="graph-spread")
     p.add_argument("--port", type=int, default=9418)
     args = p.parse_args()
@@ -192,13 +208,14 @@ def main() -> None:
         build_fake_driver(fake)
         for round_ in range(args.rounds):
             for scenario in args.scenarios.split(","):
-                row = one_round(scenario, args.seconds, args.scrapes, fake, args.port)
+                row = one_round(scenario, args.seconds, args.scrapes, fake, args.port, args.settle_s)
                 row["round"] = round_
                 rows.append(row)
                 print(f"round {round_} {scenario}: controller {row['controller_cpu_pct']:.2f}% = Python "
                       f"decisions {row['step_cpu_pct']:.2f}% ({row['steps_per_s']:.1f}/s, "
                       f"{row['step_cpu_us']:.0f} µs each) + keeper calls {row['keeper_cpu_pct']:.2f}% "
                       f"({row['keeper_calls_per_s']:.1f}/s) + the rest; not kept {row['not_kept_per_s']}; "
+                      f"probes {row['probes_per_s']:.2f}/s; "
                       f"a scrape {row['scrape_cpu_ms']:.1f} ms", flush=True)
                 write_json(args.out, {"what": "the share controller's CPU split into its Python decisions, "
                                               "its turn keeper's calls and its other threads, fake GPU",
