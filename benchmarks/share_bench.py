@@ -298,7 +298,8 @@ def process_cpu_s(pid: int) -> float:
 
 
 class Controller:
-    """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end."""
+    """`gpuscope share` as a subprocess, with its CPU time and a /metrics scrape at the end (started as
+    ``launcher share ...``, with ``env`` added to this process's environment)."""
 
     def __init__(self, shares: str, accounting: str, port: int, *extra: str, ledger: str = LEDGER,
                  launcher: tuple[str, ...] = (sys.executable, "-m", "gpuscope.cli"),

@@ -126,8 +126,14 @@ def probes(lines: list[str]) -> float:
 
 def one_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int,
               settle_s: float = 2.0) -> dict:
+    with tempfile.TemporaryDirectory(prefix="share-split-") as private:  # the counts' file: ours alone
+        counts_file = os.path.join(private, "counts")
+        return measure_round(scenario, seconds, scrapes, fake, port, settle_s, counts_file)
+
+
+def measure_round(scenario: str, seconds: float, scrapes: int, fake: str, port: int, settle_s: float,
+                  dump_to: str) -> dict:
     shares, tenants = SCENARIOS[scenario]
-    dump_to = tempfile.mktemp(prefix="share-split-")
     ctl = Controller(shares, "events", port, ledger=LEDGER, launcher=(sys.executable, __file__, "controller"),
                      env={DUMP_ENV: dump_to})
 
