@@ -159,28 +159,27 @@ def spawn(kind: str, tenant: str, seconds: float, start_at: float, fake: str) ->
                             text=True)
 
 
+#: each scenario's shares and tenants as (worker kind, tenant name); the module docstring says what
+#: each one stands for ("beside": a latency-bound loop beside a GPU-bound one)
+SCENARIOS = {
+    "turns": ("a=0.7,b=0.3", (("hog", "a"), ("hog", "b"))),
+    "beside": ("llm=0.3:1,hog=0.7", (("llm", "llm"), ("hog", "hog"))),
+    "lend": ("train=0.7,hog=0.3", (("train-busy", "train"), ("hog", "hog"))),
+    "graph": ("train=0.5,hog=0.3,graph=0.2", (("train", "train"), ("hog", "hog"), ("graph", "graph"))),
+    "graph-turns": ("train=0.5,enc=0.3,graph=0.2",
+                    (("train", "train"), ("encoder", "enc"), ("graph", "graph"))),
+    "graph-gaps": ("train=0.5,enc=0.3,graph=0.2",
+                   (("train", "train"), ("encoder-gaps", "enc"), ("graph", "graph"))),
+    "graph-spread": ("train=0.5,enc=0.3,graph=0.2",
+                     (("train", "train"), ("encoder-spread", "enc"), ("graph", "graph"))),
+    "encoder": ("llm=0.3:1,hog=0.7", (("llm", "llm"), ("encoder", "hog"))),
+    "all-beside": ("train=0.5,second=0.3,third=0.2",
+                   (("train", "train"), ("train", "second"), ("train", "third"))),
+}
+
+
 def one_round(scenario: str, flags: list[str], seconds: float, fake: str, port: int) -> dict:
-    if scenario == "turns":
-        shares, tenants = "a=0.7,b=0.3", [("hog", "a"), ("hog", "b")]
-    elif scenario == "lend":
-        shares, tenants = "train=0.7,hog=0.3", [("train-busy", "train"), ("hog", "hog")]
-    elif scenario == "graph":
-        shares = "train=0.5,hog=0.3,graph=0.2"
-        tenants = [("train", "train"), ("hog", "hog"), ("graph", "graph")]
-    elif scenario == "graph-turns":
-        shares = "train=0.5,enc=0.3,graph=0.2"
-        tenants = [("train", "train"), ("encoder", "enc"), ("graph", "graph")]
-    elif scenario in ("graph-gaps", "graph-spread"):
-        shares = "train=0.5,enc=0.3,graph=0.2"
-        worker = "encoder-gaps" if scenario == "graph-gaps" else "encoder-spread"
-        tenants = [("train", "train"), (worker, "enc"), ("graph", "graph")]
-    elif scenario == "encoder":
-        shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("encoder", "hog")]
-    elif scenario == "all-beside":
-        shares = "train=0.5,second=0.3,third=0.2"
-        tenants = [("train", "train"), ("train", "second"), ("train", "third")]
-    else:
-        shares, tenants = "llm=0.3:1,hog=0.7", [("llm", "llm"), ("hog", "hog")]
+    shares, tenants = SCENARIOS[scenario]
     ctl = Controller(shares, "events", port, *flags, ledger=LEDGER)
     start = time.time() + 1.0
     procs = [spawn(kind, name, seconds, start, fake) for kind, name in tenants]
@@ -264,6 +263,9 @@ def main() -> None:
     if args.plot:
         plot(args.plot, args.out, args.plot_label)
         return
+    unknown = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenarios: {', '.join(map(repr, unknown))} not one of {', '.join(SCENARIOS)}")
     variants = [v.split() for v in (args.variant or [""])]
     rows = []
     with tempfile.TemporaryDirectory() as fake:

@@ -32,17 +32,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchlib import rnd, write_json  # noqa: E402
 from share_bench import Controller, collect, sleep_until  # noqa: E402
-from share_controller_cpu import LEDGER, build_fake_driver, spawn  # noqa: E402
+from share_controller_cpu import LEDGER, SCENARIOS, build_fake_driver, spawn  # noqa: E402
 
 from gpuscope.contract import catalogue as cat  # noqa: E402
 
-#: the scenarios' tenants as (worker kind, tenant name) and shares (``share_controller_cpu.py``'s)
-SCENARIOS = {
-    "graph-spread": ("train=0.5,enc=0.3,graph=0.2",
-                     (("train", "train"), ("encoder-spread", "enc"), ("graph", "graph"))),
-    "graph": ("train=0.5,hog=0.3,graph=0.2", (("train", "train"), ("hog", "hog"), ("graph", "graph"))),
-    "turns": ("a=0.7,b=0.3", (("hog", "a"), ("hog", "b"))),
-}
 DUMP_ENV = "SHARE_SPLIT_DUMP"
 
 
@@ -206,9 +199,9 @@ def main() -> None:
     p.add_argument("--scenarios", default="graph-spread")
     p.add_argument("--port", type=int, default=9418)
     args = p.parse_args()
-    for scenario in args.scenarios.split(","):
-        if scenario not in SCENARIOS:
-            p.error(f"--scenarios: {scenario!r} is not one of {', '.join(SCENARIOS)}")
+    unknown = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenarios: {', '.join(map(repr, unknown))} not one of {', '.join(SCENARIOS)}")
     rows = []
     with tempfile.TemporaryDirectory() as fake:
         build_fake_driver(fake)

@@ -46,4 +46,5 @@ def test_an_unknown_scenario_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> 
                            str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.endswith("--scenarios: 'nope' is not one of graph-spread, graph, turns"), last
+    assert last.endswith("--scenarios: 'nope' not one of turns, beside, lend, graph, graph-turns, "
+                         "graph-gaps, graph-spread, encoder, all-beside"), last
