@@ -254,7 +254,9 @@ def test_a_wait_under_way_counts_up_to_the_moment_it_is_read(fake_cuda, tmp_path
         assert 0 < so_far <= 1.5e9 and abs(a_second_later - so_far - 10**9) <= 1, (so_far, a_second_later)
         assert step.result() == [1]
         wait_for(lambda: "train" in c.stats.departed, what="the tenant's counters")
-        assert 1.5e9 <= c.stats.departed["train"]["sync_wait_ns"] < 10e9, c.stats.departed
+        # the whole wait, once: the kernel's 1.5 s less the moment between its launch and the
+        # synchronize (on a loaded machine up to tens of microseconds; 1,499,976,908 ns was read once)
+        assert 1.4e9 <= c.stats.departed["train"]["sync_wait_ns"] < 10e9, c.stats.departed
 
 
 #: The lone holder's mix (as benchmarks/share_sim_bench.py's ``steps+busy+short 50/30/20``, with the
